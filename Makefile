@@ -1,0 +1,48 @@
+# Every target sets itself up: a fresh clone needs only `make demo` or `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PROMETHEUS_BIN ?= /usr/bin/prometheus
+
+.PHONY: setup prometheus test lint bench demo e2e-kind clean
+
+setup: $(STAMP) prometheus
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+# Debian's Prometheus (prometheus + promtool): the tests and the demo start it themselves.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
+	  else \
+	    echo "prometheus is missing: run 'sudo apt-get install -y --no-install-recommends prometheus'" >&2; exit 1; \
+	  fi; }
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: setup
+	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/serve.py
+	$(BIN)/python bench/tuner.py
+
+demo: setup
+	$(BIN)/batchpilot demo
+
+e2e-kind: $(STAMP)
+	bash tests/e2e/run-kind.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""batchpilot Kubernetes operator. Never imports torch."""

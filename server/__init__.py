@@ -1,0 +1,1 @@
+"""batchpilot inference server: model, KV cache, schedulers, engine, HTTP app."""

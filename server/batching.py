@@ -1,0 +1,83 @@
+"""The live batching config: shared by the server, the tuner and the operator.
+
+Torch-free on purpose: the operator imports this module.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+Mode = Literal["dynamic", "continuous"]
+MODES: tuple[Mode, ...] = ("dynamic", "continuous")
+
+# Hard limits any server accepts; a policy's bounds must sit inside them.
+MAX_BATCH_SIZE_LIMIT = 1024
+MAX_BATCH_TIMEOUT_MS = 60_000.0
+MAX_QUEUE_SIZE_LIMIT = 1_000_000
+
+FIELDS = ("max_batch_size", "batch_timeout_ms", "max_queue_size")
+
+
+class ConfigError(ValueError):
+    """A batching config the caller sent is malformed or out of range."""
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    max_batch_size: int = 8
+    batch_timeout_ms: float = 10.0
+    max_queue_size: int = 256
+
+    def __post_init__(self) -> None:
+        _check_int("max_batch_size", self.max_batch_size, 1, MAX_BATCH_SIZE_LIMIT)
+        _check_number("batch_timeout_ms", self.batch_timeout_ms, 0.0, MAX_BATCH_TIMEOUT_MS)
+        _check_int("max_queue_size", self.max_queue_size, 1, MAX_QUEUE_SIZE_LIMIT)
+
+    @property
+    def batch_timeout_s(self) -> float:
+        return self.batch_timeout_ms / 1000.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def merged(self, changes: dict[str, Any]) -> BatchingConfig:
+        """This config with `changes` applied; rejects unknown keys and bad values."""
+        if not isinstance(changes, dict):
+            raise ConfigError("batching config must be a JSON object")
+        unknown = sorted(set(changes) - set(FIELDS))
+        if unknown:
+            raise ConfigError(
+                f"unknown batching field(s): {', '.join(unknown)}; allowed: {', '.join(FIELDS)}"
+            )
+        return replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], base: BatchingConfig | None = None) -> BatchingConfig:
+        return (base or cls()).merged(data)
+
+    @classmethod
+    def from_file(cls, path: str | Path, base: BatchingConfig | None = None) -> BatchingConfig:
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid JSON: {exc}") from exc
+        return cls.from_dict(data, base)
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ConfigError(f"{name} must be between {low} and {high}, got {value}")
+
+
+def _check_number(name: str, value: Any, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{name} must be a number, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ConfigError(f"{name} must be between {low:g} and {high:g}, got {value}")

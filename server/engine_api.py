@@ -1,0 +1,116 @@
+"""What the engine promises its callers (the HTTP app, benchmarks, tests).
+
+Torch-free. `batchpilot_server.engine.Engine` implements it:
+
+    engine = Engine(EngineOptions(mode="continuous", config=BatchingConfig(...)), observer)
+    await engine.start()
+    stream = engine.submit(prompt_ids, SamplingParams(max_tokens=16), deadline_s=30.0)
+    async for event in stream:        # TokenEvent per generated token
+        ...
+    stream.cancel()                   # frees its KV blocks; safe at any time
+    engine.reconfigure(BatchingConfig(...))   # applies at the next scheduling decision
+    await engine.shutdown()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from batchpilot_server.batching import BatchingConfig, Mode
+
+FinishReason = Literal["stop", "length"]
+
+
+class EngineError(Exception):
+    """Base of the errors a submitted request can end with."""
+
+
+class QueueFullError(EngineError):
+    """`submit` refused: the waiting queue holds `max_queue_size` requests."""
+
+
+class DeadlineExceededError(EngineError):
+    """Raised from the stream: the request waited past its deadline unscheduled."""
+
+
+class EngineStoppedError(EngineError):
+    """`submit` refused, or stream ended: the engine is shutting down."""
+
+
+class PromptTooLongError(EngineError):
+    """`submit` refused: prompt + max_tokens exceed the model's context or the KV pool."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None  # per-request generator: a seeded request is reproducible
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    index: int  # 0-based position in the output
+    # None while the sequence runs; set on its last event. In dynamic mode the
+    # last event of every sequence of a batch is delivered only when the whole
+    # batch ends (the hostage effect).
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    mode: Mode
+    config: BatchingConfig
+    model: str = "tiny"
+    device: str = "auto"  # auto | cpu | cuda
+    kv_cache_mb: float = 64.0
+    threads: int | None = None  # torch intra-op threads; None = torch default
+    seed: int = 0  # model weights
+    block_size: int = 16  # tokens per KV block
+    prefill_token_budget: int = 2048  # continuous: prompt tokens admitted per step
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+
+    @property
+    def kv_usage_ratio(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+class EngineObserver(Protocol):
+    """Hooks the engine calls (from its own thread) so the server can record metrics."""
+
+    def on_scheduled(self, queue_wait_s: float) -> None: ...
+    def on_step(self, batch_size: int, duration_s: float) -> None: ...
+    def on_batch(self, batch_size: int) -> None: ...
+    def on_hostage(self, seconds: float) -> None: ...
+    def on_preemption(self) -> None: ...
+
+
+class NullObserver:
+    """Records nothing: for benchmarks and tests that need no metrics."""
+
+    def on_scheduled(self, queue_wait_s: float) -> None:
+        pass
+
+    def on_step(self, batch_size: int, duration_s: float) -> None:
+        pass
+
+    def on_batch(self, batch_size: int) -> None:
+        pass
+
+    def on_hostage(self, seconds: float) -> None:
+        pass
+
+    def on_preemption(self) -> None:
+        pass

@@ -1,0 +1,29 @@
+"""Prometheus metric names of DESIGN's table. Torch-free: the tuner imports it."""
+
+REQUEST_DURATION = "batchpilot_request_duration_seconds"
+TIME_TO_FIRST_TOKEN = "batchpilot_time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "batchpilot_inter_token_latency_seconds"
+QUEUE_WAIT = "batchpilot_queue_wait_seconds"
+BATCH_SIZE = "batchpilot_batch_size"
+STEP_DURATION = "batchpilot_step_duration_seconds"
+HOSTAGE = "batchpilot_hostage_seconds"
+KV_CACHE_USAGE = "batchpilot_kv_cache_usage_ratio"
+REQUESTS_RUNNING = "batchpilot_requests_running"
+REQUESTS_WAITING = "batchpilot_requests_waiting"
+REQUESTS_TOTAL = "batchpilot_requests_total"  # label outcome: ok|rejected|timeout|error
+PROMPT_TOKENS_TOTAL = "batchpilot_prompt_tokens_total"
+GENERATION_TOKENS_TOTAL = "batchpilot_generation_tokens_total"
+PREEMPTIONS_TOTAL = "batchpilot_preemptions_total"
+CONFIG_MAX_BATCH_SIZE = "batchpilot_config_max_batch_size"
+CONFIG_BATCH_TIMEOUT = "batchpilot_config_batch_timeout_seconds"
+
+OUTCOMES = ("ok", "rejected", "timeout", "error")
+# Every series carries these labels; Prometheus adds `policy`, `namespace`, `pod`.
+COMMON_LABELS = ("model", "mode")
+
+# Shared histogram buckets for the latency histograms, in seconds: fine enough
+# around typical SLOs (50 ms .. 2 s) that a p99 read from them is within ~10%.
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5,
+    0.6, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0,
+)
