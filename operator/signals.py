@@ -1,0 +1,103 @@
+"""The one signal type the tuner reads, whatever source produced it.
+
+Torch-free and I/O-free: the Prometheus source, the direct scrape and the
+simulator all build `Signals` through the helpers here, so a p99 means the
+same thing everywhere (a quantile read from the shared latency buckets).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+SignalStatus = Literal["ok", "no_data", "too_little_traffic", "no_traffic"]
+
+# Below this many finished requests in the window a p99 is just the maximum
+# of a handful of samples: the tuner must not act on it.
+MIN_REQUESTS_PER_WINDOW = 50
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What the servers of one policy did during the last window.
+
+    Rates are per second over the window; `kv_usage` is the highest usage of
+    any pod (the pod closest to running out decides); latencies in seconds.
+    Optional fields are None where the source had no series for them.
+    """
+
+    status: SignalStatus
+    window_s: float = 0.0
+    requests: float = 0.0  # requests finished in the window
+    request_rate: float = 0.0
+    p99_latency_s: float | None = None
+    queue_wait_p99_s: float | None = None
+    kv_usage: float | None = None
+    waiting: float = 0.0  # requests queued now, summed over pods
+    preemption_rate: float = 0.0
+    tokens_per_s: float = 0.0
+    mean_batch_size: float | None = None  # sequences per executed step/batch
+    detail: str = ""  # why the status is not ok, for humans
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def no_data(detail: str, window_s: float = 0.0) -> Signals:
+    return Signals(status="no_data", window_s=window_s, detail=detail)
+
+
+def traffic_status(
+    requests: float, waiting: float, min_requests: int = MIN_REQUESTS_PER_WINDOW
+) -> SignalStatus:
+    """Classify a window by how much it saw: enough to judge a p99, or not."""
+    if requests <= 0 and waiting <= 0:
+        return "no_traffic"
+    if requests < min_requests:
+        return "too_little_traffic"
+    return "ok"
+
+
+def status_detail(status: SignalStatus, requests: float, min_requests: int) -> str:
+    if status == "no_traffic":
+        return "no request finished in the window and none is waiting"
+    if status == "too_little_traffic":
+        return f"only {requests:.0f} requests finished in the window (need {min_requests})"
+    return ""
+
+
+def histogram_quantile(
+    q: float, upper_bounds: Sequence[float], cumulative_counts: Sequence[float]
+) -> float | None:
+    """Prometheus' `histogram_quantile` over cumulative bucket counts.
+
+    `upper_bounds` ascending and ending with +Inf, `cumulative_counts` the
+    matching `le` counts. Linear interpolation inside the bucket, like
+    Prometheus, so a p99 from the scrape agrees with one from PromQL; a
+    quantile that lands in the +Inf bucket answers the last finite bound.
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile must be in [0, 1], got {q}")
+    if len(upper_bounds) != len(cumulative_counts) or not upper_bounds:
+        raise ValueError("bucket bounds and counts must be non-empty and of equal length")
+    total = cumulative_counts[-1]
+    if total <= 0:
+        return None
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in zip(upper_bounds, cumulative_counts, strict=True):
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound
+            in_bucket = count - lower_count
+            if in_bucket <= 0:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / in_bucket
+        lower_bound, lower_count = bound, count
+    return lower_bound

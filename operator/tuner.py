@@ -1,0 +1,359 @@
+"""The tuner: a pure, deterministic function from signals to the next config.
+
+No I/O, no clock, no randomness: the same (signals, config, bounds, SLO,
+state) always gives the same decision, so the simulator, the local
+`batchpilot tune` loop and the Kopf timer all run exactly this code.
+
+The rule (SLO-aware AIMD in the spirit of Clipper, with a diagnosis of *why*
+the p99 is what it is; `docs/tuning.md` explains each constant):
+
+1. bounds first: a config outside the policy's bounds is clamped into them;
+2. hold when the window has no data, too little or no traffic;
+3. KV guard: KV usage at the high watermark or any preemption cuts the batch
+   multiplicatively, whatever the latency headroom says;
+4. cooldown: after a change, wait until the window reflects it;
+5. p99 above the SLO: if batches fire underfilled, the timeout is pure added
+   latency, so it is halved first; if the p99 is mostly queueing and the
+   service time still has headroom, capacity is short and the batch grows
+   multiplicatively; otherwise the batch is too slow and backs off
+   multiplicatively (and that size becomes a ceiling for a while);
+6. p99 well below the SLO (outside the hysteresis band): grow the batch
+   additively while requests queue behind full batches; with ample headroom
+   and underfilled batches, let the timeout grow toward fuller batches;
+7. otherwise hold.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+from batchpilot_operator.signals import Signals
+from batchpilot_server.batching import BatchingConfig
+
+Action = Literal[
+    "hold",
+    "clamp",
+    "kv_guard",
+    "grow_batch",
+    "backoff_batch",
+    "shrink_timeout",
+    "grow_timeout",
+]
+
+
+@dataclass(frozen=True)
+class Bounds:
+    min_batch: int = 1
+    max_batch: int = 64
+    min_timeout_ms: float = 0.0
+    max_timeout_ms: float = 200.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_batch <= self.max_batch:
+            raise ValueError(
+                f"batch bounds must satisfy 1 <= min <= max, got {self.min_batch}..{self.max_batch}"
+            )
+        if not 0 <= self.min_timeout_ms <= self.max_timeout_ms:
+            raise ValueError(
+                "timeout bounds must satisfy 0 <= min <= max, got "
+                f"{self.min_timeout_ms:g}..{self.max_timeout_ms:g} ms"
+            )
+
+    def clamp(self, config: BatchingConfig) -> BatchingConfig:
+        batch = min(max(config.max_batch_size, self.min_batch), self.max_batch)
+        timeout = min(max(config.batch_timeout_ms, self.min_timeout_ms), self.max_timeout_ms)
+        return replace(config, max_batch_size=batch, batch_timeout_ms=float(timeout))
+
+    def contains(self, config: BatchingConfig) -> bool:
+        return self.clamp(config) == config
+
+
+@dataclass(frozen=True)
+class Slo:
+    p99_latency_s: float
+    kv_high_watermark: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.p99_latency_s <= 0:
+            raise ValueError(f"the p99 SLO must be positive, got {self.p99_latency_s:g} s")
+        if not 0 < self.kv_high_watermark <= 1:
+            raise ValueError(
+                f"the KV high watermark must be in (0, 1], got {self.kv_high_watermark:g}"
+            )
+
+
+@dataclass(frozen=True)
+class TunerParams:
+    """The rule's constants; `docs/tuning.md` gives the reasoning for each."""
+
+    band: float = 0.2  # grow only while p99 < (1 - band) * SLO
+    ample_headroom: float = 0.5  # the timeout grows only while p99 < ample * SLO
+    additive_step: int = 4  # batch growth under queueing with headroom
+    capacity_factor: float = 1.5  # batch growth when the breach is queueing
+    backoff_factor: float = 0.7  # batch cut when the batch itself is too slow
+    kv_cut_factor: float = 0.75  # batch cut by the KV guard
+    timeout_cut_factor: float = 0.5
+    timeout_step_share: float = 0.02  # timeout growth, as a share of the SLO
+    timeout_budget_share: float = 0.1  # the timeout never exceeds this share of the SLO
+    full_batch_share: float = 0.8  # mean batch >= share * max counts as "full"
+    queue_share: float = 0.5  # queue wait >= share * p99: the breach is queueing
+    queueing_share: float = 0.05  # queue wait p99 >= share * SLO: requests queue
+    cooldown_intervals: int = 1  # intervals to skip after a change (window > interval)
+    ceiling_ttl_intervals: int = 20  # how long a breach caps growth
+
+
+@dataclass(frozen=True)
+class TunerState:
+    """What the tuner remembers between intervals; round-trips through status."""
+
+    cooldown: int = 0
+    ceiling: int | None = None  # batch size that last broke the SLO or the KV guard
+    ceiling_age: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> TunerState:
+        if not data:
+            return cls()
+        ceiling = data.get("ceiling")
+        return cls(
+            cooldown=max(0, int(data.get("cooldown", 0))),
+            ceiling=None if ceiling is None else int(ceiling),
+            ceiling_age=max(0, int(data.get("ceiling_age", 0))),
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    config: BatchingConfig
+    action: Action
+    reason: str
+    state: TunerState = field(default_factory=TunerState)
+
+    def changed(self, current: BatchingConfig) -> bool:
+        return self.config != current
+
+
+def decide(
+    signals: Signals,
+    current: BatchingConfig,
+    bounds: Bounds,
+    slo: Slo,
+    state: TunerState,
+    params: TunerParams | None = None,
+) -> Decision:
+    """The next batching config for these signals; see the module docstring."""
+    p = params or TunerParams()
+    if not bounds.contains(current):
+        clamped = bounds.clamp(current)
+        reason = _describe_clamp(current, clamped)
+        return Decision(clamped, "clamp", reason, _after_change(state, p))
+    if not signals.ok:
+        why = signals.detail or signals.status.replace("_", " ")
+        return Decision(current, "hold", f"{signals.status.replace('_', ' ')}: {why}", state)
+    aged = _age_ceiling(state, p)
+    kv = _kv_guard(signals, current, bounds, slo, aged, p)
+    if kv is not None:
+        return kv
+    if aged.cooldown > 0:
+        return Decision(
+            current,
+            "hold",
+            f"cooldown: {aged.cooldown} more interval(s) until the window reflects the last change",
+            replace(aged, cooldown=aged.cooldown - 1),
+        )
+    p99 = signals.p99_latency_s
+    if p99 is None:
+        return Decision(current, "hold", "no p99 in the window", aged)
+    if p99 > slo.p99_latency_s:
+        return _on_breach(signals, p99, current, bounds, slo, aged, p)
+    if p99 < (1 - p.band) * slo.p99_latency_s:
+        return _on_headroom(signals, p99, current, bounds, slo, aged, p)
+    return Decision(
+        current,
+        "hold",
+        f"p99 {_ms(p99)} within the band [{_ms((1 - p.band) * slo.p99_latency_s)}, "
+        f"{_ms(slo.p99_latency_s)}]",
+        aged,
+    )
+
+
+def _kv_guard(
+    signals: Signals,
+    current: BatchingConfig,
+    bounds: Bounds,
+    slo: Slo,
+    state: TunerState,
+    p: TunerParams,
+) -> Decision | None:
+    kv = signals.kv_usage
+    kv_high = kv is not None and kv >= slo.kv_high_watermark
+    if not kv_high and signals.preemption_rate <= 0:
+        return None
+    cause = (
+        f"KV usage {kv:.2f} >= watermark {slo.kv_high_watermark:.2f}"
+        if kv_high and kv is not None
+        else f"{signals.preemption_rate:.2f} preemptions/s"
+    )
+    if state.cooldown > 0:
+        return Decision(
+            current,
+            "hold",
+            f"{cause}, but the window still shows the config before the last change",
+            replace(state, cooldown=state.cooldown - 1),
+        )
+    batch = current.max_batch_size
+    if batch <= bounds.min_batch:
+        return Decision(current, "hold", f"{cause} at the minimum batch {batch}", state)
+    new_batch = max(bounds.min_batch, min(batch - 1, math.floor(batch * p.kv_cut_factor)))
+    return Decision(
+        replace(current, max_batch_size=new_batch),
+        "kv_guard",
+        f"{cause}: batch {batch} -> {new_batch}",
+        _after_change(state, p, ceiling=batch),
+    )
+
+
+def _on_breach(
+    signals: Signals,
+    p99: float,
+    current: BatchingConfig,
+    bounds: Bounds,
+    slo: Slo,
+    state: TunerState,
+    p: TunerParams,
+) -> Decision:
+    batch, timeout = current.max_batch_size, current.batch_timeout_ms
+    head = f"p99 {_ms(p99)} > SLO {_ms(slo.p99_latency_s)}"
+    if timeout > bounds.min_timeout_ms and _underfilled(signals, batch, p):
+        new_timeout = _cut_timeout(timeout, bounds, p)
+        return Decision(
+            replace(current, batch_timeout_ms=new_timeout),
+            "shrink_timeout",
+            f"{head} and batches fire underfilled (mean {signals.mean_batch_size:.1f} of "
+            f"{batch}): timeout {timeout:g} -> {new_timeout:g} ms",
+            _after_change(state, p),
+        )
+    queue_wait = signals.queue_wait_p99_s or 0.0
+    service = max(0.0, p99 - queue_wait)
+    if (
+        queue_wait >= p.queue_share * p99
+        and service < (1 - p.band) * slo.p99_latency_s
+        and batch < _growth_limit(bounds, state)
+    ):
+        grown = max(batch + 1, round(batch * p.capacity_factor))
+        new_batch = min(_growth_limit(bounds, state), grown)
+        return Decision(
+            replace(current, max_batch_size=new_batch),
+            "grow_batch",
+            f"{head} from queueing (queue wait p99 {_ms(queue_wait)}, service ~{_ms(service)}): "
+            f"capacity short, batch {batch} -> {new_batch}",
+            _after_change(state, p),
+        )
+    if batch > bounds.min_batch:
+        new_batch = max(bounds.min_batch, min(batch - 1, math.floor(batch * p.backoff_factor)))
+        return Decision(
+            replace(current, max_batch_size=new_batch),
+            "backoff_batch",
+            f"{head}: batch {batch} -> {new_batch}",
+            _after_change(state, p, ceiling=batch),
+        )
+    return Decision(current, "hold", f"{head} at the lower bounds: nothing left to cut", state)
+
+
+def _on_headroom(
+    signals: Signals,
+    p99: float,
+    current: BatchingConfig,
+    bounds: Bounds,
+    slo: Slo,
+    state: TunerState,
+    p: TunerParams,
+) -> Decision:
+    batch, timeout = current.max_batch_size, current.batch_timeout_ms
+    head = f"p99 {_ms(p99)} < {_ms((1 - p.band) * slo.p99_latency_s)}"
+    limit = _growth_limit(bounds, state)
+    if _queueing(signals, slo, p) and _full(signals, batch, p) and batch < limit:
+        new_batch = min(limit, batch + p.additive_step)
+        return Decision(
+            replace(current, max_batch_size=new_batch),
+            "grow_batch",
+            f"{head} and requests queue behind full batches: batch {batch} -> {new_batch}",
+            _after_change(state, p),
+        )
+    timeout_cap = min(bounds.max_timeout_ms, p.timeout_budget_share * slo.p99_latency_s * 1000)
+    if (
+        p99 < p.ample_headroom * slo.p99_latency_s
+        and _underfilled(signals, batch, p)
+        and not _queueing(signals, slo, p)
+        and timeout < timeout_cap
+    ):
+        step = max(1.0, p.timeout_step_share * slo.p99_latency_s * 1000)
+        new_timeout = round(min(timeout_cap, timeout + step), 3)
+        return Decision(
+            replace(current, batch_timeout_ms=new_timeout),
+            "grow_timeout",
+            f"p99 {_ms(p99)} < {_ms(p.ample_headroom * slo.p99_latency_s)} and batches fire "
+            f"underfilled: timeout {timeout:g} -> {new_timeout:g} ms for fuller batches",
+            _after_change(state, p),
+        )
+    why = "no queueing: a larger batch would not be used"
+    if batch >= limit and _queueing(signals, slo, p):
+        why = f"batch {batch} is at its limit {limit}"
+    return Decision(current, "hold", f"{head}; {why}", state)
+
+
+def _underfilled(signals: Signals, batch: int, p: TunerParams) -> bool:
+    mean = signals.mean_batch_size
+    return mean is not None and mean < p.full_batch_share * batch
+
+
+def _full(signals: Signals, batch: int, p: TunerParams) -> bool:
+    # With no batch-size series, queued requests are the evidence that batches fill.
+    return signals.mean_batch_size is None or signals.mean_batch_size >= p.full_batch_share * batch
+
+
+def _queueing(signals: Signals, slo: Slo, p: TunerParams) -> bool:
+    queue_wait = signals.queue_wait_p99_s or 0.0
+    return queue_wait >= p.queueing_share * slo.p99_latency_s
+
+
+def _cut_timeout(timeout: float, bounds: Bounds, p: TunerParams) -> float:
+    cut = timeout * p.timeout_cut_factor
+    # Below a millisecond a timeout only costs a wake-up: go straight to the floor.
+    return bounds.min_timeout_ms if cut < 1.0 else max(bounds.min_timeout_ms, round(cut, 3))
+
+
+def _growth_limit(bounds: Bounds, state: TunerState) -> int:
+    if state.ceiling is None:
+        return bounds.max_batch
+    return max(bounds.min_batch, min(bounds.max_batch, state.ceiling - 1))
+
+
+def _age_ceiling(state: TunerState, p: TunerParams) -> TunerState:
+    if state.ceiling is None:
+        return state
+    if state.ceiling_age + 1 >= p.ceiling_ttl_intervals:
+        return replace(state, ceiling=None, ceiling_age=0)
+    return replace(state, ceiling_age=state.ceiling_age + 1)
+
+
+def _after_change(state: TunerState, p: TunerParams, ceiling: int | None = None) -> TunerState:
+    if ceiling is None:
+        return replace(state, cooldown=p.cooldown_intervals)
+    return TunerState(cooldown=p.cooldown_intervals, ceiling=ceiling, ceiling_age=0)
+
+
+def _describe_clamp(before: BatchingConfig, after: BatchingConfig) -> str:
+    return (
+        f"config outside the bounds: batch {before.max_batch_size} -> {after.max_batch_size}, "
+        f"timeout {before.batch_timeout_ms:g} -> {after.batch_timeout_ms:g} ms"
+    )
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms"
