@@ -1,0 +1,569 @@
+"""The aiohttp application every server pod runs: OpenAI API, admin, probes, metrics.
+
+The app owns its engine's lifecycle: it starts the engine on startup and shuts
+it down on cleanup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from aiohttp import web
+from batchpilot_server.batching import BatchingConfig, ConfigError
+from batchpilot_server.engine_api import (
+    DeadlineExceededError,
+    EngineOptions,
+    EngineStats,
+    EngineStoppedError,
+    PromptTooLongError,
+    QueueFullError,
+    SamplingParams,
+    TokenEvent,
+)
+from batchpilot_server.metrics import CONTENT_TYPE, ServerMetrics
+from batchpilot_server.openapi import openapi_document
+from batchpilot_server.protocol import (
+    ApiError,
+    CompletionRequest,
+    Limits,
+    StopMatcher,
+    Tokenizer,
+    invalid,
+    parse_completion,
+    parse_json_body,
+)
+
+log = logging.getLogger("batchpilot.server")
+
+
+class RequestStream(Protocol):
+    def __aiter__(self) -> RequestStream: ...
+    async def __anext__(self) -> TokenEvent: ...
+    def cancel(self) -> None: ...
+
+
+class EngineLike(Protocol):
+    """The part of `batchpilot_server.engine.Engine` the app uses."""
+
+    options: EngineOptions
+    tokenizer: Tokenizer
+    max_model_len: int
+
+    async def start(self) -> None: ...
+    async def shutdown(self) -> None: ...
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, deadline_s: float | None = None
+    ) -> RequestStream: ...
+    def reconfigure(self, config: BatchingConfig) -> None: ...
+    def stats(self) -> EngineStats: ...
+
+
+class InFlight:
+    """Counts completion requests in progress, so that shutdown can wait for them."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def enter(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True when every request finished within `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+
+@dataclass
+class ServerState:
+    engine: EngineLike
+    metrics: ServerMetrics
+    limits: Limits
+    admin_token: str | None
+    config: BatchingConfig
+    config_version: int = 1
+    ready: bool = False
+    draining: bool = False
+    inflight: InFlight = field(default_factory=InFlight)
+
+    @property
+    def model_name(self) -> str:
+        return self.metrics.model
+
+
+STATE = web.AppKey("batchpilot_state", ServerState)
+
+
+def create_app(
+    engine: EngineLike,
+    *,
+    metrics: ServerMetrics,
+    admin_token: str | None,
+    limits: Limits,
+) -> web.Application:
+    """The HTTP app around a not yet started engine built with `metrics` as its observer."""
+    state = ServerState(
+        engine=engine,
+        metrics=metrics,
+        limits=limits,
+        admin_token=admin_token,
+        config=engine.options.config,
+    )
+    metrics.set_config(state.config)
+    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[error_middleware])
+    app[STATE] = state
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics_endpoint)
+    app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/admin/batching", get_batching)
+    app.router.add_put("/admin/batching", put_batching)
+    app.on_startup.append(_start_engine)
+    app.on_cleanup.append(_stop_engine)
+    return app
+
+
+def begin_drain(app: web.Application) -> None:
+    """Graceful shutdown, step one: not ready, admit nothing new."""
+    state = app[STATE]
+    state.draining = True
+    state.ready = False
+
+
+async def wait_drained(app: web.Application, timeout_s: float) -> bool:
+    """Graceful shutdown, step two: True when in-flight requests all finished in time."""
+    return await app[STATE].inflight.wait_idle(timeout_s)
+
+
+async def _start_engine(app: web.Application) -> None:
+    state = app[STATE]
+    await state.engine.start()
+    state.ready = True
+
+
+async def _stop_engine(app: web.Application) -> None:
+    state = app[STATE]
+    state.ready = False
+    await state.engine.shutdown()
+
+
+# --- errors ------------------------------------------------------------------
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_HTTP_ERROR_CODES = {
+    404: ("not_found_error", "route_not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "body_too_large"),
+}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(_from_http_exception(request, exc))
+    except Exception:
+        log.exception("unhandled error serving %s %s", request.method, request.path)
+        return error_response(
+            ApiError(500, "internal server error; see the server log", type_="server_error")
+        )
+
+
+def _from_http_exception(request: web.Request, exc: web.HTTPException) -> ApiError:
+    type_, code = _HTTP_ERROR_CODES.get(exc.status, ("invalid_request_error", None))
+    messages = {
+        404: f"no route {request.path}; see /openapi.json for the endpoints",
+        405: f"method {request.method} is not allowed on {request.path}",
+        413: f"request body exceeds the limit of {request.app[STATE].limits.max_body_bytes} bytes",
+    }
+    message = messages.get(exc.status, exc.reason)
+    headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+    return ApiError(exc.status, message, type_=type_, code=code, headers=headers)
+
+
+def error_response(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+# --- completions ---------------------------------------------------------------
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    arrival = time.monotonic()
+    state.inflight.enter()
+    outcome = "error"  # also when the client goes away and the handler is cancelled
+    try:
+        response = await _serve_completion(request, state, arrival)
+        outcome = "ok"
+        state.metrics.request_duration.observe(time.monotonic() - arrival)
+        return response
+    except _StreamEnded as ended:
+        return ended.response
+    except ApiError as err:
+        outcome = err.outcome
+        raise
+    except web.HTTPException:
+        outcome = "rejected"
+        raise
+    finally:
+        state.metrics.count_request(outcome)
+        state.inflight.leave()
+
+
+async def _serve_completion(
+    request: web.Request, state: ServerState, arrival: float
+) -> web.StreamResponse:
+    if state.draining:
+        raise ApiError(
+            503,
+            "server is shutting down and admits no new requests; retry on another replica",
+            type_="service_unavailable_error",
+            code="shutting_down",
+            headers={"Retry-After": str(state.limits.retry_after_s)},
+            outcome="rejected",
+        )
+    body = parse_json_body(await request.read())
+    parsed = parse_completion(
+        body,
+        tokenizer=state.engine.tokenizer,
+        model_name=state.model_name,
+        max_model_len=state.engine.max_model_len,
+        limits=state.limits,
+    )
+    generation = Generation(state, parsed, arrival)
+    try:
+        if parsed.stream:
+            return await _stream_completion(request, state, generation)
+        return await _complete(state, generation)
+    finally:
+        generation.close()
+
+
+class Generation:
+    """One admitted request: turns engine token events into text deltas and records metrics."""
+
+    def __init__(self, state: ServerState, parsed: CompletionRequest, arrival: float) -> None:
+        self.state = state
+        self.parsed = parsed
+        self.arrival = arrival
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self._matcher = StopMatcher(parsed.stop)
+        self._last_token_at = arrival
+        self._stream = self._submit()
+        state.metrics.prompt_tokens.inc(len(parsed.prompt_ids))
+
+    def _submit(self) -> RequestStream:
+        params = SamplingParams(
+            max_tokens=self.parsed.max_tokens,
+            temperature=self.parsed.temperature,
+            top_p=self.parsed.top_p,
+            seed=self.parsed.seed,
+            ignore_eos=self.parsed.ignore_eos,
+        )
+        limits = self.state.limits
+        try:
+            return self.state.engine.submit(
+                self.parsed.prompt_ids, params, deadline_s=limits.queue_timeout_s
+            )
+        except QueueFullError as exc:
+            raise ApiError(
+                429,
+                f"the waiting queue is full ({self.state.config.max_queue_size} requests); "
+                f"retry after {limits.retry_after_s} s",
+                type_="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(limits.retry_after_s)},
+            ) from exc
+        except PromptTooLongError as exc:
+            raise invalid(str(exc), code="context_length_exceeded", param="prompt") from exc
+        except EngineStoppedError as exc:
+            raise _engine_stopped(limits, "rejected") from exc
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.parsed.prompt_ids)
+
+    @property
+    def text(self) -> str:
+        return self._matcher.text
+
+    def usage(self) -> dict[str, int]:
+        completion = len(self.token_ids)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
+
+    async def next_delta(self) -> str | None:
+        """The next piece of text (possibly empty) per token; None once finished."""
+        if self.finish_reason is not None:
+            return None
+        try:
+            event = await anext(self._stream)
+        except StopAsyncIteration:
+            raise ApiError(
+                500, "the engine ended the request without a finish reason", type_="server_error"
+            ) from None
+        except DeadlineExceededError as exc:
+            raise ApiError(
+                504,
+                f"the request waited longer than its deadline of "
+                f"{self.state.limits.queue_timeout_s:g} s without being scheduled; the server "
+                "is overloaded, retry later or on another replica",
+                type_="timeout_error",
+                code="queue_timeout",
+                headers={"Retry-After": str(self.state.limits.retry_after_s)},
+            ) from exc
+        except EngineStoppedError as exc:
+            raise _engine_stopped(self.state.limits, "error") from exc
+        return self._record(event)
+
+    def _record(self, event: TokenEvent) -> str:
+        now = time.monotonic()
+        metrics = self.state.metrics
+        if self.token_ids:
+            metrics.inter_token.observe(now - self._last_token_at)
+        else:
+            metrics.ttft.observe(now - self.arrival)
+        self._last_token_at = now
+        self.token_ids.append(event.token_id)
+        metrics.generation_tokens.inc()
+        delta = self._matcher.feed(self.state.engine.tokenizer.decode(self.token_ids))
+        if self._matcher.stopped:
+            self.finish_reason = "stop"
+            self._stream.cancel()
+        elif event.finish_reason is not None:
+            self.finish_reason = event.finish_reason
+            delta += self._matcher.flush()
+        return delta
+
+    def close(self) -> None:
+        # Frees the request's KV blocks when it ends early (stop string, error,
+        # client gone); a no-op for a finished request.
+        self._stream.cancel()
+
+
+def _engine_stopped(limits: Limits, outcome: str) -> ApiError:
+    return ApiError(
+        503,
+        "the engine is shutting down; retry on another replica",
+        type_="service_unavailable_error",
+        code="shutting_down",
+        headers={"Retry-After": str(limits.retry_after_s)},
+        outcome=outcome,
+    )
+
+
+async def _complete(state: ServerState, generation: Generation) -> web.Response:
+    while await generation.next_delta() is not None:
+        pass
+    return web.json_response(
+        {
+            "id": generation.id,
+            "object": "text_completion",
+            "created": generation.created,
+            "model": state.model_name,
+            "choices": [_choice(generation.text, generation.finish_reason)],
+            "usage": generation.usage(),
+        }
+    )
+
+
+def _choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+async def _stream_completion(
+    request: web.Request, state: ServerState, generation: Generation
+) -> web.StreamResponse:
+    # Wait for the first token before sending headers, so that a full queue or
+    # a missed deadline still gets its own status code.
+    delta = await generation.next_delta()
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+
+    def chunk(text: str, finish_reason: str | None) -> dict[str, Any]:
+        return {
+            "id": generation.id,
+            "object": "text_completion",
+            "created": generation.created,
+            "model": state.model_name,
+            "choices": [_choice(text, finish_reason)],
+        }
+
+    try:
+        while delta is not None:
+            event = chunk(delta, generation.finish_reason)
+            if generation.finish_reason is not None:
+                event["usage"] = generation.usage()
+            await _send_event(response, event)
+            delta = await generation.next_delta()
+    except ApiError as err:
+        # Headers are gone: the error travels as an event and the request counts as failed.
+        await _send_event(response, err.body())
+        await response.write(b"data: [DONE]\n\n")
+        raise _StreamEnded(response) from err
+    except ConnectionResetError as exc:
+        raise _StreamEnded(response) from exc
+    if generation.parsed.include_usage_chunk:
+        usage_event = {**chunk("", None), "choices": [], "usage": generation.usage()}
+        await _send_event(response, usage_event)
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+class _StreamEnded(Exception):
+    """An SSE stream ended early (error event sent, or client gone) after its headers."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("stream ended early")
+        self.response = response
+
+
+async def _send_event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+
+# --- other endpoints ----------------------------------------------------------
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "batchpilot",
+                    "max_model_len": state.engine.max_model_len,
+                }
+            ],
+        }
+    )
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.ready:
+        return web.json_response({"ready": True})
+    reason = "shutting down" if state.draining else "engine not started"
+    return web.json_response({"ready": False, "reason": reason}, status=503)
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = state.metrics.exposition(state.engine.stats())
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
+# --- admin ------------------------------------------------------------------
+
+
+def _config_body(state: ServerState) -> dict[str, Any]:
+    return {
+        **state.config.to_dict(),
+        "mode": state.metrics.mode,
+        "version": state.config_version,
+    }
+
+
+async def get_batching(request: web.Request) -> web.Response:
+    return web.json_response(_config_body(request.app[STATE]))
+
+
+async def put_batching(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    _authorize(request, state.admin_token)
+    changes = parse_json_body(await request.read())
+    try:
+        config = state.config.merged(changes)
+        state.engine.reconfigure(config)
+    except ConfigError as exc:
+        raise invalid(str(exc)) from exc
+    except TypeError as exc:  # dataclasses.replace with a non-field
+        raise invalid(str(exc)) from exc
+    state.config = config
+    state.config_version += 1
+    state.metrics.set_config(config)
+    log.info("batching config version %d: %s", state.config_version, config.to_dict())
+    return web.json_response(_config_body(state))
+
+
+def _authorize(request: web.Request, token: str | None) -> None:
+    if token is None:
+        raise ApiError(
+            403,
+            "the admin API is disabled: this server was started without --admin-token-file",
+            type_="permission_error",
+            code="admin_disabled",
+        )
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        raise ApiError(
+            401,
+            "missing admin token: send 'Authorization: Bearer <token>'",
+            type_="authentication_error",
+            code="missing_token",
+            headers={"WWW-Authenticate": 'Bearer realm="batchpilot-admin"'},
+        )
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise ApiError(
+            403, "the admin token is not valid", type_="permission_error", code="invalid_token"
+        )
+
+
+def build_app(
+    options: EngineOptions, *, admin_token: str | None = None, limits: Limits | None = None
+) -> web.Application:
+    """A server app with its own engine and metrics registry (used by the CLI, tests, benches)."""
+    from batchpilot_server.engine import Engine  # torch: imported only where a model runs
+
+    metrics = ServerMetrics(model=options.model, mode=options.mode)
+    engine = Engine(options, metrics)
+    return create_app(engine, metrics=metrics, admin_token=admin_token, limits=limits or Limits())

@@ -1,0 +1,122 @@
+"""Prometheus metrics of DESIGN's table, one registry per server app.
+
+`ServerMetrics` is also the engine's `EngineObserver`: the engine calls its
+hooks from the model thread; prometheus_client's metrics are thread-safe.
+
+Outcomes of `batchpilot_requests_total`: `ok` (completed), `rejected` (not
+admitted: invalid input, full queue, draining server), `timeout` (waited
+past its deadline), `error` (failed or was abandoned by its client after
+admission).
+"""
+
+from __future__ import annotations
+
+from batchpilot_server import metric_names as names
+from batchpilot_server.batching import BatchingConfig, Mode
+from batchpilot_server.engine_api import EngineStats
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
+# A model step on this hardware takes ~1..100 ms: finer than request latency.
+STEP_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0,
+)
+
+
+class ServerMetrics:
+    def __init__(self, *, model: str, mode: Mode, registry: CollectorRegistry | None = None):
+        self.model = model
+        self.mode = mode
+        self.registry = registry or CollectorRegistry()
+        labels = list(names.COMMON_LABELS)
+        self._values = {"model": model, "mode": mode}
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            metric = Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+            return metric.labels(**self._values)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=self.registry).labels(**self._values)
+
+        def counter(name: str, doc: str) -> Counter:
+            # prometheus_client appends `_total` itself.
+            base = name.removesuffix("_total")
+            return Counter(base, doc, labels, registry=self.registry).labels(**self._values)
+
+        latency = names.LATENCY_BUCKETS
+        self.request_duration = histogram(
+            names.REQUEST_DURATION, "Arrival to last byte of completed requests.", latency
+        )
+        self.ttft = histogram(names.TIME_TO_FIRST_TOKEN, "Arrival to first token.", latency)
+        self.inter_token = histogram(
+            names.INTER_TOKEN_LATENCY, "Time between tokens of one request.", latency
+        )
+        self.queue_wait = histogram(names.QUEUE_WAIT, "Arrival to first scheduled.", latency)
+        self.batch_size = histogram(
+            names.BATCH_SIZE,
+            "Sequences per executed step (continuous) or per batch (dynamic).",
+            BATCH_SIZE_BUCKETS,
+        )
+        self.step_duration = histogram(names.STEP_DURATION, "One model forward.", STEP_BUCKETS)
+        self.hostage = histogram(
+            names.HOSTAGE, "Dynamic mode: a finished sequence's wait for its batch.", latency
+        )
+        self.kv_usage = gauge(names.KV_CACHE_USAGE, "Used / total KV cache blocks.")
+        self.running = gauge(names.REQUESTS_RUNNING, "Sequences being generated.")
+        self.waiting = gauge(names.REQUESTS_WAITING, "Requests waiting to be scheduled.")
+        requests = Counter(
+            names.REQUESTS_TOTAL.removesuffix("_total"),
+            "Completion requests by outcome.",
+            [*labels, "outcome"],
+            registry=self.registry,
+        )
+        self.requests = {
+            outcome: requests.labels(**self._values, outcome=outcome) for outcome in names.OUTCOMES
+        }
+        self.prompt_tokens = counter(names.PROMPT_TOKENS_TOTAL, "Prompt tokens admitted.")
+        self.generation_tokens = counter(names.GENERATION_TOKENS_TOTAL, "Tokens generated.")
+        self.preemptions = counter(names.PREEMPTIONS_TOTAL, "Sequences evicted for KV space.")
+        self.config_max_batch_size = gauge(
+            names.CONFIG_MAX_BATCH_SIZE, "max_batch_size in force."
+        )
+        self.config_batch_timeout = gauge(
+            names.CONFIG_BATCH_TIMEOUT, "Batch timeout in force, in seconds."
+        )
+
+    # --- EngineObserver: called from the engine's thread -------------------
+
+    def on_scheduled(self, queue_wait_s: float) -> None:
+        self.queue_wait.observe(queue_wait_s)
+
+    def on_step(self, batch_size: int, duration_s: float) -> None:
+        self.step_duration.observe(duration_s)
+        if self.mode == "continuous":
+            self.batch_size.observe(batch_size)
+
+    def on_batch(self, batch_size: int) -> None:
+        if self.mode == "dynamic":
+            self.batch_size.observe(batch_size)
+
+    def on_hostage(self, seconds: float) -> None:
+        self.hostage.observe(seconds)
+
+    def on_preemption(self) -> None:
+        self.preemptions.inc()
+
+    # --- server side --------------------------------------------------------
+
+    def count_request(self, outcome: str) -> None:
+        self.requests[outcome].inc()
+
+    def set_config(self, config: BatchingConfig) -> None:
+        self.config_max_batch_size.set(config.max_batch_size)
+        self.config_batch_timeout.set(config.batch_timeout_s)
+
+    def exposition(self, stats: EngineStats) -> bytes:
+        """The text format, with the engine gauges read at scrape time."""
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_usage.set(stats.kv_usage_ratio)
+        return generate_latest(self.registry)

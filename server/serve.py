@@ -1,0 +1,150 @@
+"""`batchpilot serve`: run one inference server until SIGTERM, then drain and exit 0."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+from batchpilot_server.app import begin_drain, build_app, wait_drained
+from batchpilot_server.batching import MODES, BatchingConfig, ConfigError
+from batchpilot_server.engine_api import EngineOptions
+from batchpilot_server.model_presets import PRESET_NAMES
+from batchpilot_server.protocol import Limits
+
+log = logging.getLogger("batchpilot.serve")
+
+
+class UsageError(Exception):
+    """A flag or file the user gave cannot be used; exit 2 with this message."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="batchpilot serve", description=__doc__)
+    defaults = BatchingConfig()
+    p.add_argument("--model", default="tiny", choices=PRESET_NAMES)
+    p.add_argument("--mode", default="continuous", choices=MODES)
+    p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
+    p.add_argument("--batch-timeout-ms", type=float, default=defaults.batch_timeout_ms)
+    p.add_argument("--max-queue-size", type=int, default=defaults.max_queue_size)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--kv-cache-mb", type=float, default=EngineOptions.kv_cache_mb)
+    p.add_argument("--admin-token-file", type=Path, help="enables PUT /admin/batching")
+    p.add_argument(
+        "--config-file",
+        type=Path,
+        help="JSON batching config; its values win over the batching flags",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0, help="model weights seed")
+    p.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=Limits.queue_timeout_s,
+        help="a request waiting longer unscheduled gets 504",
+    )
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long in-flight requests may take to finish",
+    )
+    return p
+
+
+def batching_config(args: argparse.Namespace) -> BatchingConfig:
+    try:
+        flags = BatchingConfig(
+            max_batch_size=args.max_batch_size,
+            batch_timeout_ms=args.batch_timeout_ms,
+            max_queue_size=args.max_queue_size,
+        )
+        if args.config_file is None:
+            return flags
+        return BatchingConfig.from_file(args.config_file, base=flags)
+    except (ConfigError, TypeError) as exc:
+        raise UsageError(str(exc)) from exc
+
+
+def admin_token(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise UsageError(f"cannot read admin token file {path}: {exc.strerror}") from exc
+    if not token:
+        raise UsageError(f"admin token file {path} is empty")
+    return token
+
+
+def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOptions:
+    if args.kv_cache_mb <= 0:
+        raise UsageError(f"--kv-cache-mb must be positive, got {args.kv_cache_mb:g}")
+    if args.threads is not None and args.threads < 1:
+        raise UsageError(f"--threads must be at least 1, got {args.threads}")
+    return EngineOptions(
+        mode=args.mode,
+        config=config,
+        model=args.model,
+        device=args.device,
+        kv_cache_mb=args.kv_cache_mb,
+        threads=args.threads,
+        seed=args.seed,
+    )
+
+
+async def serve(args: argparse.Namespace, options: EngineOptions, token: str | None) -> int:
+    limits = Limits(queue_timeout_s=args.queue_timeout_s)
+    app = build_app(options, admin_token=token, limits=limits)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
+    await runner.setup()  # starts the engine
+    try:
+        site = web.TCPSite(runner, args.host, args.port)
+        await site.start()
+        log.info(
+            "serving %s (%s mode) on http://%s:%d", args.model, args.mode, args.host, args.port
+        )
+        await _wait_for_signal()
+        begin_drain(app)
+        log.info("draining: waiting up to %gs for in-flight requests", args.shutdown_grace_s)
+        if not await wait_drained(app, args.shutdown_grace_s):
+            log.warning("grace period over with requests still in flight; stopping anyway")
+    finally:
+        await runner.cleanup()  # stops the engine
+    log.info("stopped")
+    return 0
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def main(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s"
+    )
+    try:
+        if args.shutdown_grace_s < 0 or args.queue_timeout_s <= 0:
+            raise UsageError("--shutdown-grace-s must be >= 0 and --queue-timeout-s > 0")
+        options = engine_options(args, batching_config(args))
+        token = admin_token(args.admin_token_file)
+    except UsageError as exc:
+        print(f"batchpilot serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(args, options, token))
+    except OSError as exc:  # e.g. the port is taken
+        print(f"batchpilot serve: error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,155 @@
+"""Real `batchpilot serve` processes for tests: free ports, start, wait ready, always stop.
+
+    with spawn_server(tmp_path=tmp_path, mode="dynamic") as server:
+        httpx/aiohttp/urllib against server.url; server.token is the admin token
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+START_DEADLINE_S = 60.0
+STOP_DEADLINE_S = 15.0
+STDERR_TAIL_LINES = 40
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    url: str  # http://127.0.0.1:<port>, no trailing slash
+    port: int
+    token: str | None  # admin bearer token; None when started without one
+    proc: subprocess.Popen[bytes]
+    stderr_path: Path
+
+    def stderr_tail(self, lines: int = STDERR_TAIL_LINES) -> str:
+        text = self.stderr_path.read_text(errors="replace") if self.stderr_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def terminate(self, timeout_s: float = STOP_DEADLINE_S) -> int:
+        """SIGTERM, wait for the exit code; SIGKILL if it does not exit in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+
+def serve_command(
+    *,
+    port: int,
+    mode: str,
+    max_batch_size: int,
+    batch_timeout_ms: float,
+    max_queue_size: int,
+    kv_cache_mb: float | None,
+    token_file: Path | None,
+    extra_args: Sequence[str],
+) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "batchpilot_server.cli", "serve",
+        "--model", "tiny",
+        "--mode", mode,
+        "--max-batch-size", str(max_batch_size),
+        "--batch-timeout-ms", str(batch_timeout_ms),
+        "--max-queue-size", str(max_queue_size),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--device", "cpu",
+    ]  # fmt: skip
+    if kv_cache_mb is not None:
+        cmd += ["--kv-cache-mb", str(kv_cache_mb)]
+    if token_file is not None:
+        cmd += ["--admin-token-file", str(token_file)]
+    if "--threads" not in extra_args:
+        # One torch thread: the tests, the server and the client share two cores.
+        cmd += ["--threads", "1"]
+    return [*cmd, *extra_args]
+
+
+def wait_ready(server: ServerProcess, deadline_s: float = START_DEADLINE_S) -> None:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise RuntimeError(
+                f"server exited with {server.proc.returncode} before it was ready:\n"
+                f"{server.stderr_tail()}"
+            )
+        try:
+            with urllib.request.urlopen(f"{server.url}/readyz", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.1)  # poll interval while the model loads
+    raise TimeoutError(f"server not ready after {deadline_s:g}s:\n{server.stderr_tail()}")
+
+
+@contextlib.contextmanager
+def spawn_server(
+    *,
+    tmp_path: Path,
+    mode: str = "continuous",
+    max_batch_size: int = 8,
+    batch_timeout_ms: float = 10,
+    max_queue_size: int = 256,
+    kv_cache_mb: float | None = None,
+    admin_token: str | None = "test-token",
+    extra_args: Sequence[str] = (),
+    wait: bool = True,
+) -> Iterator[ServerProcess]:
+    """A `batchpilot serve` subprocess on a free port; killed on exit, also on failure.
+
+    With `wait=False` it yields at once (for tests of start-up failures).
+    """
+    port = free_port()
+    token_file = None
+    if admin_token is not None:
+        token_file = tmp_path / f"admin-token-{port}"
+        token_file.write_text(admin_token + "\n")
+    stderr_path = tmp_path / f"serve-{port}.stderr"
+    cmd = serve_command(
+        port=port,
+        mode=mode,
+        max_batch_size=max_batch_size,
+        batch_timeout_ms=batch_timeout_ms,
+        max_queue_size=max_queue_size,
+        kv_cache_mb=kv_cache_mb,
+        token_file=token_file,
+        extra_args=extra_args,
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with stderr_path.open("wb") as stderr:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=stderr, env=env)
+    server = ServerProcess(f"http://127.0.0.1:{port}", port, admin_token, proc, stderr_path)
+    ok = False
+    try:
+        if wait:
+            wait_ready(server)
+        yield server
+        ok = True
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if not ok:
+            print(f"--- stderr of {' '.join(cmd)}:\n{server.stderr_tail()}", file=sys.stderr)
