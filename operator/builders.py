@@ -1,0 +1,249 @@
+"""Desired owned objects of a BatchingPolicy: pure functions, no I/O.
+
+Tuned batching values live only in the ConfigMap (read by the server at start
+and pushed live by the tuner); the pod template never carries them, so a
+tuning decision never restarts a pod.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+from batchpilot_operator.spec import PolicySpec
+from batchpilot_server.batching import BatchingConfig
+
+GROUP = "batchpilot.io"
+VERSION = "v1alpha1"
+KIND = "BatchingPolicy"
+PLURAL = "batchingpolicies"
+
+SERVER_PORT = 8000
+APP_LABEL = "app.kubernetes.io/name"
+APP_NAME = "batchpilot-server"
+POLICY_LABEL = "batchpilot.io/policy"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGER = "batchpilot-operator"
+
+CONFIG_KEY = "batching.json"
+TOKEN_KEY = "token"
+CONFIG_DIR = "/etc/batchpilot/batching"
+TOKEN_DIR = "/etc/batchpilot/admin"
+GPU_RESOURCE = "nvidia.com/gpu"
+# The server drains in-flight requests on SIGTERM; the preStop pause lets the
+# endpoints controller take the pod out of the Service before that starts.
+PRESTOP_SLEEP_SECONDS = 5
+TERMINATION_GRACE_SECONDS = 60
+NON_ROOT_UID = 10001
+
+
+def config_map_name(policy_name: str) -> str:
+    return f"{policy_name}-batching"
+
+
+def secret_name(policy_name: str) -> str:
+    return f"{policy_name}-admin"
+
+
+def selector_labels(policy_name: str) -> dict[str, str]:
+    """The labels that select a policy's server pods (also for the tuner's pod listing)."""
+    return {APP_LABEL: APP_NAME, POLICY_LABEL: policy_name}
+
+
+def owned_labels(policy_name: str) -> dict[str, str]:
+    return {**selector_labels(policy_name), MANAGED_BY_LABEL: MANAGER}
+
+
+def owner_reference(policy: Mapping[str, Any]) -> dict[str, Any]:
+    meta = policy["metadata"]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(policy: Mapping[str, Any], name: str) -> dict[str, Any]:
+    meta = policy["metadata"]
+    return {
+        "name": name,
+        "namespace": meta["namespace"],
+        "labels": owned_labels(meta["name"]),
+        "ownerReferences": [owner_reference(policy)],
+    }
+
+
+def config_data(config: BatchingConfig) -> dict[str, str]:
+    """ConfigMap data holding `config` as the server's --config-file JSON."""
+    return {CONFIG_KEY: json.dumps(config.to_dict(), sort_keys=True)}
+
+
+def parse_config_data(data: Mapping[str, str] | None) -> BatchingConfig | None:
+    """The config a ConfigMap holds, or None when it is missing or unreadable."""
+    try:
+        return BatchingConfig.from_dict(json.loads((data or {})[CONFIG_KEY]))
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def build_config_map(policy: Mapping[str, Any], config: BatchingConfig) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(policy, config_map_name(policy["metadata"]["name"])),
+        "data": config_data(config),
+    }
+
+
+def new_admin_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def build_secret(policy: Mapping[str, Any], token: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(policy, secret_name(policy["metadata"]["name"])),
+        "type": "Opaque",
+        "data": {TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def build_service(policy: Mapping[str, Any]) -> dict[str, Any]:
+    name = policy["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(policy, name),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name),
+            "ports": [
+                {"name": "http", "port": SERVER_PORT, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+def build_deployment(policy: Mapping[str, Any], spec: PolicySpec) -> dict[str, Any]:
+    name = policy["metadata"]["name"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(policy, name),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": selector_labels(name)},
+            "strategy": _rollout_strategy(spec),
+            "template": {
+                "metadata": {
+                    "labels": owned_labels(name),
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(SERVER_PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": _pod_spec(name, spec),
+            },
+        },
+    }
+
+
+def _rollout_strategy(spec: PolicySpec) -> dict[str, Any]:
+    # With GPUs a surge pod would wait for a free GPU forever on a full node,
+    # so GPU policies replace one pod at a time instead.
+    if spec.server.gpus > 0:
+        rolling = {"maxSurge": 0, "maxUnavailable": 1}
+    else:
+        rolling = {"maxSurge": 1, "maxUnavailable": 0}
+    return {"type": "RollingUpdate", "rollingUpdate": rolling}
+
+
+def server_args(spec: PolicySpec) -> list[str]:
+    """`batchpilot serve` flags; the batching knobs come from the mounted config file."""
+    return [
+        "serve",
+        "--model", spec.server.model,
+        "--mode", spec.batching.mode,
+        "--port", str(SERVER_PORT),
+        "--host", "0.0.0.0",
+        "--device", spec.server.device,
+        "--kv-cache-mb", str(spec.server.kv_cache_mb),
+        "--admin-token-file", f"{TOKEN_DIR}/{TOKEN_KEY}",
+        "--config-file", f"{CONFIG_DIR}/{CONFIG_KEY}",
+    ]
+
+
+def _resources(spec: PolicySpec) -> dict[str, Any]:
+    resources = {
+        key: dict(value) for key, value in spec.server.resources.items() if isinstance(value, dict)
+    }
+    if spec.server.gpus > 0:
+        resources.setdefault("limits", {})[GPU_RESOURCE] = spec.server.gpus
+    return resources
+
+
+def _pod_spec(name: str, spec: PolicySpec) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "server",
+        "image": spec.server.image,
+        "imagePullPolicy": "IfNotPresent",
+        "args": server_args(spec),
+        "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 2,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "http"},
+            "initialDelaySeconds": 10,
+            "periodSeconds": 10,
+            "failureThreshold": 3,
+        },
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+        "resources": _resources(spec),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "batching", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "admin-token", "mountPath": TOKEN_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    pod: dict[str, Any] = {
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": NON_ROOT_UID,
+            "runAsGroup": NON_ROOT_UID,
+            "fsGroup": NON_ROOT_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [
+            {"name": "batching", "configMap": {"name": config_map_name(name)}},
+            {
+                "name": "admin-token",
+                "secret": {"secretName": secret_name(name), "defaultMode": 0o440},
+            },
+            {"name": "tmp", "emptyDir": {}},
+        ],
+    }
+    if spec.server.gpus > 0:
+        pod["tolerations"] = [
+            {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+        ]
+    return pod

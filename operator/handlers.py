@@ -1,0 +1,119 @@
+"""Kopf handlers: thin wrappers that call `reconcile` for a policy.
+
+A policy is reconciled when it is created, changed or resumed, and again
+whenever one of its owned objects changes or disappears (drift repair by
+watching, not by polling). Handlers share a `kube.Client` through Kopf's memo.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from batchpilot_operator import builders, kube
+from batchpilot_operator.reconcile import reconcile
+
+OWNED_KINDS = (kube.DEPLOYMENTS, kube.SERVICES, kube.CONFIGMAPS, kube.SECRETS)
+ANNOTATION_PREFIX = "batchpilot.io"
+RETRY_DELAY_SECONDS = 10.0
+
+# What Kopf itself calls on the API for these handlers (tests/test_rbac.py checks
+# the ClusterRole covers it): list+watch of every handled kind, merge-patches of
+# its progress annotations on the policy, and its own Events for handler errors.
+KOPF_PERMISSIONS: Mapping[tuple[kube.Kind, str | None], frozenset[kube.Verb]] = {
+    (kube.POLICIES, None): frozenset({"list", "watch", "patch"}),
+    **{(kind, None): frozenset({"list", "watch"}) for kind in OWNED_KINDS},
+    (kube.EVENTS, None): frozenset({"create"}),
+}
+
+# One reconcile at a time per policy: the policy's own handler and the drift
+# handlers of its owned objects would otherwise race on create.
+_locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """Kopf settings batchpilot relies on, in the operator and in the tests alike."""
+    # Progress and diff-base in annotations: the status stays ours (and schema-valid).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"
+    # Kopf posts Events only for problems; our actions post their own Events.
+    settings.posting.level = logging.WARNING
+
+
+@kopf.on.startup()
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    configure(settings)
+    if memo.get("kube") is None:
+        memo["kube"] = kube.Client.login(settings)
+
+
+@kopf.on.cleanup()
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    client = memo.get("kube")
+    if client is not None:
+        await client.close()
+
+
+def client_of(memo: kopf.Memo) -> kube.Client:
+    """The operator's API client (created at startup); for every handler module."""
+    client: kube.Client = memo["kube"]
+    return client
+
+
+@kopf.on.resume(builders.GROUP, builders.VERSION, builders.PLURAL)
+@kopf.on.create(builders.GROUP, builders.VERSION, builders.PLURAL)
+@kopf.on.update(builders.GROUP, builders.VERSION, builders.PLURAL)
+async def on_policy(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    # An invalid spec is reported in status by reconcile and not raised: Kopf
+    # must not retry it; the next spec change triggers this handler again.
+    try:
+        await _reconcile_locked(client_of(memo), _plain(body))
+    except kube.KubeError as exc:
+        raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_SECONDS) from exc
+
+
+async def on_owned_event(
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
+    """An owned object was added, changed or deleted: reconcile its policy."""
+    meta = body.metadata
+    if not any(ref.get("kind") == builders.KIND for ref in meta.get("ownerReferences", [])):
+        return  # labelled by hand, not ours
+    client = client_of(memo)
+    namespace = meta.namespace or ""
+    policy = await client.get(kube.POLICIES, namespace, meta.labels[builders.POLICY_LABEL])
+    if policy is None or policy["metadata"].get("deletionTimestamp"):
+        return  # the garbage collector takes the owned objects away
+    try:
+        await _reconcile_locked(client, policy)
+    except kube.KubeError as exc:
+        logger.warning(f"drift repair of {namespace}/{meta.name} failed: {exc}")
+
+
+for _kind in OWNED_KINDS:
+    kopf.on.event(
+        _kind.group,
+        _kind.version,
+        _kind.plural,
+        labels={builders.POLICY_LABEL: kopf.PRESENT, builders.APP_LABEL: builders.APP_NAME},
+    )(on_owned_event)
+
+
+async def _reconcile_locked(client: kube.Client, policy: Mapping[str, Any]) -> None:
+    key = (policy["metadata"]["namespace"], policy["metadata"]["name"])
+    async with _locks.setdefault(key, asyncio.Lock()):
+        await reconcile(client, policy)
+
+
+def _plain(body: kopf.Body) -> dict[str, Any]:
+    """A plain-dict copy of a Kopf body (its views are live and read-only)."""
+    return copy.deepcopy(dict(body))

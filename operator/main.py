@@ -1,0 +1,70 @@
+"""`batchpilot operator`: run the Kopf operator for BatchingPolicy resources."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from urllib.parse import urlparse
+
+import kopf
+from batchpilot_operator.registry import load_handlers
+
+DEFAULT_LIVENESS_PORT = 8080
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="batchpilot operator",
+        description="Reconcile BatchingPolicy resources and tune their servers' batching.",
+    )
+    scope = parser.add_mutually_exclusive_group(required=True)
+    scope.add_argument(
+        "--namespace", "-n", action="append", dest="namespaces", metavar="NS",
+        help="serve this namespace (repeat for several; globs like 'team-*' allowed)",
+    )
+    scope.add_argument(
+        "--all-namespaces", "-A", action="store_true", help="serve the whole cluster"
+    )
+    parser.add_argument(
+        "--prometheus-url", default="",
+        help="Prometheus for policies that set no autotune.prometheusUrl "
+        "(empty: scrape the pods' /metrics directly)",
+    )
+    parser.add_argument(
+        "--liveness-port", type=int, default=DEFAULT_LIVENESS_PORT,
+        help=f"port of the /healthz liveness endpoint (default {DEFAULT_LIVENESS_PORT}; 0: off)",
+    )
+    parser.add_argument("--verbose", action="store_true", help="debug logging")
+    return parser
+
+
+def _check_url(parser: argparse.ArgumentParser, url: str) -> None:
+    parsed = urlparse(url)
+    if url and (parsed.scheme not in ("http", "https") or not parsed.netloc):
+        parser.error(
+            f"--prometheus-url must be an http(s) URL like http://prometheus:9090, got {url!r}"
+        )
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_url(parser, args.prometheus_url)
+    if not 0 <= args.liveness_port <= 65535:
+        parser.error(f"--liveness-port must be 0..65535, got {args.liveness_port}")
+    kopf.configure(
+        verbose=args.verbose, log_format=kopf.LogFormat.JSON, log_refkey="object"
+    )
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    load_handlers()
+    liveness = (
+        f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
+    )
+    kopf.run(
+        clusterwide=args.all_namespaces,
+        namespaces=args.namespaces or (),
+        standalone=True,  # one replica; no peering objects (and no RBAC for them)
+        liveness_endpoint=liveness,
+        memo=kopf.Memo(prometheus_url=args.prometheus_url),
+    )
+    return 0

@@ -1,0 +1,240 @@
+"""Reconcile one BatchingPolicy: desired owned objects vs. actual, status, Events.
+
+Plain async functions over `kube.Client`; the Kopf handlers only call them.
+Every write is conditional on a difference, so running `reconcile` again on
+an unchanged world makes no API writes (no event storms from our own patches).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchpilot_operator import builders
+from batchpilot_operator.kube import (
+    CONFIGMAPS,
+    DEPLOYMENTS,
+    POLICIES,
+    SECRETS,
+    SERVICES,
+    Client,
+    Conflict,
+    Kind,
+)
+from batchpilot_operator.spec import PolicySpec, SpecError, parse_spec
+from batchpilot_server.batching import BatchingConfig
+
+logger = logging.getLogger(__name__)
+
+READY = "Ready"
+
+
+@dataclass
+class Outcome:
+    """What one reconcile did and saw."""
+
+    spec: PolicySpec | None
+    config: BatchingConfig | None = None
+    ready_replicas: int = 0
+    actions: list[str] = field(default_factory=list)
+    error: SpecError | None = None
+
+
+async def reconcile(client: Client, policy: Mapping[str, Any]) -> Outcome:
+    """Bring the owned objects and the status of `policy` to what its spec asks."""
+    try:
+        spec = parse_spec(policy.get("spec") or {})
+    except SpecError as exc:
+        await _report_invalid(client, policy, exc)
+        return Outcome(spec=None, error=exc)
+    outcome = Outcome(spec=spec)
+    await _ensure_secret(client, policy, outcome)
+    outcome.config = await _ensure_config_map(client, policy, spec, outcome)
+    await _ensure(client, SERVICES, builders.build_service(policy), outcome)
+    deployment = await _ensure(
+        client, DEPLOYMENTS, builders.build_deployment(policy, spec), outcome
+    )
+    outcome.ready_replicas = int((deployment.get("status") or {}).get("readyReplicas") or 0)
+    for action in outcome.actions:
+        await client.create_event(policy, "Reconciled", action)
+    await write_status(client, policy, _status_fields(policy, outcome), [_ready(spec, outcome)])
+    return outcome
+
+
+async def _report_invalid(client: Client, policy: Mapping[str, Any], exc: SpecError) -> None:
+    condition = {"type": READY, "status": "False", "reason": exc.reason, "message": exc.message}
+    fields = {"observedGeneration": _generation(policy)}
+    if await write_status(client, policy, fields, [condition]):
+        # Only on a change of status: a re-sent invalid spec does not repeat the Event.
+        await client.create_event(policy, exc.reason, exc.message, "Warning")
+
+
+async def _ensure(
+    client: Client, kind: Kind, desired: dict[str, Any], outcome: Outcome
+) -> dict[str, Any]:
+    """Create `desired` if absent, patch it if it drifted; return the object as it is now."""
+    meta = desired["metadata"]
+    actual = await client.get(kind, meta["namespace"], meta["name"])
+    if actual is None:
+        try:
+            created = await client.create(kind, meta["namespace"], desired)
+        except Conflict:  # a concurrent reconcile created it first: converge on the next pass
+            return await client.get(kind, meta["namespace"], meta["name"]) or desired
+        outcome.actions.append(f"created {kind.kind} {meta['name']}")
+        return created
+    if is_subset(desired, actual):
+        return actual
+    patched = await client.patch(kind, meta["namespace"], meta["name"], desired)
+    outcome.actions.append(f"updated {kind.kind} {meta['name']}")
+    return patched
+
+
+async def _ensure_secret(client: Client, policy: Mapping[str, Any], outcome: Outcome) -> None:
+    name = builders.secret_name(policy["metadata"]["name"])
+    namespace = policy["metadata"]["namespace"]
+    if await client.get(SECRETS, namespace, name) is not None:
+        return  # never regenerated: running pods hold this token
+    try:
+        secret = builders.build_secret(policy, builders.new_admin_token())
+        await client.create(SECRETS, namespace, secret)
+    except Conflict:
+        return
+    outcome.actions.append(f"created Secret {name}")
+
+
+async def _ensure_config_map(
+    client: Client, policy: Mapping[str, Any], spec: PolicySpec, outcome: Outcome
+) -> BatchingConfig:
+    """The config in force, kept inside the spec's bounds (tuned values survive otherwise)."""
+    name = builders.config_map_name(policy["metadata"]["name"])
+    namespace = policy["metadata"]["namespace"]
+    actual = await client.get(CONFIGMAPS, namespace, name)
+    in_force = builders.parse_config_data((actual or {}).get("data"))
+    config = spec.clamp(in_force) if in_force is not None else spec.initial_config()
+    await _ensure(client, CONFIGMAPS, builders.build_config_map(policy, config), outcome)
+    if in_force is not None and config != in_force:
+        outcome.actions.append(
+            f"re-clamped batching config to maxBatchSize={config.max_batch_size} "
+            f"batchTimeoutMs={config.batch_timeout_ms:g} maxQueueSize={config.max_queue_size}"
+        )
+    return config
+
+
+def _status_fields(policy: Mapping[str, Any], outcome: Outcome) -> dict[str, Any]:
+    assert outcome.config is not None
+    return {
+        "maxBatchSize": outcome.config.max_batch_size,
+        "batchTimeoutMs": outcome.config.batch_timeout_ms,
+        "readyReplicas": outcome.ready_replicas,
+        "observedGeneration": _generation(policy),
+    }
+
+
+def _ready(spec: PolicySpec, outcome: Outcome) -> dict[str, str]:
+    ready, wanted = outcome.ready_replicas, spec.replicas
+    message = f"{ready}/{wanted} replicas ready"
+    if ready >= wanted:
+        return {"type": READY, "status": "True", "reason": "ReplicasReady", "message": message}
+    return {"type": READY, "status": "False", "reason": "ReplicasNotReady", "message": message}
+
+
+def _generation(policy: Mapping[str, Any]) -> int:
+    return int(policy["metadata"].get("generation") or 0)
+
+
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def set_conditions(
+    existing: Sequence[Mapping[str, Any]], updates: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """`existing` with `updates` merged by type.
+
+    lastTransitionTime moves only when a condition's status changes.
+    """
+    merged = {c["type"]: dict(c) for c in existing if "type" in c}
+    for update in updates:
+        before = merged.get(update["type"], {})
+        changed = before.get("status") != update["status"]
+        stamp = before.get("lastTransitionTime") if not changed else None
+        merged[update["type"]] = {**update, "lastTransitionTime": stamp or now_iso()}
+    return list(merged.values())
+
+
+async def write_status(
+    client: Client,
+    policy: Mapping[str, Any],
+    fields: Mapping[str, Any],
+    conditions: Sequence[Mapping[str, Any]] = (),
+) -> bool:
+    """Merge `fields` and `conditions` into the policy's status; write only what changed.
+
+    Reads the policy afresh so that conditions others wrote (Tuning, SLOMet, ...)
+    are kept. Returns whether anything was written.
+    """
+    meta = policy["metadata"]
+    fresh = await client.get(POLICIES, meta["namespace"], meta["name"])
+    if fresh is None:
+        return False
+    status = fresh.get("status") or {}
+    patch = {key: value for key, value in fields.items() if status.get(key) != value}
+    old_conditions = status.get("conditions") or []
+    new_conditions = set_conditions(old_conditions, conditions)
+    if _without_times(new_conditions) != _without_times(old_conditions):
+        patch["conditions"] = new_conditions
+    if not patch:
+        return False
+    await client.patch(POLICIES, meta["namespace"], meta["name"], {"status": patch}, "status")
+    return True
+
+
+def _without_times(conditions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return sorted(
+        ({k: v for k, v in c.items() if k != "lastTransitionTime"} for c in conditions),
+        key=lambda c: str(c.get("type")),
+    )
+
+
+async def read_config(client: Client, namespace: str, policy_name: str) -> BatchingConfig | None:
+    """The batching config in force for a policy (its ConfigMap), or None if absent/unreadable."""
+    cm = await client.get(CONFIGMAPS, namespace, builders.config_map_name(policy_name))
+    return builders.parse_config_data((cm or {}).get("data"))
+
+
+async def write_config(
+    client: Client, namespace: str, policy_name: str, config: BatchingConfig
+) -> None:
+    """Record a new config in force in the policy's ConfigMap (the first step of a decision)."""
+    await client.patch(
+        CONFIGMAPS,
+        namespace,
+        builders.config_map_name(policy_name),
+        {"data": builders.config_data(config)},
+    )
+
+
+async def read_admin_token(client: Client, namespace: str, policy_name: str) -> str | None:
+    """The policy's admin token for `PUT /admin/batching`; never log it."""
+    secret = await client.get(SECRETS, namespace, builders.secret_name(policy_name))
+    encoded = ((secret or {}).get("data") or {}).get(builders.TOKEN_KEY)
+    return base64.b64decode(encoded).decode() if encoded else None
+
+
+def is_subset(desired: Any, actual: Any) -> bool:
+    """Whether `actual` already holds everything `desired` says (the API server adds defaults)."""
+    if isinstance(desired, Mapping):
+        return isinstance(actual, Mapping) and all(
+            key in actual and is_subset(value, actual[key]) for key, value in desired.items()
+        )
+    if isinstance(desired, list):
+        return (
+            isinstance(actual, list)
+            and len(desired) == len(actual)
+            and all(is_subset(d, a) for d, a in zip(desired, actual, strict=True))
+        )
+    return bool(desired == actual)

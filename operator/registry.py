@@ -1,0 +1,17 @@
+"""The modules whose import registers Kopf handlers; `batchpilot operator` and the tests load these.
+
+The autotune timer registers itself by being listed here
+("batchpilot_operator.autotune") once its module exists.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+HANDLER_MODULES: tuple[str, ...] = ("batchpilot_operator.handlers",)
+
+
+def load_handlers() -> None:
+    """Import every handler module so that its decorators register on Kopf's default registry."""
+    for module in HANDLER_MODULES:
+        importlib.import_module(module)
