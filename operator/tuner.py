@@ -99,8 +99,11 @@ class TunerParams:
     timeout_budget_share: float = 0.1  # the timeout never exceeds this share of the SLO
     full_batch_share: float = 0.8  # mean batch >= share * max counts as "full"
     queue_share: float = 0.5  # queue wait >= share * p99: the breach is queueing
+    timeout_explains: float = 2.0  # queue wait <= this x timeout: the timeout causes it
     queueing_share: float = 0.05  # queue wait p99 >= share * SLO: requests queue
-    cooldown_intervals: int = 1  # intervals to skip after a change (window > interval)
+    # Extra intervals to skip after a change. The loops already trim the signal
+    # window at the last change (`signal_window_s`), so none are needed by default.
+    cooldown_intervals: int = 0
     ceiling_ttl_intervals: int = 20  # how long a breach caps growth
 
 
@@ -109,6 +112,7 @@ class TunerState:
     """What the tuner remembers between intervals; round-trips through status."""
 
     cooldown: int = 0
+    since_change: int = 0  # intervals decided since the last change
     ceiling: int | None = None  # batch size that last broke the SLO or the KV guard
     ceiling_age: int = 0
 
@@ -122,6 +126,7 @@ class TunerState:
         ceiling = data.get("ceiling")
         return cls(
             cooldown=max(0, int(data.get("cooldown", 0))),
+            since_change=max(0, int(data.get("since_change", 0))),
             ceiling=None if ceiling is None else int(ceiling),
             ceiling_age=max(0, int(data.get("ceiling_age", 0))),
         )
@@ -138,6 +143,9 @@ class Decision:
         return self.config != current
 
 
+_SINCE_CHANGE_CAP = 1000
+
+
 def decide(
     signals: Signals,
     current: BatchingConfig,
@@ -147,7 +155,22 @@ def decide(
     params: TunerParams | None = None,
 ) -> Decision:
     """The next batching config for these signals; see the module docstring."""
-    p = params or TunerParams()
+    decision = _decide(signals, current, bounds, slo, state, params or TunerParams())
+    if decision.config == current:
+        held = decision.state
+        since = min(held.since_change + 1, _SINCE_CHANGE_CAP)
+        return replace(decision, state=replace(held, since_change=since))
+    return decision
+
+
+def _decide(
+    signals: Signals,
+    current: BatchingConfig,
+    bounds: Bounds,
+    slo: Slo,
+    state: TunerState,
+    p: TunerParams,
+) -> Decision:
     if not bounds.contains(current):
         clamped = bounds.clamp(current)
         reason = _describe_clamp(current, clamped)
@@ -229,40 +252,51 @@ def _on_breach(
 ) -> Decision:
     batch, timeout = current.max_batch_size, current.batch_timeout_ms
     head = f"p99 {_ms(p99)} > SLO {_ms(slo.p99_latency_s)}"
-    if timeout > bounds.min_timeout_ms and _underfilled(signals, batch, p):
+    queue_wait = signals.queue_wait_p99_s or 0.0
+    if queue_wait < p.queue_share * p99:
+        # The time is spent running: a smaller batch makes every step shorter.
+        if batch > bounds.min_batch:
+            new_batch = max(bounds.min_batch, min(batch - 1, math.floor(batch * p.backoff_factor)))
+            return Decision(
+                replace(current, max_batch_size=new_batch),
+                "backoff_batch",
+                f"{head} while running (queue wait p99 {_ms(queue_wait)}): "
+                f"batch {batch} -> {new_batch}",
+                _after_change(state, p, ceiling=batch),
+            )
+        return Decision(current, "hold", f"{head} at the minimum batch: nothing left to cut", state)
+    # The time is spent queued: either the timeout holds requests back, or capacity is short.
+    if (
+        timeout > bounds.min_timeout_ms
+        and _underfilled(signals, batch, p)
+        and queue_wait <= p.timeout_explains * current.batch_timeout_s
+    ):
         new_timeout = _cut_timeout(timeout, bounds, p)
         return Decision(
             replace(current, batch_timeout_ms=new_timeout),
             "shrink_timeout",
-            f"{head} and batches fire underfilled (mean {signals.mean_batch_size:.1f} of "
-            f"{batch}): timeout {timeout:g} -> {new_timeout:g} ms",
+            f"{head}, queue wait p99 {_ms(queue_wait)} is the timeout's doing and batches fire "
+            f"underfilled (mean {signals.mean_batch_size:.1f} of {batch}): "
+            f"timeout {timeout:g} -> {new_timeout:g} ms",
             _after_change(state, p),
         )
-    queue_wait = signals.queue_wait_p99_s or 0.0
-    service = max(0.0, p99 - queue_wait)
-    if (
-        queue_wait >= p.queue_share * p99
-        and service < (1 - p.band) * slo.p99_latency_s
-        and batch < _growth_limit(bounds, state)
-    ):
-        grown = max(batch + 1, round(batch * p.capacity_factor))
-        new_batch = min(_growth_limit(bounds, state), grown)
+    limit = _growth_limit(bounds, state)
+    if batch < limit:
+        new_batch = min(limit, max(batch + 1, round(batch * p.capacity_factor)))
         return Decision(
             replace(current, max_batch_size=new_batch),
             "grow_batch",
-            f"{head} from queueing (queue wait p99 {_ms(queue_wait)}, service ~{_ms(service)}): "
-            f"capacity short, batch {batch} -> {new_batch}",
+            f"{head} from queueing (queue wait p99 {_ms(queue_wait)}): capacity short, "
+            f"batch {batch} -> {new_batch}",
             _after_change(state, p),
         )
-    if batch > bounds.min_batch:
-        new_batch = max(bounds.min_batch, min(batch - 1, math.floor(batch * p.backoff_factor)))
-        return Decision(
-            replace(current, max_batch_size=new_batch),
-            "backoff_batch",
-            f"{head}: batch {batch} -> {new_batch}",
-            _after_change(state, p, ceiling=batch),
-        )
-    return Decision(current, "hold", f"{head} at the lower bounds: nothing left to cut", state)
+    return Decision(
+        current,
+        "hold",
+        f"{head} from queueing, but batch {batch} is at its limit {limit}: "
+        "the load exceeds what the SLO allows",
+        state,
+    )
 
 
 def _on_headroom(
@@ -344,8 +378,17 @@ def _age_ceiling(state: TunerState, p: TunerParams) -> TunerState:
 
 def _after_change(state: TunerState, p: TunerParams, ceiling: int | None = None) -> TunerState:
     if ceiling is None:
-        return replace(state, cooldown=p.cooldown_intervals)
-    return TunerState(cooldown=p.cooldown_intervals, ceiling=ceiling, ceiling_age=0)
+        return replace(state, cooldown=p.cooldown_intervals, since_change=0)
+    return TunerState(cooldown=p.cooldown_intervals, since_change=0, ceiling=ceiling)
+
+
+def signal_window_s(state: TunerState, interval_s: float, window_s: float) -> float:
+    """The window the next signals should cover: never reaching back past the last change.
+
+    Right after a change the window is one interval long, so the tuner judges
+    the new config alone instead of a blend of old and new.
+    """
+    return min(window_s, interval_s * (min(state.since_change, _SINCE_CHANGE_CAP) + 1))
 
 
 def _describe_clamp(before: BatchingConfig, after: BatchingConfig) -> str:
