@@ -1,12 +1,16 @@
-"""Real `batchpilot serve` processes for tests: free ports, start, wait ready, always stop.
+"""Real servers for tests: `batchpilot serve` subprocesses, or the same app in-process.
 
     with spawn_server(tmp_path=tmp_path, mode="dynamic") as server:
-        httpx/aiohttp/urllib against server.url; server.token is the admin token
+        ... HTTP to server.url; server.token is the admin token
+    async with serve_in_process(mode="dynamic") as server:   # faster: no process start
+        ... HTTP to server.url; server.app is the aiohttp app
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import signal
 import socket
@@ -15,9 +19,19 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from batchpilot_server.app import build_app
+from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.engine_api import EngineOptions
+from batchpilot_server.protocol import Limits
+from prometheus_client.parser import text_string_to_metric_families
 
 START_DEADLINE_S = 60.0
 STOP_DEADLINE_S = 15.0
@@ -153,3 +167,79 @@ def spawn_server(
         proc.wait()
         if not ok:
             print(f"--- stderr of {' '.join(cmd)}:\n{server.stderr_tail()}", file=sys.stderr)
+
+
+@dataclass
+class InProcessServer:
+    url: str
+    token: str | None
+    app: web.Application
+
+
+@contextlib.asynccontextmanager
+async def serve_in_process(
+    *,
+    mode: str = "continuous",
+    max_batch_size: int = 8,
+    batch_timeout_ms: float = 10,
+    max_queue_size: int = 256,
+    kv_cache_mb: float = 16,
+    admin_token: str | None = "test-token",
+    threads: int = 1,
+    **limits: float,
+) -> AsyncIterator[InProcessServer]:
+    """The real app and engine on a free port of this test's event loop.
+
+    Keyword arguments beyond the named ones set `Limits` fields (e.g. queue_timeout_s).
+    """
+    options = EngineOptions(
+        mode=mode,  # type: ignore[arg-type]
+        config=BatchingConfig(max_batch_size, batch_timeout_ms, max_queue_size),
+        device="cpu",
+        kv_cache_mb=kv_cache_mb,
+        threads=threads,
+    )
+    limits_ = dataclasses.replace(Limits(), **limits)
+    app = build_app(options, admin_token=admin_token, limits=limits_)
+    server = TestServer(app, host="127.0.0.1")  # binds a free port itself
+    await server.start_server()
+    try:
+        yield InProcessServer(str(server.make_url("")).rstrip("/"), admin_token, app)
+    finally:
+        await server.close()
+
+
+# --- HTTP helpers ------------------------------------------------------------
+
+
+async def complete(
+    session: aiohttp.ClientSession, url: str, **body: Any
+) -> tuple[int, dict[str, Any], Mapping[str, str]]:
+    """POST /v1/completions (not streamed): status, JSON body, headers."""
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        return response.status, await response.json(), response.headers
+
+
+async def stream_events(response: aiohttp.ClientResponse) -> list[dict[str, Any] | str]:
+    """Every SSE `data:` payload of a streamed completion; "[DONE]" stays a string."""
+    events: list[dict[str, Any] | str] = []
+    async for raw in response.content:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[tuple[str, str], float]:
+    """/metrics as {(sample name, outcome label or ""): value}."""
+    async with session.get(f"{url}/metrics") as response:
+        assert response.status == 200
+        text = await response.text()
+    samples: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if "le" in sample.labels:
+                continue
+            samples[(sample.name, sample.labels.get("outcome", ""))] = sample.value
+    return samples
