@@ -45,8 +45,15 @@ def configure(settings: kopf.OperatorSettings) -> None:
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
     settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"
+    # No watching of CRDs and namespaces: exact namespaces only, and no RBAC for either.
+    settings.scanning.disabled = True
     # Kopf posts Events only for problems; our actions post their own Events.
     settings.posting.level = logging.WARNING
+
+
+@kopf.on.login()
+def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+    return kube.connection_info(settings)
 
 
 @kopf.on.startup()

@@ -81,6 +81,19 @@ class UndeclaredCall(RuntimeError):
     """The code tried a call missing from PERMISSIONS (and so from the ClusterRole)."""
 
 
+def connection_info(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
+    """Credentials as Kopf's built-in logins find them: the pod's service account, else
+    $KUBECONFIG or ~/.kube/config. Kopf and `Client` both use this, read at login time."""
+    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
+        settings=settings
+    )
+    if info is None:
+        raise kopf.LoginError(
+            "no Kubernetes credentials: not in a pod, and neither $KUBECONFIG nor ~/.kube/config"
+        )
+    return info
+
+
 class Client:
     """Namespaced get/list/create/merge-patch for the kinds in PERMISSIONS, plus Events."""
 
@@ -104,15 +117,7 @@ class Client:
 
     @classmethod
     def login(cls, settings: kopf.OperatorSettings) -> Client:
-        """Log in the way Kopf's built-in login does: in-cluster account, else kubeconfig."""
-        info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
-            settings=settings
-        )
-        if info is None:
-            raise kopf.LoginError(
-                "no Kubernetes credentials: not in a pod and no KUBECONFIG or ~/.kube/config"
-            )
-        return cls.from_connection(info)
+        return cls.from_connection(connection_info(settings))
 
     async def close(self) -> None:
         await self._session.close()

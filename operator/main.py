@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 from urllib.parse import urlparse
 
 import kopf
 from batchpilot_operator.registry import load_handlers
 
 DEFAULT_LIVENESS_PORT = 8080
+NAMESPACE_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     scope = parser.add_mutually_exclusive_group(required=True)
     scope.add_argument(
         "--namespace", "-n", action="append", dest="namespaces", metavar="NS",
-        help="serve this namespace (repeat for several; globs like 'team-*' allowed)",
+        help="serve this namespace (repeat for several)",
     )
     scope.add_argument(
         "--all-namespaces", "-A", action="store_true", help="serve the whole cluster"
@@ -46,9 +48,20 @@ def _check_url(parser: argparse.ArgumentParser, url: str) -> None:
         )
 
 
+def _check_namespaces(parser: argparse.ArgumentParser, namespaces: list[str] | None) -> None:
+    for namespace in namespaces or ():
+        if not NAMESPACE_RE.fullmatch(namespace):
+            parser.error(
+                f"--namespace {namespace!r} is not a namespace name (lowercase letters, digits "
+                "and '-', at most 63); patterns are not supported: the operator does not list "
+                "namespaces"
+            )
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _check_namespaces(parser, args.namespaces)
     _check_url(parser, args.prometheus_url)
     if not 0 <= args.liveness_port <= 65535:
         parser.error(f"--liveness-port must be 0..65535, got {args.liveness_port}")
