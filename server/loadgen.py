@@ -92,6 +92,7 @@ class LoadSpec:
     prompt_len: LengthDist = field(default_factory=lambda: LengthDist("fixed", 32))
     output_len: LengthDist = field(default_factory=lambda: LengthDist("fixed", 32))
     ignore_eos: bool = True  # outputs have exactly the sampled length
+    stream: bool = True  # False: one JSON answer per request, so no TTFT / inter-token
     temperature: float = 0.0
     model: str | None = None
     timeout_s: float = 120.0  # per request
@@ -322,7 +323,7 @@ class _Run:
             "max_tokens": max_tokens,
             "temperature": self.spec.temperature,
             "ignore_eos": self.spec.ignore_eos,
-            "stream": True,
+            "stream": self.spec.stream,
         }
         if self.spec.model:
             body["model"] = self.spec.model
@@ -346,6 +347,9 @@ class _Run:
             if response.status != 200:
                 result.error = await _error_message(response)
                 return
+            if not self.spec.stream:
+                _record_usage(result, (await response.json()).get("usage"))
+                return
             last = None
             async for raw in response.content:
                 line = raw.strip()
@@ -365,11 +369,14 @@ class _Run:
                     else:
                         result.inter_token_s.append(now - last)
                     last = now
-                usage = chunk.get("usage")
-                if usage:
-                    result.prompt_tokens = usage["prompt_tokens"]
-                    result.completion_tokens = usage["completion_tokens"]
+                _record_usage(result, chunk.get("usage"))
             result.error = "stream ended without data: [DONE]"
+
+
+def _record_usage(result: RequestResult, usage: dict[str, int] | None) -> None:
+    if usage:
+        result.prompt_tokens = usage["prompt_tokens"]
+        result.completion_tokens = usage["completion_tokens"]
 
 
 async def _error_message(response: aiohttp.ClientResponse) -> str:
@@ -407,6 +414,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", default="fixed:32", help="fixed:N | uniform:LO,HI | ...")
     p.add_argument("--output-len", default="fixed:32", help="... | lognormal:MEDIAN,SIGMA")
     p.add_argument("--no-ignore-eos", action="store_true", help="let outputs end at EOS")
+    p.add_argument("--no-stream", action="store_true", help="no SSE: no TTFT / inter-token")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--model")
     p.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
@@ -426,6 +434,7 @@ def spec_from_args(args: argparse.Namespace) -> LoadSpec:
         prompt_len=LengthDist.parse(args.prompt_len),
         output_len=LengthDist.parse(args.output_len),
         ignore_eos=not args.no_ignore_eos,
+        stream=not args.no_stream,
         temperature=args.temperature,
         model=args.model,
         timeout_s=args.timeout,
