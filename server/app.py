@@ -23,6 +23,7 @@ from batchpilot_server.engine_api import (
     EngineOptions,
     EngineStats,
     EngineStoppedError,
+    InvalidRequestError,
     PromptTooLongError,
     QueueFullError,
     SamplingParams,
@@ -53,14 +54,17 @@ class RequestStream(Protocol):
 class EngineLike(Protocol):
     """The part of `batchpilot_server.engine.Engine` the app uses."""
 
-    options: EngineOptions
-    tokenizer: Tokenizer
-    max_model_len: int
+    @property
+    def config(self) -> BatchingConfig: ...
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+    @property
+    def max_model_len(self) -> int: ...
 
     async def start(self) -> None: ...
     async def shutdown(self) -> None: ...
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, deadline_s: float | None = None
+        self, prompt_token_ids: list[int], params: SamplingParams, *, deadline_s: float | None
     ) -> RequestStream: ...
     def reconfigure(self, config: BatchingConfig) -> None: ...
     def stats(self) -> EngineStats: ...
@@ -125,7 +129,7 @@ def create_app(
         metrics=metrics,
         limits=limits,
         admin_token=admin_token,
-        config=engine.options.config,
+        config=engine.config,
     )
     metrics.set_config(state.config)
     app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[error_middleware])
@@ -306,6 +310,8 @@ class Generation:
             ) from exc
         except PromptTooLongError as exc:
             raise invalid(str(exc), code="context_length_exceeded", param="prompt") from exc
+        except InvalidRequestError as exc:  # what the engine checks beyond protocol.py
+            raise invalid(str(exc)) from exc
         except EngineStoppedError as exc:
             raise _engine_stopped(limits, "rejected") from exc
 

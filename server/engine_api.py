@@ -42,6 +42,10 @@ class PromptTooLongError(EngineError):
     """`submit` refused: prompt + max_tokens exceed the model's context or the KV pool."""
 
 
+class InvalidRequestError(EngineError):
+    """`submit` refused: empty prompt, token id outside the vocabulary, bad sampling values."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
@@ -60,6 +64,12 @@ class TokenEvent:
     # last event of every sequence of a batch is delivered only when the whole
     # batch ends (the hostage effect).
     finish_reason: FinishReason | None = None
+    # log-probability of `token_id` under the model's raw distribution (before
+    # temperature and top_p)
+    logprob: float | None = None
+    # the engine step at whose end the event was handed out (Engine.stats().steps
+    # counts them): a dynamic batch's final events all carry its last step
+    step: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,9 @@ class EngineOptions:
     seed: int = 0  # model weights
     block_size: int = 16  # tokens per KV block
     prefill_token_budget: int = 2048  # continuous: prompt tokens admitted per step
+    # CUDA only: size the KV pool as this fraction of free device memory
+    # instead of kv_cache_mb (None: kv_cache_mb on every device)
+    gpu_memory_fraction: float | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +94,8 @@ class EngineStats:
     waiting: int
     kv_blocks_total: int
     kv_blocks_used: int
+    steps: int = 0  # engine steps run so far (each runs a prefill and/or a decode forward)
+    preemptions: int = 0  # sequences evicted for KV space so far
 
     @property
     def kv_usage_ratio(self) -> float:

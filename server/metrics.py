@@ -92,12 +92,10 @@ class ServerMetrics:
 
     def on_step(self, batch_size: int, duration_s: float) -> None:
         self.step_duration.observe(duration_s)
-        if self.mode == "continuous":
-            self.batch_size.observe(batch_size)
 
     def on_batch(self, batch_size: int) -> None:
-        if self.mode == "dynamic":
-            self.batch_size.observe(batch_size)
+        # The engine reports a step's sequences (continuous) or a fired batch (dynamic).
+        self.batch_size.observe(batch_size)
 
     def on_hostage(self, seconds: float) -> None:
         self.hostage.observe(seconds)

@@ -18,6 +18,9 @@ from batchpilot_server.protocol import Limits
 
 log = logging.getLogger("batchpilot.serve")
 
+# Share of free GPU memory the KV pool takes when --kv-cache-mb is not given.
+GPU_MEMORY_FRACTION = 0.8
+
 
 class UsageError(Exception):
     """A flag or file the user gave cannot be used; exit 2 with this message."""
@@ -34,7 +37,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--kv-cache-mb", type=float, default=EngineOptions.kv_cache_mb)
+    p.add_argument(
+        "--kv-cache-mb",
+        type=float,
+        help=f"KV cache size (default: {EngineOptions.kv_cache_mb:g} on CPU, "
+        f"{GPU_MEMORY_FRACTION:.0%} of free memory on a GPU)",
+    )
     p.add_argument("--admin-token-file", type=Path, help="enables PUT /admin/batching")
     p.add_argument(
         "--config-file",
@@ -85,7 +93,7 @@ def admin_token(path: Path | None) -> str | None:
 
 
 def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOptions:
-    if args.kv_cache_mb <= 0:
+    if args.kv_cache_mb is not None and args.kv_cache_mb <= 0:
         raise UsageError(f"--kv-cache-mb must be positive, got {args.kv_cache_mb:g}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be at least 1, got {args.threads}")
@@ -94,7 +102,9 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
         config=config,
         model=args.model,
         device=args.device,
-        kv_cache_mb=args.kv_cache_mb,
+        kv_cache_mb=args.kv_cache_mb or EngineOptions.kv_cache_mb,
+        # Only a GPU uses it, and only when no explicit size was given.
+        gpu_memory_fraction=None if args.kv_cache_mb else GPU_MEMORY_FRACTION,
         threads=args.threads,
         seed=args.seed,
     )

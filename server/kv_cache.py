@@ -1,0 +1,123 @@
+"""Paged KV cache: a fixed pool of blocks, block tables per sequence.
+
+`BlockPool` does the accounting (which block belongs to whom); `KVCache`
+holds the tensors, one [num_blocks, heads, block_size, head_dim] pool per
+layer for K and for V. Attention reads the blocks where they lie (see
+`model_runner.PagedDecodeAttention`): nothing copies a sequence's cache into
+a contiguous tensor per step.
+"""
+
+from __future__ import annotations
+
+import torch
+from batchpilot_server.models import ModelSpec
+
+
+class KVAccountingError(RuntimeError):
+    """A block was released twice or never belonged to the pool: an engine bug."""
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        # popped from the end: low ids first, so the used part of the pool stays compact
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._is_free = [True] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage_ratio(self) -> float:
+        return self.num_used / self.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_hold(self, table: list[int], num_tokens: int) -> bool:
+        """Whether `grow(table, num_tokens)` would succeed."""
+        return self.blocks_for(num_tokens) - len(table) <= len(self._free)
+
+    def grow(self, table: list[int], num_tokens: int) -> bool:
+        """Extend `table` in place to hold `num_tokens`; False, table untouched, if it can't."""
+        needed = self.blocks_for(num_tokens) - len(table)
+        if needed > len(self._free):
+            return False
+        for _ in range(needed):
+            block = self._free.pop()
+            self._is_free[block] = False
+            table.append(block)
+        return True
+
+    def release(self, table: list[int]) -> None:
+        """Return every block of `table` to the pool and empty it."""
+        for block in table:
+            if not 0 <= block < self.num_blocks or self._is_free[block]:
+                raise KVAccountingError(f"block {block} released but not allocated")
+            self._is_free[block] = True
+            self._free.append(block)
+        table.clear()
+
+
+def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * spec.n_layers * block_size * spec.d_model * element
+
+
+class KVCache:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        num_blocks: int,
+        block_size: int,
+        device: str,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.pool = BlockPool(num_blocks, block_size)
+        shape = (spec.n_layers, num_blocks, spec.n_heads, block_size, spec.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @classmethod
+    def sized(
+        cls,
+        spec: ModelSpec,
+        budget_bytes: float,
+        block_size: int,
+        device: str,
+        dtype: torch.dtype = torch.float32,
+    ) -> KVCache:
+        """As many blocks as fit in `budget_bytes`."""
+        num_blocks = int(budget_bytes // bytes_per_block(spec, block_size, dtype))
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV budget of {budget_bytes / 2**20:.3g} MiB is smaller than one block "
+                f"({bytes_per_block(spec, block_size, dtype) / 2**20:.3g} MiB)"
+            )
+        return cls(spec, num_blocks, block_size, device, dtype)
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    def write(
+        self,
+        layer: int,
+        blocks: torch.Tensor,
+        offsets: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Store k, v [tokens, heads, head_dim] at (`blocks`, `offsets`) [tokens]."""
+        self.k[layer][blocks, :, offsets] = k
+        self.v[layer][blocks, :, offsets] = v

@@ -1,0 +1,94 @@
+"""Continuous (iteration-level) scheduling: every step admits waiting
+sequences while running < `max_batch_size`, within the prefill token budget
+and the free KV blocks, and finished sequences leave at once. When blocks run
+out mid-decode the newest running sequence is preempted: its blocks are freed
+and it is recomputed later from its tokens so far. `batch_timeout_ms` is how
+long an idle engine waits for more arrivals before its first step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.kv_cache import BlockPool
+from batchpilot_server.scheduling import StepPlan
+from batchpilot_server.sequence import Sequence, Status
+
+
+class ContinuousScheduler:
+    def __init__(self, pool: BlockPool, waiting: deque[Sequence], prefill_budget: int) -> None:
+        self.pool = pool
+        self.waiting = waiting
+        self.prefill_budget = prefill_budget
+        self.running: list[Sequence] = []  # oldest first
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def schedule(self, now: float, config: BatchingConfig, flush: bool) -> StepPlan | None:
+        """The next step; None when nothing may run yet. `flush` skips the idle wait."""
+        if not self.running and self.waiting and not flush and not self._due(now, config):
+            return None
+        preempted = self._make_room_for_decode()
+        plan = StepPlan(decode=list(self.running), preempted=preempted)
+        budget = self.prefill_budget
+        while self.waiting and len(self.running) < config.max_batch_size:
+            head = self.waiting[0]
+            if plan.prefill and head.num_tokens > budget:
+                break  # a prompt over the whole budget still runs, alone
+            if not self.pool.grow(head.block_table, head.num_tokens + 1):
+                break
+            budget -= head.num_tokens
+            head.status = Status.RUNNING
+            self.running.append(self.waiting.popleft())
+            plan.prefill.append(head)
+        return plan if plan.size else None
+
+    def _due(self, now: float, config: BatchingConfig) -> bool:
+        return (
+            len(self.waiting) >= config.max_batch_size
+            or now >= self.waiting[0].arrival + config.batch_timeout_s
+        )
+
+    def _make_room_for_decode(self) -> list[Sequence]:
+        """Grow each running sequence by the token it decodes next, oldest first,
+        preempting the newest while the pool is short."""
+        preempted: list[Sequence] = []
+        index = 0
+        while index < len(self.running):
+            seq = self.running[index]
+            while not self.pool.grow(seq.block_table, seq.num_tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            index += 1
+        return preempted
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.pool.release(seq.block_table)
+        seq.num_cached = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)  # victims go newest first: the oldest ends up in front
+
+    def wake_at(self, config: BatchingConfig) -> float | None:
+        """When an idle engine stops waiting for more arrivals (None: nothing waits)."""
+        if self.running or not self.waiting:
+            return None
+        return self.waiting[0].arrival + config.batch_timeout_s
+
+    def finish(self, finished: list[Sequence]) -> list[Sequence]:
+        """Finished sequences leave at once and their blocks return to the pool."""
+        for seq in finished:
+            self.running.remove(seq)
+            self.pool.release(seq.block_table)
+        return finished
+
+    def cancel(self, seq: Sequence) -> list[Sequence]:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.pool.release(seq.block_table)
+        return []

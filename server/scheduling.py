@@ -1,0 +1,48 @@
+"""What a scheduler hands the engine for one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.sequence import Sequence
+
+
+@dataclass
+class StepPlan:
+    prefill: list[Sequence] = field(default_factory=list)  # compute whole token lists
+    decode: list[Sequence] = field(default_factory=list)  # feed the newest token
+    preempted: list[Sequence] = field(default_factory=list)  # evicted to make room
+    fired: int = 0  # dynamic: size of the batch that fired with this step
+
+    @property
+    def size(self) -> int:
+        return len(self.prefill) + len(self.decode)
+
+
+class Scheduler(Protocol):
+    """The policy half of the engine: `dynamic` or `continuous`.
+
+    Called from the engine thread only, under the engine's lock. `waiting` is
+    shared with `Engine.submit`; the scheduler moves sequences out of it.
+    """
+
+    @property
+    def num_running(self) -> int: ...
+
+    def schedule(self, now: float, config: BatchingConfig, flush: bool) -> StepPlan | None:
+        """The next step, or None when nothing may run yet."""
+        ...
+
+    def wake_at(self, config: BatchingConfig) -> float | None:
+        """Monotonic time at which `schedule` may answer differently without new events."""
+        ...
+
+    def finish(self, finished: list[Sequence]) -> list[Sequence]:
+        """Take the sequences that just finished; return those whose response completes now."""
+        ...
+
+    def cancel(self, seq: Sequence) -> list[Sequence]:
+        """Drop a running sequence and free its blocks; return responses that complete now."""
+        ...

@@ -1,0 +1,65 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from batchpilot_server.engine_api import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float  # time.monotonic() at submit
+    deadline: float | None  # monotonic; only applies until first scheduled
+    generator: torch.Generator | None  # None: greedy
+    token_ids: list[int] = field(init=False)
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V sit in the cache
+    status: Status = Status.WAITING
+    first_scheduled: float | None = None
+    finish_reason: FinishReason | None = None
+    finished_at: float | None = None
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt + self.params.max_tokens
+
+    def finish_reason_after(self, token_id: int, eos_id: int) -> FinishReason | None:
+        """Why the sequence ends with `token_id` just appended, if it does."""
+        if token_id in self.params.stop_token_ids:
+            return "stop"
+        if token_id == eos_id and not self.params.ignore_eos:
+            return "stop"
+        if self.num_output >= self.params.max_tokens:
+            return "length"
+        return None

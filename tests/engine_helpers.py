@@ -1,0 +1,69 @@
+"""Shared pieces of the engine tests: a recording observer and stream collection."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from batchpilot_server.batching import BatchingConfig, Mode
+from batchpilot_server.engine import Engine, RequestStream
+from batchpilot_server.engine_api import EngineOptions, TokenEvent
+
+
+@dataclass
+class RecordingObserver:
+    """Keeps what the engine reports, as the server's metrics would."""
+
+    scheduled: list[float] = field(default_factory=list)
+    steps: list[tuple[int, float]] = field(default_factory=list)
+    batches: list[int] = field(default_factory=list)
+    hostage: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def on_scheduled(self, queue_wait_s: float) -> None:
+        with self.lock:
+            self.scheduled.append(queue_wait_s)
+
+    def on_step(self, batch_size: int, duration_s: float) -> None:
+        with self.lock:
+            self.steps.append((batch_size, duration_s))
+
+    def on_batch(self, batch_size: int) -> None:
+        with self.lock:
+            self.batches.append(batch_size)
+
+    def on_hostage(self, seconds: float) -> None:
+        with self.lock:
+            self.hostage.append(seconds)
+
+    def on_preemption(self) -> None:
+        with self.lock:
+            self.preemptions += 1
+
+
+async def started(
+    mode: Mode,
+    observer: RecordingObserver | None = None,
+    kv_cache_mb: float = 16.0,
+    **config: float,
+) -> Engine:
+    defaults = {"max_batch_size": 8, "batch_timeout_ms": 20.0, "max_queue_size": 256}
+    options = EngineOptions(
+        mode=mode,
+        config=BatchingConfig(**{**defaults, **config}),  # type: ignore[arg-type]
+        device="cpu",
+        kv_cache_mb=kv_cache_mb,
+    )
+    engine = Engine(options, observer)
+    await engine.start()
+    return engine
+
+
+async def collect(stream: RequestStream) -> list[TokenEvent]:
+    return [event async for event in stream]
+
+
+def prompt(engine: Engine, n: int) -> list[int]:
+    """A distinct prompt per n, as the tokenizer would make it."""
+    return engine.tokenizer.encode(f"request {n}: " + "abcdefgh"[: n % 8])
