@@ -30,10 +30,6 @@ KOPF_PERMISSIONS: Mapping[tuple[kube.Kind, str | None], frozenset[kube.Verb]] = 
     (kube.EVENTS, None): frozenset({"create"}),
 }
 
-# One reconcile at a time per policy: the policy's own handler and the drift
-# handlers of its owned objects would otherwise race on create.
-_locks: dict[tuple[str, str], asyncio.Lock] = {}
-
 
 def configure(settings: kopf.OperatorSettings) -> None:
     """Kopf settings batchpilot relies on, in the operator and in the tests alike."""
@@ -61,6 +57,9 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     configure(settings)
     if memo.get("kube") is None:
         memo["kube"] = kube.Client.login(settings)
+    # One reconcile at a time per policy: the policy's own handler and the drift
+    # handlers of its owned objects would otherwise race on create.
+    memo["locks"] = {}
 
 
 @kopf.on.cleanup()
@@ -83,7 +82,7 @@ async def on_policy(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     # An invalid spec is reported in status by reconcile and not raised: Kopf
     # must not retry it; the next spec change triggers this handler again.
     try:
-        await _reconcile_locked(client_of(memo), _plain(body))
+        await _reconcile_locked(memo, _plain(body))
     except kube.KubeError as exc:
         raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_SECONDS) from exc
 
@@ -101,7 +100,7 @@ async def on_owned_event(
     if policy is None or policy["metadata"].get("deletionTimestamp"):
         return  # the garbage collector takes the owned objects away
     try:
-        await _reconcile_locked(client, policy)
+        await _reconcile_locked(memo, policy)
     except kube.KubeError as exc:
         logger.warning(f"drift repair of {namespace}/{meta.name} failed: {exc}")
 
@@ -115,10 +114,11 @@ for _kind in OWNED_KINDS:
     )(on_owned_event)
 
 
-async def _reconcile_locked(client: kube.Client, policy: Mapping[str, Any]) -> None:
+async def _reconcile_locked(memo: kopf.Memo, policy: Mapping[str, Any]) -> None:
     key = (policy["metadata"]["namespace"], policy["metadata"]["name"])
-    async with _locks.setdefault(key, asyncio.Lock()):
-        await reconcile(client, policy)
+    locks: dict[tuple[str, str], asyncio.Lock] = memo["locks"]
+    async with locks.setdefault(key, asyncio.Lock()):
+        await reconcile(client_of(memo), policy)
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:

@@ -63,6 +63,7 @@ PERMISSIONS: Mapping[tuple[Kind, str | None], frozenset[Verb]] = {
 }
 
 EVENT_COMPONENT = "batchpilot-operator"
+USER_AGENT = "batchpilot-operator"
 
 
 class KubeError(Exception):
@@ -104,13 +105,13 @@ class Client:
     @classmethod
     def for_url(cls, base_url: str, token: str | None = None) -> Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        return cls(aiohttp.ClientSession(headers=headers), base_url)
+        return cls(aiohttp.ClientSession(headers={**headers, "User-Agent": USER_AGENT}), base_url)
 
     @classmethod
     def from_connection(cls, info: kopf.ConnectionInfo) -> Client:
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(ssl=info.as_ssl_context()),
-            headers=info.as_http_headers(),
+            headers={**info.as_http_headers(), "User-Agent": USER_AGENT},
             trust_env=info.trust_env,
         )
         return cls(session, info.server)

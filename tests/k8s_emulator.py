@@ -48,7 +48,18 @@ BUILTIN_KINDS = (
 )
 ALL_VERBS = ("get", "list", "watch", "create", "update", "patch", "delete")
 DEFAULT_TIMEOUT = 10.0
+MUTATIONS = (kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE)
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ApiCall:
+    """One resource request as RBAC sees it: (apiGroup, resource[/subresource], verb)."""
+
+    user_agent: str
+    group: str
+    resource: str
+    verb: str
 
 
 class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
@@ -57,8 +68,8 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self._versions = itertools.count(1)
-        # (group, plural, subresource, verb) of every request: RBAC tests compare with it.
-        self.calls: list[tuple[str, str, str | None, str]] = []
+        # Every resource request, for RBAC tests to compare with the ClusterRole.
+        self.calls: list[ApiCall] = []
 
     def register_kinds(self) -> None:
         """Serve discovery for the built-in kinds and the BatchingPolicy CRD."""
@@ -94,17 +105,22 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
             elif request.action == kmock.action.UPDATE:
                 self._stamp_patch(request)
         response = await super()._handle(request)
-        if request.action == kmock.action.DELETE and request.resource is not None:
+        if request.resource is not None and request.action in MUTATIONS:
             await self._collect_garbage()
         return response
 
     def _record(self, request: kmock.Request) -> None:
-        verb = request.action.value.lower() if request.action is not None else ""
-        verb = {"fetch": "get", "update": "patch"}.get(verb, verb)
-        assert request.resource is not None
-        self.calls.append(
-            (request.resource.group or "", request.resource.plural or "", request.subresource, verb)
-        )
+        assert request.resource is not None and request.action is not None
+        if not request.resource.plural:
+            return  # discovery, open to every client
+        verb = str(request.action.value).lower()
+        self.calls.append(ApiCall(
+            user_agent=request.headers.get("User-Agent", ""),
+            group=request.resource.group or "",
+            resource=request.resource.plural
+            + (f"/{request.subresource}" if request.subresource else ""),
+            verb={"fetch": "get", "update": "patch"}.get(verb, verb),
+        ))
 
     def _stamp_new(self, request: kmock.Request) -> None:
         if not isinstance(request.data, dict):
@@ -148,7 +164,11 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         return raw
 
     async def _collect_garbage(self) -> None:
-        """Delete every object whose owners are all gone (background cascading deletion)."""
+        """Delete every object whose owners are all gone, as Kubernetes' garbage collector does.
+
+        Run after every write: a dependent created by a reconcile that raced with its
+        owner's deletion is collected too.
+        """
         async with self._lock:
             live = {
                 obj.raw.get("metadata", {}).get("uid")

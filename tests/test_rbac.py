@@ -1,0 +1,97 @@
+"""The ClusterRole grants exactly what the operator's code and Kopf call, and nothing else."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+from pathlib import Path
+
+import yaml
+from batchpilot_operator import kube
+from batchpilot_operator.handlers import KOPF_PERMISSIONS
+
+ROOT = Path(__file__).resolve().parent.parent
+Grant = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
+
+
+def _rendered() -> list[dict]:
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(ROOT / "manifests")],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def cluster_role() -> dict:
+    (role,) = [doc for doc in _rendered() if doc["kind"] == "ClusterRole"]
+    return role
+
+
+def granted_by_cluster_role() -> set[Grant]:
+    return {
+        (group, resource, verb)
+        for rule in cluster_role()["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def declared() -> set[Grant]:
+    tables = (kube.PERMISSIONS, KOPF_PERMISSIONS)
+    return {
+        (kind.group, kind.plural + (f"/{sub}" if sub else ""), verb)
+        for table in tables
+        for (kind, sub), verbs in table.items()
+        for verb in verbs
+    }
+
+
+def test_cluster_role_grants_exactly_the_declared_calls() -> None:
+    assert granted_by_cluster_role() == declared()
+
+
+def test_no_wildcards_and_no_unused_rule_fields() -> None:
+    for rule in cluster_role()["rules"]:
+        assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
+        assert set(rule) == {"apiGroups", "resources", "verbs"}
+
+
+def test_binding_gives_the_role_to_the_operator_account() -> None:
+    docs = _rendered()
+    (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    (account,) = [d for d in docs if d["kind"] == "ServiceAccount"]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    assert binding["roleRef"]["name"] == cluster_role()["metadata"]["name"]
+    (subject,) = binding["subjects"]
+    assert (subject["name"], subject["namespace"]) == (
+        account["metadata"]["name"], account["metadata"]["namespace"],
+    )
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+    assert deployment["metadata"]["namespace"] == account["metadata"]["namespace"]
+
+
+def test_every_kind_the_code_calls_is_declared() -> None:
+    # The table is only exact if the code calls nothing outside it: find every
+    # `<client>.<verb>(KIND, ...)` in the operator package and check its kind is declared.
+    declared_kinds = {name for name in vars(kube) if isinstance(getattr(kube, name), kube.Kind)}
+    used: set[tuple[str, str]] = set()
+    for path in (ROOT / "operator").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in {"get", "list", "create", "patch"}
+                and node.args
+                and isinstance(first := node.args[0], ast.Name | ast.Attribute)
+            ):
+                name = first.id if isinstance(first, ast.Name) else first.attr
+                if name in declared_kinds:
+                    used.add((name, node.func.attr))
+    kinds = {name: getattr(kube, name) for name in declared_kinds}
+    for name, verb in used:
+        allowed = set().union(
+            *(verbs for (kind, _), verbs in kube.PERMISSIONS.items() if kind == kinds[name])
+        )
+        assert verb in allowed, f"{verb} {name} is called but not in kube.PERMISSIONS"
