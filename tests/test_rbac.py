@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 Grant = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
 
 
-def _rendered() -> list[dict]:
+def render_manifests() -> list[dict]:
     out = subprocess.run(
         ["kubectl", "kustomize", str(ROOT / "manifests")],
         check=True, capture_output=True, text=True, timeout=60,
@@ -23,7 +23,7 @@ def _rendered() -> list[dict]:
 
 
 def cluster_role() -> dict:
-    (role,) = [doc for doc in _rendered() if doc["kind"] == "ClusterRole"]
+    (role,) = [doc for doc in render_manifests() if doc["kind"] == "ClusterRole"]
     return role
 
 
@@ -58,7 +58,7 @@ def test_no_wildcards_and_no_unused_rule_fields() -> None:
 
 
 def test_binding_gives_the_role_to_the_operator_account() -> None:
-    docs = _rendered()
+    docs = render_manifests()
     (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
     (account,) = [d for d in docs if d["kind"] == "ServiceAccount"]
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]

@@ -1,0 +1,231 @@
+"""The BatchingPolicy CRD: its schema (with jsonschema), its CEL rules (with cel-python),
+and its agreement with the operator's own spec parsing."""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import celpy
+import jsonschema
+import pytest
+import yaml
+from batchpilot_operator.spec import SpecError, parse_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+CRD = yaml.safe_load((ROOT / "crds" / "batchingpolicy.yaml").read_text())
+(VERSION,) = CRD["spec"]["versions"]
+SCHEMA = VERSION["schema"]["openAPIV3Schema"]
+EXAMPLES = sorted((ROOT / "manifests" / "examples").glob("*.yaml"))
+
+
+def with_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """`value` defaulted the way the API server does: absent fields take `default`, recursively."""
+    if not isinstance(value, dict) or "properties" not in schema:
+        return value
+    out = dict(value)
+    for key, sub in schema["properties"].items():
+        if key not in out and "default" in sub:
+            out[key] = copy.deepcopy(sub["default"])
+        if key in out:
+            out[key] = with_defaults(sub, out[key])
+    return out
+
+
+def to_cel(schema: dict[str, Any], value: Any) -> Any:
+    """`value` as CEL sees it in Kubernetes: `type: number` is always a double."""
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        return celpy.celtypes.MapType({
+            celpy.celtypes.StringType(k): to_cel(props.get(k, {}), v) for k, v in value.items()
+        })
+    if isinstance(value, list):
+        return celpy.celtypes.ListType([to_cel(schema.get("items", {}), v) for v in value])
+    if schema.get("type") == "number":
+        return celpy.celtypes.DoubleType(value)
+    return celpy.json_to_cel(value)
+
+
+def rules(schema: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any], dict]]:
+    """(path, schema node, rule) for every x-kubernetes-validations rule in the schema."""
+    for rule in schema.get("x-kubernetes-validations", []):
+        yield path, schema, rule
+    for key, sub in schema.get("properties", {}).items():
+        yield from rules(sub, f"{path}.{key}")
+
+
+def at(value: Any, path: str) -> Any:
+    for key in path.strip(".").split("."):
+        if key:
+            value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+CEL = celpy.Environment()
+
+
+def cel_failures(obj: dict[str, Any]) -> list[str]:
+    failures = []
+    for path, node, rule in rules(SCHEMA):
+        target = at(obj, path)
+        if target is None:
+            continue
+        program = CEL.program(CEL.compile(rule["rule"]))
+        if not program.evaluate({"self": to_cel(node, target)}):
+            failures.append(rule["message"])
+    return failures
+
+
+def refusals(obj: dict[str, Any]) -> list[str]:
+    """What the API server would say: schema errors first, then (on a defaulted object) CEL."""
+    validator = jsonschema.Draft7Validator(SCHEMA)
+    errors = [error.message for error in validator.iter_errors(obj)]
+    return errors or cel_failures(with_defaults(SCHEMA, obj))
+
+
+def example(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
+def test_there_are_cpu_and_gpu_examples() -> None:
+    assert [p.name for p in EXAMPLES] == ["cpu-policy.yaml", "gpu-policy.yaml"]
+    gpu = example(EXAMPLES[1])["spec"]["server"]
+    assert gpu["gpus"] >= 1 and gpu["device"] == "cuda"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_are_accepted_by_the_crd_and_the_operator(path: Path) -> None:
+    obj = example(path)
+    assert refusals(obj) == []
+    assert obj["apiVersion"] == f"{CRD['spec']['group']}/{VERSION['name']}"
+    assert obj["kind"] == CRD["spec"]["names"]["kind"]
+    parse_spec(with_defaults(SCHEMA, obj)["spec"])
+
+
+def test_crd_defaults_are_the_operators_defaults() -> None:
+    defaulted = with_defaults(SCHEMA, {"spec": {}})["spec"]
+    assert parse_spec(defaulted) == parse_spec({})
+
+
+def policy(**spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "batchpilot.io/v1alpha1",
+        "kind": "BatchingPolicy",
+        "metadata": {"name": "p", "namespace": "default"},
+        "spec": spec,
+    }
+
+
+INVALID = [
+    # (id, spec, words in the API server's refusal)
+    ("unknown mode", {"batching": {"mode": "greedy"}}, "'greedy' is not one of"),
+    ("negative replicas", {"replicas": -1}, "-1 is less than the minimum"),
+    ("batch over the server limit", {"batching": {"maxBatchSize": {"max": 2000}}}, "maximum"),
+    ("unknown device", {"server": {"device": "tpu"}}, "'tpu' is not one of"),
+    ("timeout as text", {"batching": {"batchTimeoutMs": {"initial": "ten"}}}, "not of type"),
+    ("watermark over 1", {"autotune": {"kvHighWatermark": 1.5}}, "maximum"),
+    ("zero SLO", {"slo": {"p99LatencyMs": 0}}, "less than the minimum"),
+    (
+        "initial above max",
+        {"batching": {"maxBatchSize": {"initial": 80, "min": 1, "max": 64}}},
+        "maxBatchSize needs min <= initial <= max",
+    ),
+    (
+        "min above initial",
+        {"batching": {"maxBatchSize": {"initial": 2, "min": 4, "max": 64}}},
+        "maxBatchSize needs min <= initial <= max",
+    ),
+    (
+        "timeout initial above max",
+        {"batching": {"batchTimeoutMs": {"initial": 300}}},
+        "batchTimeoutMs needs min <= initial <= max",
+    ),
+    (
+        "timeout min above initial",
+        {"batching": {"batchTimeoutMs": {"initial": 5, "min": 6, "max": 50}}},
+        "batchTimeoutMs needs min <= initial <= max",
+    ),
+    (
+        "batch that cannot fill the queue",
+        {"batching": {"maxQueueSize": 4, "maxBatchSize": {"initial": 8, "min": 8, "max": 16}}},
+        "maxBatchSize.min must not exceed maxQueueSize",
+    ),
+    (
+        "timeout floor above the SLO",
+        {"batching": {"batchTimeoutMs": {"initial": 60, "min": 50, "max": 100}},
+         "slo": {"p99LatencyMs": 40}},
+        "SLO could never be met",
+    ),
+    (
+        "window shorter than interval",
+        {"autotune": {"intervalSeconds": 60, "windowSeconds": 30}},
+        "windowSeconds must be at least intervalSeconds",
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "words"), [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
+def test_invalid_policies_are_refused_by_the_crd_and_the_operator(
+    spec: dict[str, Any], words: str
+) -> None:
+    found = refusals(policy(**spec))
+    assert any(words in message for message in found), found
+    # Where CEL is not enforced (old clusters, the test emulator) the operator refuses it too.
+    with pytest.raises(SpecError):
+        parse_spec(with_defaults(SCHEMA, policy(**spec))["spec"])
+
+
+def test_a_policy_without_spec_is_refused() -> None:
+    obj = policy()
+    del obj["spec"]
+    assert refusals(obj) == ["'spec' is a required property"]
+
+
+def test_mode_rule_refuses_unknown_modes_on_its_own() -> None:
+    # The enum already refuses them; the CEL rule states the same intent for clusters
+    # and tools that only read x-kubernetes-validations.
+    batching = with_defaults(SCHEMA, {"spec": {}})["spec"]["batching"]
+    node = SCHEMA["properties"]["spec"]["properties"]["batching"]
+    (mode_rule,) = [r for r in node["x-kubernetes-validations"] if "self.mode" in r["rule"]]
+    program = CEL.program(CEL.compile(mode_rule["rule"]))
+    for mode, accepted in (("dynamic", True), ("continuous", True), ("greedy", False)):
+        verdict = program.evaluate({"self": to_cel(node, {**batching, "mode": mode})})
+        assert bool(verdict) is accepted
+
+
+def structural_violations(schema: dict[str, Any], path: str = "") -> Iterator[str]:
+    if "type" not in schema and not schema.get("x-kubernetes-int-or-string"):
+        yield f"{path or '<root>'} has no type"
+    for key, sub in schema.get("properties", {}).items():
+        yield from structural_violations(sub, f"{path}.{key}")
+    if isinstance(schema.get("items"), dict):
+        yield from structural_violations(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from structural_violations(schema["additionalProperties"], f"{path}{{}}")
+
+
+def test_schema_is_structural() -> None:
+    assert list(structural_violations(SCHEMA)) == []
+
+
+def test_names_subresource_and_printer_columns() -> None:
+    assert CRD["metadata"]["name"] == f"{CRD['spec']['names']['plural']}.{CRD['spec']['group']}"
+    assert CRD["spec"]["names"]["shortNames"] == ["bp"]
+    assert VERSION["subresources"] == {"status": {}}
+    columns = VERSION["additionalPrinterColumns"]
+    assert [c["name"].upper() for c in columns] == [
+        "MODE", "BATCH", "TIMEOUT", "P99", "SLO", "READY", "AGE",
+    ]
+    for column in columns:
+        field_path = re.sub(r"\[\?.*\]", "", column["jsonPath"])
+        node = SCHEMA
+        for key in field_path.strip(".").split("."):
+            if key == "metadata":
+                break
+            node = node["properties"][key]
+            node = node.get("items", node)
+        else:
+            assert node["type"] in (column["type"], "integer" if column["type"] == "number" else "")

@@ -1,0 +1,64 @@
+"""`kubectl kustomize manifests/` renders, and what it renders is what the operator needs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.test_rbac import render_manifests
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+
+
+@pytest.fixture(scope="module")
+def rendered() -> list[dict[str, Any]]:
+    return render_manifests()
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (found,) = [d for d in docs if d["kind"] == kind]
+    return found
+
+
+def test_every_object_parses_with_identity(rendered: list[dict[str, Any]]) -> None:
+    assert {d["kind"] for d in rendered} >= {
+        "Namespace", "CustomResourceDefinition", "ServiceAccount", "ClusterRole",
+        "ClusterRoleBinding", "Deployment",
+    }
+    cluster_scoped = {"Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"}
+    namespace = one(rendered, "Namespace")["metadata"]["name"]
+    for doc in rendered:
+        assert doc["apiVersion"] and doc["metadata"]["name"]
+        if doc["kind"] not in cluster_scoped:
+            assert doc["metadata"]["namespace"] == namespace, doc["metadata"]
+
+
+def test_the_crd_is_the_one_in_crds(rendered: list[dict[str, Any]]) -> None:
+    crd = one(rendered, "CustomResourceDefinition")
+    source = yaml.safe_load((ROOT / "crds" / "batchingpolicy.yaml").read_text())
+    assert crd["spec"] == source["spec"]
+
+
+def test_operator_runs_locked_down_with_probes_on_its_liveness_port(
+    rendered: list[dict[str, Any]],
+) -> None:
+    deployment = one(rendered, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["args"][0] == "operator"
+    port = int(container["args"][container["args"].index("--liveness-port") + 1])
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/healthz"
+        assert ports[container[probe]["httpGet"]["port"]] == port
+    security = container["securityContext"]
+    assert security["runAsNonRoot"] and security["readOnlyRootFilesystem"]
+    assert security["capabilities"]["drop"] == ["ALL"]
+    assert not security["allowPrivilegeEscalation"]
+    assert pod["securityContext"]["runAsNonRoot"]
+    assert deployment["spec"]["replicas"] == 1
