@@ -53,14 +53,16 @@ class PagedDecodeAttention:
         width = -(-max(lengths) // size)  # table columns of the longest context
         pairs = list(zip(seqs, lengths, strict=True))
         last_blocks = [seq.block_table[(n - 1) // size] for seq, n in pairs]  # where K/V go now
-        span = 1 + max(max(seq.block_table[: -(-n // size)]) for seq, n in pairs)
+        # only the blocks in use: a dynamic batch reserves more than it has written
+        used = [seq.block_table[: -(-n // size)] for seq, n in pairs]
+        span = 1 + max(max(blocks) for blocks in used)
         slots = len(seqs) * width
         owner, where = [0] * span, [slots] * span  # `slots` = the all-zero weight row
-        for row, (seq, n) in enumerate(pairs):
-            for column, block in enumerate(seq.block_table[: -(-n // size)]):
+        for row, blocks in enumerate(used):
+            for column, block in enumerate(blocks):
                 owner[block], where[block] = row, row * width + column
         device = cache.k.device
-        tables = [(seq.block_table + [0] * width)[:width] for seq in seqs]
+        tables = [blocks + [0] * (width - len(blocks)) for blocks in used]
         keys = torch.arange(width * size, device=device)
         lengths_t = torch.tensor(lengths, device=device)
         self.cache = cache

@@ -1,7 +1,8 @@
 """Dynamic (static-batch) scheduling: a batch fires when `max_batch_size`
 requests wait or the oldest has waited `batch_timeout_ms`, then runs as one
 unit until its longest sequence ends. KV for prompt + max_tokens of every
-member is reserved when the batch fires; a batch that would not fit is cut.
+member is reserved when the batch fires; a batch that would not fit is cut,
+and the requests cut off fire as the next batch without waiting again.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ class DynamicScheduler:
         self.pool = pool
         self.waiting = waiting
         self.batch: list[Sequence] = []  # the batch in flight, finished members included
+        self.cut_off = 0  # requests left out of the last batch for lack of KV: due at once
 
     @property
     def num_running(self) -> int:
@@ -39,12 +41,14 @@ class DynamicScheduler:
             head.status = Status.RUNNING
         if not batch:
             raise RuntimeError("the KV pool cannot hold a request that passed the size check")
+        self.cut_off = min(len(self.waiting), config.max_batch_size - len(batch))
         self.batch = batch
         return StepPlan(prefill=batch, fired=len(batch))
 
     def _due(self, now: float, config: BatchingConfig) -> bool:
         return (
-            len(self.waiting) >= config.max_batch_size
+            self.cut_off > 0
+            or len(self.waiting) >= config.max_batch_size
             or now >= self.waiting[0].arrival + config.batch_timeout_s
         )
 
@@ -52,6 +56,8 @@ class DynamicScheduler:
         """When the oldest waiting request's timeout fires (None: nothing waits)."""
         if self.batch or not self.waiting:
             return None
+        if self.cut_off:
+            return 0.0
         return self.waiting[0].arrival + config.batch_timeout_s
 
     def finish(self, finished: list[Sequence]) -> list[Sequence]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batchpilot_server.batching import BatchingConfig, Mode
@@ -67,3 +70,12 @@ async def collect(stream: RequestStream) -> list[TokenEvent]:
 def prompt(engine: Engine, n: int) -> list[int]:
     """A distinct prompt per n, as the tokenizer would make it."""
     return engine.tokenizer.encode(f"request {n}: " + "abcdefgh"[: n % 8])
+
+
+async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll `condition` until it holds; fail after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(0.005)

@@ -1,0 +1,216 @@
+"""Engine behaviour through its public API: correctness of decoding, sampling,
+request errors, reconfiguration and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.engine import Engine
+from batchpilot_server.engine_api import (
+    DeadlineExceededError,
+    EngineOptions,
+    EngineStoppedError,
+    InvalidRequestError,
+    PromptTooLongError,
+    QueueFullError,
+    SamplingParams,
+)
+from batchpilot_server.models import build_model
+from engine_helpers import RecordingObserver, collect, prompt, started
+
+MODES = ("dynamic", "continuous")
+GREEDY_16 = SamplingParams(max_tokens=16, ignore_eos=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_paged_decoding_matches_full_recompute(mode: str) -> None:
+    """Every token's log-probability, computed through the paged cache in a
+    ragged batch, equals the one from recomputing the whole sequence."""
+    engine = await started(mode, max_batch_size=4)
+    try:
+        prompts = [prompt(engine, n) + [7] * (13 * n) for n in range(4)]  # 4 lengths
+        streams = [
+            engine.submit(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts
+        ]
+        outputs = await asyncio.gather(*(collect(s) for s in streams))
+    finally:
+        await engine.shutdown()
+    model = build_model("tiny", "cpu")
+    for ids, events in zip(prompts, outputs, strict=True):
+        tokens = [e.token_id for e in events]
+        reference = torch.log_softmax(model.full_logits(ids + tokens), -1)[len(ids) - 1 : -1]
+        assert tokens == reference.argmax(-1).tolist()
+        expected = reference.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        got = torch.tensor([e.logprob for e in events])
+        assert torch.allclose(got, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_batching_never_changes_a_greedy_result(mode: str) -> None:
+    engine = await started(mode, max_batch_size=16)
+    try:
+        alone = await collect(engine.submit(prompt(engine, 3), GREEDY_16))
+        streams = [engine.submit(prompt(engine, n), GREEDY_16) for n in range(16)]
+        batched = await asyncio.gather(*(collect(s) for s in streams))
+    finally:
+        await engine.shutdown()
+    assert [e.token_id for e in batched[3]] == [e.token_id for e in alone]
+    assert len({tuple(e.token_id for e in events) for events in batched}) > 1
+
+
+async def test_seeded_sampling_is_reproducible() -> None:
+    engine = await started("continuous")
+    try:
+
+        def sampled(seed: int) -> SamplingParams:
+            return SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=seed)
+
+        streams = [engine.submit(prompt(engine, 1), sampled(s)) for s in (5, 5, 6)]
+        first, again, other = (
+            [e.token_id for e in events]
+            for events in await asyncio.gather(*(collect(s) for s in streams))
+        )
+    finally:
+        await engine.shutdown()
+    assert first == again
+    assert first != other
+
+
+async def test_stop_tokens_and_eos_end_a_sequence() -> None:
+    engine = await started("continuous")
+    try:
+        free = await collect(engine.submit(prompt(engine, 2), GREEDY_16))
+        stop_at = free[5].token_id
+        stopped = await collect(
+            engine.submit(
+                prompt(engine, 2), SamplingParams(max_tokens=16, stop_token_ids=(stop_at,))
+            )
+        )
+    finally:
+        await engine.shutdown()
+    first = next(i for i, e in enumerate(free) if e.token_id == stop_at)
+    assert [e.token_id for e in stopped] == [e.token_id for e in free[: first + 1]]
+    assert stopped[-1].finish_reason == "stop"
+    assert free[-1].finish_reason == "length" and free[-1].index == 15
+
+
+async def test_queue_full_is_refused_and_shrinking_keeps_admitted_requests() -> None:
+    # a dynamic batch waits for 8 requests for up to a minute: the queue only fills
+    engine = await started("dynamic", max_batch_size=8, batch_timeout_ms=60_000, max_queue_size=3)
+    try:
+        streams = [engine.submit(prompt(engine, n), GREEDY_16) for n in range(3)]
+        with pytest.raises(QueueFullError, match="max_queue_size 3"):
+            engine.submit(prompt(engine, 9), GREEDY_16)
+        engine.reconfigure(
+            BatchingConfig(max_batch_size=3, batch_timeout_ms=60_000, max_queue_size=1)
+        )
+        outputs = await asyncio.gather(*(collect(s) for s in streams))
+    finally:
+        await engine.shutdown()
+    assert [len(events) for events in outputs] == [16, 16, 16]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_request_waiting_past_its_deadline_fails(mode: str) -> None:
+    engine = await started(mode, max_batch_size=8, batch_timeout_ms=60_000)
+    try:
+        stream = engine.submit(prompt(engine, 1), GREEDY_16, deadline_s=0.05)
+        with pytest.raises(DeadlineExceededError, match="without being scheduled"):
+            await collect(stream)
+        assert engine.stats().waiting == 0
+    finally:
+        await engine.shutdown()
+
+
+async def test_requests_that_can_never_run_are_refused_with_a_reason() -> None:
+    engine = await started("continuous", kv_cache_mb=1.0)  # 8 blocks of 16 tokens
+    try:
+        with pytest.raises(PromptTooLongError, match="model context of 1024"):
+            engine.submit([1] * 1000, SamplingParams(max_tokens=25))
+        with pytest.raises(PromptTooLongError, match="8 blocks"):
+            engine.submit([1] * 100, SamplingParams(max_tokens=29))
+        with pytest.raises(InvalidRequestError, match="at least one token"):
+            engine.submit([], GREEDY_16)
+        with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
+            engine.submit([1, 9999], GREEDY_16)
+        with pytest.raises(InvalidRequestError, match="max_tokens"):
+            engine.submit([1], SamplingParams(max_tokens=0))
+        with pytest.raises(InvalidRequestError, match="top_p"):
+            engine.submit([1], SamplingParams(max_tokens=1, temperature=1.0, top_p=0.0))
+        fits = await collect(
+            engine.submit([1] * 100, SamplingParams(max_tokens=28, ignore_eos=True))
+        )
+        assert len(fits) == 28
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_reconfigure_while_running_fails_no_request(mode: str) -> None:
+    engine = await started(mode, max_batch_size=8, batch_timeout_ms=1)
+    try:
+        first = [engine.submit(prompt(engine, n), GREEDY_16) for n in range(8)]
+        head = await first[0].__anext__()  # the first wave is running
+        smaller = BatchingConfig(max_batch_size=2, batch_timeout_ms=1, max_queue_size=64)
+        engine.reconfigure(smaller)
+        assert engine.config == smaller
+        later = [engine.submit(prompt(engine, n), GREEDY_16) for n in range(6)]
+        first_rest = await asyncio.gather(*(collect(s) for s in first[1:]))
+        later_out = await asyncio.gather(*(collect(s) for s in later))
+    finally:
+        await engine.shutdown()
+    assert [len(events) for events in [[head], *first_rest]] == [1] + [16] * 7
+    assert [len(events) for events in later_out] == [16] * 6
+    # once the first wave is gone, no step runs more than the new max_batch_size
+    first_end = max(e.step for events in first_rest for e in events)
+    per_step: dict[int, int] = {}
+    for events in later_out:
+        for event in events:
+            if event.finish_reason is None and event.step > first_end:
+                per_step[event.step] = per_step.get(event.step, 0) + 1
+    assert per_step and max(per_step.values()) <= 2
+
+
+async def test_shutdown_finishes_running_and_refuses_unscheduled() -> None:
+    engine = await started("dynamic", max_batch_size=1, batch_timeout_ms=0)
+    running = engine.submit(prompt(engine, 1), GREEDY_16)
+    await running.__anext__()
+    queued = engine.submit(prompt(engine, 2), GREEDY_16)
+    await engine.shutdown()
+    assert len(await collect(running)) == 15  # the first event was read above
+    with pytest.raises(EngineStoppedError, match="shutting down"):
+        await collect(queued)
+    with pytest.raises(EngineStoppedError, match="not running"):
+        engine.submit(prompt(engine, 3), GREEDY_16)
+
+
+async def test_shutdown_with_drain_serves_every_admitted_request() -> None:
+    engine = await started("dynamic", max_batch_size=1, batch_timeout_ms=0)
+    streams = [engine.submit(prompt(engine, n), GREEDY_16) for n in range(3)]
+    await engine.shutdown(drain=True)
+    assert [len(await collect(s)) for s in streams] == [16, 16, 16]
+
+
+async def test_engine_reports_what_the_server_needs() -> None:
+    observer = RecordingObserver()
+    engine = Engine(
+        EngineOptions(mode="continuous", config=BatchingConfig(), device="auto", kv_cache_mb=4),
+        observer,
+    )
+    assert engine.device in ("cpu", "cuda") and engine.model_name == "tiny"
+    assert engine.max_model_len == 1024 and engine.mode == "continuous"
+    with pytest.raises(EngineStoppedError):
+        engine.submit([1], GREEDY_16)
+    await engine.start()
+    try:
+        events = await collect(engine.submit(prompt(engine, 4), GREEDY_16))
+        stats = engine.stats()
+    finally:
+        await engine.shutdown()
+    assert stats.kv_blocks_total == 4 * 2**20 // (2 * 4 * 16 * 256 * 4)
+    assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.steps == 16
+    assert [e.index for e in events] == list(range(16))
+    assert len(observer.scheduled) == 1 and len(observer.steps) == 16

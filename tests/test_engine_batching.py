@@ -1,0 +1,95 @@
+"""The two batching policies, observed through the engine's public API."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from batchpilot_server.engine_api import SamplingParams
+from engine_helpers import RecordingObserver, collect, prompt, started
+
+LENGTHS = (10, 50, 100, 200)
+
+
+def forced(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+async def run_hostage_example(mode: str, observer: RecordingObserver) -> list[int]:
+    """The four requests of DESIGN's example; returns the step each one completed at."""
+    engine = await started(mode, observer, max_batch_size=8, batch_timeout_ms=50)
+    try:
+        streams = [engine.submit(prompt(engine, n), forced(n)) for n in LENGTHS]
+        outputs = await asyncio.gather(*(collect(s) for s in streams))
+    finally:
+        await engine.shutdown()
+    assert [len(events) for events in outputs] == list(LENGTHS)
+    assert all(events[-1].finish_reason == "length" for events in outputs)
+    return [events[-1].step for events in outputs]
+
+
+async def test_dynamic_holds_every_response_until_the_longest_ends() -> None:
+    observer = RecordingObserver()
+    completed = await run_hostage_example("dynamic", observer)
+    assert observer.batches == [4]  # one batch, fired by the timeout (8 never arrived)
+    assert min(observer.scheduled) >= 0.05
+    assert len(set(completed)) == 1
+    held = sorted(observer.hostage)
+    assert held[0] < held[1] < held[2] < held[3]  # the 200-token one waits for nobody
+    assert held[0] < 0.01
+
+
+async def test_continuous_completes_each_request_at_its_own_step() -> None:
+    observer = RecordingObserver()
+    completed = await run_hostage_example("continuous", observer)
+    assert completed == sorted(completed) and len(set(completed)) == 4
+    assert [b - a for a, b in itertools.pairwise(completed)] == [
+        b - a for a, b in itertools.pairwise(LENGTHS)
+    ]
+    assert observer.hostage == []
+
+
+async def test_dynamic_fires_at_max_size_before_the_timeout() -> None:
+    observer = RecordingObserver()
+    engine = await started("dynamic", observer, max_batch_size=4, batch_timeout_ms=60_000)
+    try:
+        streams = [engine.submit(prompt(engine, n), forced(8)) for n in range(4)]
+        outputs = await asyncio.gather(*(collect(s) for s in streams))
+    finally:
+        await engine.shutdown()
+    assert observer.batches == [4]
+    assert [len(events) for events in outputs] == [8] * 4
+    assert max(observer.scheduled) < engine.config.batch_timeout_s
+
+
+async def test_dynamic_fires_a_partial_batch_at_the_timeout() -> None:
+    observer = RecordingObserver()
+    engine = await started("dynamic", observer, max_batch_size=8, batch_timeout_ms=100)
+    try:
+        streams = [engine.submit(prompt(engine, n), forced(4)) for n in range(3)]
+        await asyncio.gather(*(collect(s) for s in streams))
+    finally:
+        await engine.shutdown()
+    assert observer.batches == [3]
+    assert min(observer.scheduled) >= engine.config.batch_timeout_s
+
+
+async def test_dynamic_cuts_a_batch_that_would_overflow_the_kv_pool() -> None:
+    observer = RecordingObserver()
+    engine = await started(
+        "dynamic", observer, kv_cache_mb=1.0, max_batch_size=4, batch_timeout_ms=60_000
+    )
+    try:
+        prompts = [prompt(engine, n) for n in range(4)]
+        streams = [engine.submit(p, forced(40)) for p in prompts]
+        outputs = await asyncio.gather(*(collect(s) for s in streams))
+        total = engine.stats().kv_blocks_total
+    finally:
+        await engine.shutdown()
+    per_request = -(-(len(prompts[0]) + 40) // 16)  # reserved up front, 16-token blocks
+    fit = total // per_request
+    assert 1 <= fit < 4  # the pool really is too small for the whole batch
+    assert observer.batches[0] == fit and sum(observer.batches) == 4
+    # the cut-off requests fired next without waiting out the minute-long timeout
+    assert max(observer.scheduled) < engine.config.batch_timeout_s
+    assert [len(events) for events in outputs] == [40] * 4
