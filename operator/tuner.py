@@ -98,7 +98,8 @@ class TunerParams:
     timeout_step_share: float = 0.02  # timeout growth, as a share of the SLO
     timeout_budget_share: float = 0.1  # the timeout never exceeds this share of the SLO
     full_batch_share: float = 0.8  # mean batch >= share * max counts as "full"
-    queue_share: float = 0.5  # queue wait >= share * p99: the breach is queueing
+    busy_batch_share: float = 0.5  # below this share, a queueing breach is not for lack of room
+    service_share: float = 1.0  # p99 less queue wait above share * SLO: the batch is too slow
     timeout_explains: float = 2.0  # queue wait <= this x timeout: the timeout causes it
     queueing_share: float = 0.05  # queue wait p99 >= share * SLO: requests queue
     # Extra intervals to skip after a change. The loops already trim the signal
@@ -252,15 +253,16 @@ def _on_breach(
 ) -> Decision:
     batch, timeout = current.max_batch_size, current.batch_timeout_ms
     head = f"p99 {_ms(p99)} > SLO {_ms(slo.p99_latency_s)}"
-    queue_wait = signals.queue_wait_p99_s or 0.0
-    if queue_wait < p.queue_share * p99:
-        # The time is spent running: a smaller batch makes every step shorter.
+    queue_wait = min(p99, signals.queue_wait_p99_s or 0.0)
+    service = p99 - queue_wait
+    if service > p.service_share * slo.p99_latency_s:
+        # Running alone takes too long: a smaller batch makes every step shorter.
         if batch > bounds.min_batch:
             new_batch = max(bounds.min_batch, min(batch - 1, math.floor(batch * p.backoff_factor)))
             return Decision(
                 replace(current, max_batch_size=new_batch),
                 "backoff_batch",
-                f"{head} while running (queue wait p99 {_ms(queue_wait)}): "
+                f"{head} while running (p99 less queue wait ~{_ms(service)}): "
                 f"batch {batch} -> {new_batch}",
                 _after_change(state, p, ceiling=batch),
             )
@@ -280,21 +282,32 @@ def _on_breach(
             f"timeout {timeout:g} -> {new_timeout:g} ms",
             _after_change(state, p),
         )
-    limit = _growth_limit(bounds, state)
-    if batch < limit:
-        new_batch = min(limit, max(batch + 1, round(batch * p.capacity_factor)))
+    mean = signals.mean_batch_size
+    if mean is not None and mean < p.busy_batch_share * batch:
+        return Decision(
+            current,
+            "hold",
+            f"{head} from queueing (queue wait p99 {_ms(queue_wait)}), but batches run at "
+            f"{mean:.1f} of {batch}: a larger batch would not be used",
+            state,
+        )
+    # Capacity growth ignores the probing ceiling: a ceiling learnt at another load
+    # must not keep requests queued; if the bigger batch runs too slowly, the next
+    # window says so and the batch backs off again.
+    if batch < bounds.max_batch:
+        new_batch = min(bounds.max_batch, max(batch + 1, round(batch * p.capacity_factor)))
         return Decision(
             replace(current, max_batch_size=new_batch),
             "grow_batch",
-            f"{head} from queueing (queue wait p99 {_ms(queue_wait)}): capacity short, "
-            f"batch {batch} -> {new_batch}",
+            f"{head} from queueing (queue wait p99 {_ms(queue_wait)}, running ~{_ms(service)}): "
+            f"capacity short, batch {batch} -> {new_batch}",
             _after_change(state, p),
         )
     return Decision(
         current,
         "hold",
-        f"{head} from queueing, but batch {batch} is at its limit {limit}: "
-        "the load exceeds what the SLO allows",
+        f"{head} from queueing at the maximum batch {batch}: the load exceeds what the "
+        "SLO allows",
         state,
     )
 

@@ -1,0 +1,261 @@
+"""The tuner's rule: a table of situations, then properties over a seeded sweep."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+from batchpilot_operator.signals import Signals
+from batchpilot_operator.tuner import (
+    Bounds,
+    Decision,
+    Slo,
+    TunerParams,
+    TunerState,
+    decide,
+    signal_window_s,
+)
+from batchpilot_server.batching import BatchingConfig
+
+SLO = Slo(p99_latency_s=0.5, kv_high_watermark=0.9)
+BOUNDS = Bounds(min_batch=1, max_batch=64, min_timeout_ms=0.0, max_timeout_ms=200.0)
+P = TunerParams()
+CURRENT = BatchingConfig(max_batch_size=16, batch_timeout_ms=10.0)
+
+
+def ok(**fields: float | None) -> Signals:
+    """A healthy window: enough traffic, full batches, no queueing, no KV pressure."""
+    base: dict[str, float | None] = {
+        "requests": 600,
+        "request_rate": 10.0,
+        "p99_latency_s": 0.3,
+        "queue_wait_p99_s": 0.0,
+        "kv_usage": 0.3,
+        "mean_batch_size": 16.0,
+    }
+    base.update(fields)
+    return Signals(status="ok", window_s=60, **base)  # type: ignore[arg-type]
+
+
+def run(signals: Signals, current: BatchingConfig = CURRENT, **state: int) -> Decision:
+    return decide(signals, current, BOUNDS, SLO, TunerState(**state))  # type: ignore[arg-type]
+
+
+# (situation, signals, expected action, expected batch, expected timeout, words in the reason)
+TABLE = [
+    ("no data", Signals(status="no_data", detail="prometheus down"), "hold", 16, 10.0,
+     "prometheus down"),
+    ("no traffic", Signals(status="no_traffic"), "hold", 16, 10.0, "no traffic"),
+    ("thin traffic", Signals(status="too_little_traffic", requests=5), "hold", 16, 10.0,
+     "too little traffic"),
+    ("ok but no p99 series", ok(p99_latency_s=None), "hold", 16, 10.0, "no p99"),
+    ("headroom and queueing behind full batches",
+     ok(p99_latency_s=0.2, queue_wait_p99_s=0.1), "grow_batch", 16 + P.additive_step, 10.0,
+     "queue behind full batches"),
+    ("headroom without queueing", ok(p99_latency_s=0.3), "hold", 16, 10.0, "no queueing"),
+    ("within the hysteresis band", ok(p99_latency_s=0.45, queue_wait_p99_s=0.1), "hold", 16,
+     10.0, "within the band"),
+    ("breach while running", ok(p99_latency_s=0.8, queue_wait_p99_s=0.1), "backoff_batch",
+     int(16 * P.backoff_factor), 10.0, "while running"),
+    ("breach from queueing with full batches", ok(p99_latency_s=0.9, queue_wait_p99_s=0.6),
+     "grow_batch", round(16 * P.capacity_factor), 10.0, "capacity short"),
+    ("breach from queueing with idle batch room",
+     ok(p99_latency_s=0.9, queue_wait_p99_s=0.6, mean_batch_size=3.0), "hold", 16, 10.0,
+     "would not be used"),
+    ("ample headroom, underfilled, no queueing",
+     ok(p99_latency_s=0.1, mean_batch_size=2.0), "grow_timeout", 16,
+     10.0 + P.timeout_step_share * 500, "fuller batches"),
+    ("KV over the watermark despite headroom",
+     ok(p99_latency_s=0.1, queue_wait_p99_s=0.1, kv_usage=0.95), "kv_guard",
+     int(16 * P.kv_cut_factor), 10.0, "KV usage 0.95"),
+    ("preemptions despite headroom", ok(p99_latency_s=0.1, preemption_rate=0.5), "kv_guard",
+     int(16 * P.kv_cut_factor), 10.0, "preemptions"),
+]
+
+
+@pytest.mark.parametrize(
+    ("signals", "action", "batch", "timeout", "words"),
+    [row[1:] for row in TABLE],
+    ids=[row[0] for row in TABLE],
+)
+def test_situation_table(
+    signals: Signals, action: str, batch: int, timeout: float, words: str
+) -> None:
+    decision = run(signals)
+    assert decision.action == action, decision.reason
+    assert decision.config.max_batch_size == batch
+    assert decision.config.batch_timeout_ms == pytest.approx(timeout)
+    assert words in decision.reason
+    assert decision.config.max_queue_size == CURRENT.max_queue_size
+
+
+def test_breach_the_timeout_explains_halves_the_timeout() -> None:
+    patient = BatchingConfig(max_batch_size=16, batch_timeout_ms=50.0)
+    signals = ok(p99_latency_s=0.55, queue_wait_p99_s=0.09, mean_batch_size=4.0)
+    decision = run(signals, patient)
+    assert decision.action == "shrink_timeout", decision.reason
+    assert decision.config.batch_timeout_ms == 50.0 * P.timeout_cut_factor
+    assert decision.config.max_batch_size == 16
+    assert "timeout's doing" in decision.reason
+
+
+def test_breach_at_minimum_batch_and_timeout_holds_and_says_why() -> None:
+    floor = BatchingConfig(max_batch_size=1, batch_timeout_ms=0.0)
+    decision = run(ok(p99_latency_s=0.9, queue_wait_p99_s=0.0, mean_batch_size=1.0), floor)
+    assert (decision.action, decision.config) == ("hold", floor)
+    assert "nothing left to cut" in decision.reason
+
+
+def test_kv_guard_at_minimum_batch_holds() -> None:
+    floor = BatchingConfig(max_batch_size=1)
+    decision = run(ok(kv_usage=0.99), floor)
+    assert (decision.action, decision.config) == ("hold", floor)
+    assert "minimum batch" in decision.reason
+
+
+def test_config_outside_bounds_is_clamped_even_without_data() -> None:
+    outside = BatchingConfig(max_batch_size=500, batch_timeout_ms=900)
+    decision = run(Signals(status="no_data"), outside)
+    assert decision.action == "clamp"
+    assert (decision.config.max_batch_size, decision.config.batch_timeout_ms) == (64, 200.0)
+
+
+def test_backoff_sets_a_ceiling_that_probing_growth_respects_until_it_expires() -> None:
+    backoff = run(ok(p99_latency_s=0.8))
+    assert backoff.action == "backoff_batch"
+    assert backoff.state.ceiling == 16
+    state, config = backoff.state, backoff.config
+    queueing = ok(p99_latency_s=0.2, queue_wait_p99_s=0.1, mean_batch_size=None)
+    sizes = []
+    for _ in range(P.ceiling_ttl_intervals + 2):
+        decision = decide(queueing, config, BOUNDS, SLO, state)
+        state, config = decision.state, decision.config
+        sizes.append(config.max_batch_size)
+    assert max(sizes[: P.ceiling_ttl_intervals - 1]) == 15  # capped just below the breach
+    assert sizes[-1] > 16  # the ceiling expired: probing resumes
+
+
+def test_cooldown_holds_then_counts_down() -> None:
+    params = replace(P, cooldown_intervals=2)
+    first = decide(ok(p99_latency_s=0.8), CURRENT, BOUNDS, SLO, TunerState(), params)
+    assert first.state.cooldown == 2
+    second = decide(ok(p99_latency_s=0.8), first.config, BOUNDS, SLO, first.state, params)
+    assert second.action == "hold" and "cooldown" in second.reason
+    assert second.state.cooldown == 1
+
+
+def test_window_never_reaches_back_past_a_change() -> None:
+    changed = run(ok(p99_latency_s=0.8))
+    assert changed.state.since_change == 0
+    assert signal_window_s(changed.state, 30, 60) == 30
+    held = decide(ok(p99_latency_s=0.45), changed.config, BOUNDS, SLO, changed.state)
+    assert held.state.since_change == 1
+    assert signal_window_s(held.state, 30, 60) == 60
+
+
+def test_state_round_trips_through_a_dict() -> None:
+    state = TunerState(cooldown=1, since_change=3, ceiling=12, ceiling_age=4)
+    assert TunerState.from_dict(state.to_dict()) == state
+    assert TunerState.from_dict(None) == TunerState()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_batch": 0}, "1 <= min <= max"),
+        ({"min_batch": 9, "max_batch": 8}, "1 <= min <= max"),
+        ({"min_timeout_ms": 50, "max_timeout_ms": 10}, "0 <= min <= max"),
+    ],
+)
+def test_bad_bounds_are_refused_with_a_clear_message(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("<=", "<=")):
+        Bounds(**kwargs)
+
+
+def test_bad_slo_is_refused() -> None:
+    with pytest.raises(ValueError, match="must be positive"):
+        Slo(p99_latency_s=0)
+    with pytest.raises(ValueError, match="watermark"):
+        Slo(p99_latency_s=1, kv_high_watermark=1.5)
+
+
+# -- properties over a seeded sweep of random situations ------------------------------------
+
+
+def random_case(rng: random.Random) -> tuple[Signals, BatchingConfig, Bounds, TunerState]:
+    low_b = rng.randint(1, 32)
+    bounds = Bounds(
+        min_batch=low_b,
+        max_batch=rng.randint(low_b, 128),
+        min_timeout_ms=(low_t := rng.choice([0.0, 1.0, 5.0])),
+        max_timeout_ms=low_t + rng.choice([0.0, 10.0, 200.0]),
+    )
+    config = bounds.clamp(
+        BatchingConfig(max_batch_size=rng.randint(1, 128), batch_timeout_ms=rng.uniform(0, 300))
+    )
+    status = rng.choice(["ok", "ok", "ok", "no_data", "too_little_traffic", "no_traffic"])
+    p99 = rng.choice([None, rng.uniform(0.01, 3.0)])
+    signals = Signals(
+        status=status,  # type: ignore[arg-type]
+        requests=rng.uniform(0, 1000),
+        p99_latency_s=p99,
+        queue_wait_p99_s=rng.choice([None, rng.uniform(0, 3.0)]),
+        kv_usage=rng.choice([None, rng.uniform(0, 1)]),
+        preemption_rate=rng.choice([0.0, 0.0, rng.uniform(0, 2)]),
+        mean_batch_size=rng.choice([None, rng.uniform(0.5, 128)]),
+    )
+    state = TunerState(
+        cooldown=rng.choice([0, 0, 1]),
+        since_change=rng.randint(0, 5),
+        ceiling=rng.choice([None, rng.randint(1, 128)]),
+        ceiling_age=rng.randint(0, 25),
+    )
+    return signals, config, bounds, state
+
+
+CASES = [random_case(random.Random(seed)) for seed in range(3000)]
+
+
+def test_never_leaves_the_bounds() -> None:
+    for signals, config, bounds, state in CASES:
+        decision = decide(signals, config, bounds, SLO, state)
+        assert bounds.contains(decision.config), (signals, config, bounds, decision)
+
+
+def test_never_changes_on_missing_data() -> None:
+    for signals, config, bounds, state in CASES:
+        if signals.ok:
+            # Only the KV guard may act without a p99: its own signal is there.
+            signals = replace(signals, p99_latency_s=None, kv_usage=0.1, preemption_rate=0.0)
+        decision = decide(signals, config, bounds, SLO, state)
+        assert decision.config == config and decision.action == "hold", decision
+
+
+def test_kv_guard_wins_over_latency_headroom() -> None:
+    for signals, config, bounds, state in CASES:
+        if not signals.ok:
+            continue
+        pressured = replace(signals, kv_usage=0.95, p99_latency_s=0.01, queue_wait_p99_s=0.005)
+        decision = decide(pressured, config, bounds, SLO, state)
+        assert decision.config.max_batch_size <= config.max_batch_size, decision
+        assert decision.action in ("kv_guard", "hold"), decision
+
+
+def test_is_deterministic() -> None:
+    for signals, config, bounds, state in CASES[:500]:
+        assert decide(signals, config, bounds, SLO, state) == decide(
+            signals, config, bounds, SLO, state
+        )
+
+
+def test_a_change_moves_one_knob_at_a_time_and_always_explains() -> None:
+    for signals, config, bounds, state in CASES:
+        decision = decide(signals, config, bounds, SLO, state)
+        assert decision.reason
+        if decision.action in ("grow_batch", "backoff_batch", "kv_guard"):
+            assert decision.config.batch_timeout_ms == config.batch_timeout_ms
+            assert decision.config.max_batch_size != config.max_batch_size
+        if decision.action in ("grow_timeout", "shrink_timeout"):
+            assert decision.config.max_batch_size == config.max_batch_size
+            assert decision.config.batch_timeout_ms != config.batch_timeout_ms
