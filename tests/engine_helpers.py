@@ -57,6 +57,7 @@ async def started(
         config=BatchingConfig(**{**defaults, **config}),  # type: ignore[arg-type]
         device="cpu",
         kv_cache_mb=kv_cache_mb,
+        threads=1,  # two torch threads thrash when the 2-core machine is busy with other tests
     )
     engine = Engine(options, observer)
     await engine.start()

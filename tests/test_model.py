@@ -1,0 +1,67 @@
+"""The tiny decoder and its paged forwards, below the engine."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+import torch
+from batchpilot_server.engine_api import SamplingParams
+from batchpilot_server.kv_cache import KVCache
+from batchpilot_server.model_runner import ModelRunner
+from batchpilot_server.models import PRESETS, build_model, get_spec, resolve_device
+from batchpilot_server.sequence import Sequence
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Two torch threads thrash when the 2-core machine is busy with other tests."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_presets_and_their_errors() -> None:
+    spec = get_spec("tiny")
+    assert (spec.d_model, spec.n_layers, spec.n_heads) == (256, 4, 4)
+    with pytest.raises(ValueError, match="unknown model 'huge'; known: tiny"):
+        get_spec("huge")
+    with pytest.raises(ValueError, match="auto, cpu or cuda"):
+        resolve_device("tpu")
+    assert resolve_device("auto") in ("cpu", "cuda") and set(PRESETS) >= {"tiny"}
+
+
+def test_weights_come_from_the_seed() -> None:
+    ids = [256, 1, 2, 3]
+    same = build_model("tiny", "cpu", seed=0).full_logits(ids)
+    assert torch.equal(build_model("tiny", "cpu", seed=0).full_logits(ids), same)
+    assert not torch.allclose(build_model("tiny", "cpu", seed=1).full_logits(ids), same)
+
+
+def test_paged_forwards_match_full_recompute_with_scattered_blocks() -> None:
+    """A ragged batch whose blocks are interleaved in the pool (as after churn)."""
+    model = build_model("tiny", "cpu")
+    cache = KVCache(get_spec("tiny"), num_blocks=64, block_size=16, device="cpu")
+    rng = random.Random(1)
+    # take blocks out of order so no sequence's cache is contiguous
+    scattered: list[int] = []
+    cache.pool.grow(scattered, 64 * 16)
+    cache.pool.release(rng.sample(scattered, len(scattered)))
+    runner = ModelRunner(model, cache)
+    seqs = [
+        Sequence(
+            str(n), [256, *range(1, 3 + 11 * n)], SamplingParams(max_tokens=30), 0.0, None, None
+        )
+        for n in range(4)
+    ]
+    for seq in seqs:
+        assert cache.pool.grow(seq.block_table, seq.max_total_tokens)
+    logits = runner.prefill(seqs)
+    for _ in range(30):
+        for seq, row in zip(seqs, logits, strict=True):
+            reference = model.full_logits(seq.token_ids)[-1]
+            assert torch.allclose(row, reference, atol=1e-4, rtol=0)
+            seq.token_ids.append(int(row.argmax()))
+        logits = runner.decode(seqs)
