@@ -182,12 +182,20 @@ def server_args(spec: PolicySpec) -> list[str]:
 
 
 def _resources(spec: PolicySpec) -> dict[str, Any]:
+    # Quantities as strings, the form the API server answers with: an integer here
+    # would read as drift ("2" != 2) and be patched on every reconcile.
     resources = {
-        key: dict(value) for key, value in spec.server.resources.items() if isinstance(value, dict)
+        key: {name: _quantity(amount) for name, amount in value.items()}
+        for key, value in spec.server.resources.items()
+        if isinstance(value, dict)
     }
     if spec.server.gpus > 0:
-        resources.setdefault("limits", {})[GPU_RESOURCE] = spec.server.gpus
+        resources.setdefault("limits", {})[GPU_RESOURCE] = str(spec.server.gpus)
     return resources
+
+
+def _quantity(amount: Any) -> Any:
+    return str(amount) if isinstance(amount, int) and not isinstance(amount, bool) else amount
 
 
 def _pod_spec(name: str, spec: PolicySpec) -> dict[str, Any]:

@@ -57,6 +57,7 @@ class ApiCall:
     """One resource request as RBAC sees it: (apiGroup, resource[/subresource], verb)."""
 
     user_agent: str
+    namespace: str | None
     group: str
     resource: str
     verb: str
@@ -116,6 +117,7 @@ class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
         verb = str(request.action.value).lower()
         self.calls.append(ApiCall(
             user_agent=request.headers.get("User-Agent", ""),
+            namespace=request.namespace,
             group=request.resource.group or "",
             resource=request.resource.plural
             + (f"/{request.subresource}" if request.subresource else ""),

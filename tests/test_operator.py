@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 from batchpilot_operator import builders, kube
+from batchpilot_operator.reconcile import reconcile
 from batchpilot_operator.spec import parse_spec
 from batchpilot_server.batching import BatchingConfig
 
-from tests.k8s_emulator import Cluster, run_cluster, run_operator
+from tests.k8s_emulator import Cluster, condition, run_cluster, run_operator
 from tests.test_rbac import granted_by_cluster_role
 
 OWNED = (
@@ -220,6 +221,29 @@ async def test_deleting_the_policy_deletes_what_it_owns(cluster: Cluster) -> Non
     await cluster.delete(kube.POLICIES, "gone", "llm")
     for kind, suffix in OWNED:
         await cluster.wait_gone(kind, "gone", "llm" + suffix)
+
+
+async def test_reconciling_a_converged_policy_writes_nothing(cluster: Cluster) -> None:
+    await cluster.create(kube.POLICIES, policy("idem"))
+    await cluster.wait_for(
+        kube.POLICIES, "idem", "llm",
+        lambda p: "batchpilot.io/last-handled-configuration" in p["metadata"].get("annotations", {})
+        and condition(p, "Ready") is not None,
+        "Kopf to finish handling the policy",
+    )
+    converged = await cluster.get(kube.POLICIES, "idem", "llm")
+    assert converged is not None
+    before = len(cluster.emulator.calls)
+    client = kube.Client.for_url(cluster.url)
+    try:
+        outcome = await reconcile(client, converged)
+    finally:
+        await client.close()
+    writes = [
+        call for call in cluster.emulator.calls[before:]
+        if call.namespace == "idem" and call.verb in ("create", "patch")
+    ]
+    assert (outcome.actions, writes) == ([], [])
 
 
 def test_every_call_the_operator_made_is_granted(cluster: Cluster) -> None:

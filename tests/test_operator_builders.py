@@ -75,13 +75,13 @@ def test_pod_is_locked_down_probed_and_drains() -> None:
 
 
 def test_gpus_bring_limits_and_a_toleration_only_when_asked() -> None:
-    cpu = pod_template(server={"resources": {"limits": {"memory": "1Gi"}}})["spec"]
+    cpu = pod_template(server={"resources": {"limits": {"memory": "1Gi", "cpu": 2}}})["spec"]
     assert "tolerations" not in cpu
-    assert cpu["containers"][0]["resources"] == {"limits": {"memory": "1Gi"}}
+    assert cpu["containers"][0]["resources"] == {"limits": {"memory": "1Gi", "cpu": "2"}}
     gpu = pod_template(server={"device": "cuda", "gpus": 2,
                                "resources": {"limits": {"memory": "1Gi"}}})["spec"]
     assert gpu["containers"][0]["resources"]["limits"] == {
-        "memory": "1Gi", builders.GPU_RESOURCE: 2,
+        "memory": "1Gi", builders.GPU_RESOURCE: "2",
     }
     assert gpu["tolerations"] == [
         {"key": builders.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
