@@ -43,8 +43,9 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"
     # No watching of CRDs and namespaces: exact namespaces only, and no RBAC for either.
     settings.scanning.disabled = True
-    # Kopf posts Events only for problems; our actions post their own Events.
-    settings.posting.level = logging.WARNING
+    # Kopf posts Events only for handler errors; reconcile posts its own Events
+    # (an invalid spec's Warning among them), which the logs then only repeat.
+    settings.posting.level = logging.ERROR
 
 
 @kopf.on.login()
@@ -78,11 +79,11 @@ def client_of(memo: kopf.Memo) -> kube.Client:
 @kopf.on.resume(builders.GROUP, builders.VERSION, builders.PLURAL)
 @kopf.on.create(builders.GROUP, builders.VERSION, builders.PLURAL)
 @kopf.on.update(builders.GROUP, builders.VERSION, builders.PLURAL)
-async def on_policy(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+async def on_policy(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     # An invalid spec is reported in status by reconcile and not raised: Kopf
     # must not retry it; the next spec change triggers this handler again.
     try:
-        await _reconcile_locked(memo, _plain(body))
+        await _reconcile_locked(memo, _plain(body), logger)
     except kube.KubeError as exc:
         raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_SECONDS) from exc
 
@@ -100,7 +101,7 @@ async def on_owned_event(
     if policy is None or policy["metadata"].get("deletionTimestamp"):
         return  # the garbage collector takes the owned objects away
     try:
-        await _reconcile_locked(memo, policy)
+        await _reconcile_locked(memo, policy, logger)
     except kube.KubeError as exc:
         logger.warning(f"drift repair of {namespace}/{meta.name} failed: {exc}")
 
@@ -114,11 +115,17 @@ for _kind in OWNED_KINDS:
     )(on_owned_event)
 
 
-async def _reconcile_locked(memo: kopf.Memo, policy: Mapping[str, Any]) -> None:
+async def _reconcile_locked(
+    memo: kopf.Memo, policy: Mapping[str, Any], logger: kopf.Logger
+) -> None:
     key = (policy["metadata"]["namespace"], policy["metadata"]["name"])
     locks: dict[tuple[str, str], asyncio.Lock] = memo["locks"]
     async with locks.setdefault(key, asyncio.Lock()):
-        await reconcile(client_of(memo), policy)
+        outcome = await reconcile(client_of(memo), policy)
+    if outcome.error is not None:
+        logger.warning(f"invalid spec ({outcome.error.reason}): {outcome.error.message}")
+    for action in outcome.actions:
+        logger.info(action)
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:
