@@ -430,12 +430,15 @@ async def _stream_completion(
             "choices": [_choice(text, finish_reason)],
         }
 
+    # Most events differ only in their text: serialize the rest once.
+    head, tail = json.dumps(chunk("\x00", None)).encode().split(b'"\\u0000"')
     try:
         while delta is not None:
-            event = chunk(delta, generation.finish_reason)
-            if generation.finish_reason is not None:
-                event["usage"] = generation.usage()
-            await _send_event(response, event)
+            if generation.finish_reason is None:
+                await response.write(b"data: " + head + json.dumps(delta).encode() + tail + b"\n\n")
+            else:
+                final = chunk(delta, generation.finish_reason)
+                await _send_event(response, {**final, "usage": generation.usage()})
             delta = await generation.next_delta()
     except ApiError as err:
         # Headers are gone: the error travels as an event and the request counts as failed.
