@@ -36,7 +36,7 @@ import jsonpatch
 import kmock
 import kopf
 import yaml
-from batchpilot_operator import kube
+from batchpilot_operator import builders, kube
 from batchpilot_operator.handlers import configure
 from batchpilot_operator.registry import load_handlers
 from typing_extensions import override
@@ -340,9 +340,42 @@ class Cluster:
         assert found is not None
         return found
 
+    async def add_server_pod(
+        self, namespace: str, policy_name: str, name: str, ip: str, port: int, ready: bool = True
+    ) -> dict[str, Any]:
+        """A Pod as the policy's Deployment would run it, but served at `ip:port`
+        (e.g. a real local `batchpilot serve`): labels, container port "http", podIP, Ready."""
+        await self.create(kube.PODS, server_pod(namespace, policy_name, name, port))
+        status = {
+            "phase": "Running",
+            "podIP": ip,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        }
+        return await self.patch(kube.PODS, namespace, name, {"status": status}, "status")
+
     async def events_for(self, namespace: str, name: str) -> list[dict[str, Any]]:
         events = await self.list(kube.EVENTS, namespace)
         return [e for e in events if e.get("involvedObject", {}).get("name") == name]
+
+
+def server_pod(namespace: str, policy_name: str, name: str, port: int) -> dict[str, Any]:
+    """The body of a server Pod of `policy_name` whose "http" port is `port`."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": builders.selector_labels(policy_name),
+        },
+        "spec": {
+            "containers": [{
+                "name": "server",
+                "image": "batchpilot:test",
+                "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+            }],
+        },
+    }
 
 
 def condition(obj: Mapping[str, Any], type_: str) -> dict[str, Any] | None:

@@ -223,6 +223,22 @@ async def test_deleting_the_policy_deletes_what_it_owns(cluster: Cluster) -> Non
         await cluster.wait_gone(kind, "gone", "llm" + suffix)
 
 
+async def test_server_pods_are_listed_by_their_policy_labels(cluster: Cluster) -> None:
+    # What the tuner does to find the servers to push a decision to.
+    await cluster.add_server_pod("pods", "llm", "llm-a", "127.0.0.1", 18001)
+    await cluster.add_server_pod("pods", "llm", "llm-b", "127.0.0.1", 18002, ready=False)
+    await cluster.add_server_pod("pods", "other", "other-a", "127.0.0.1", 18003)
+    client = kube.Client.for_url(cluster.url)
+    try:
+        pods = await client.list(kube.PODS, "pods", builders.selector_labels("llm"))
+    finally:
+        await client.close()
+    assert sorted(p["metadata"]["name"] for p in pods) == ["llm-a", "llm-b"]
+    ready = [p for p in pods if condition(p, "Ready") == {"type": "Ready", "status": "True"}]
+    assert [(p["status"]["podIP"], p["spec"]["containers"][0]["ports"][0]["containerPort"])
+            for p in ready] == [("127.0.0.1", 18001)]
+
+
 async def test_reconciling_a_converged_policy_writes_nothing(cluster: Cluster) -> None:
     await cluster.create(kube.POLICIES, policy("idem"))
     await cluster.wait_for(
