@@ -1,0 +1,143 @@
+"""Signals from the Prometheus HTTP API (`/api/v1/query`, instant queries).
+
+Series are selected by the `policy` and `namespace` labels the scrape
+config's relabelling puts on every pod (operator), or by an `instance`
+list (local mode, Prometheus scraping plain host:port targets). The p99 is
+`histogram_quantile` over the window's rate of the duration histogram,
+summed over pods: the same quantity the scrape source computes by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+from collections.abc import Mapping, Sequence
+
+import aiohttp
+from batchpilot_operator.signals import (
+    MIN_REQUESTS_PER_WINDOW,
+    Signals,
+    no_data,
+    status_detail,
+    traffic_status,
+)
+from batchpilot_server import metric_names as names
+
+QUERY_TIMEOUT_S = 5.0
+
+
+class PrometheusQueryError(RuntimeError):
+    """Prometheus could not be reached or refused a query."""
+
+
+def selector_for_policy(namespace: str, policy: str) -> str:
+    return f'namespace="{_escape(namespace)}",policy="{_escape(policy)}"'
+
+
+def selector_for_instances(instances: Sequence[str]) -> str:
+    """Series scraped from these host:port targets (or server URLs)."""
+    hosts = [re.sub(r"^https?://", "", i).rstrip("/") for i in instances]
+    return f'instance=~"{"|".join(re.escape(h) for h in hosts)}"'
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def queries(selector: str, window_s: float) -> dict[str, str]:
+    """The PromQL behind each signal; `[window]` is a whole number of seconds."""
+    w = f"{max(1, round(window_s))}s"
+    sel = "{" + selector + "}"
+
+    def p99(histogram: str) -> str:
+        return f"histogram_quantile(0.99, sum by (le) (rate({histogram}_bucket{sel}[{w}])))"
+
+    return {
+        "requests": f"sum(increase({names.REQUEST_DURATION}_count{sel}[{w}]))",
+        "request_rate": f"sum(rate({names.REQUESTS_TOTAL}{sel}[{w}]))",
+        "p99": p99(names.REQUEST_DURATION),
+        "queue_wait_p99": p99(names.QUEUE_WAIT),
+        "kv_usage": f"max(max_over_time({names.KV_CACHE_USAGE}{sel}[{w}]))",
+        "waiting": f"sum({names.REQUESTS_WAITING}{sel})",
+        "preemption_rate": f"sum(rate({names.PREEMPTIONS_TOTAL}{sel}[{w}]))",
+        "tokens_per_s": f"sum(rate({names.GENERATION_TOKENS_TOTAL}{sel}[{w}]))",
+        "mean_batch_size": (
+            f"sum(rate({names.BATCH_SIZE}_sum{sel}[{w}])) / "
+            f"sum(rate({names.BATCH_SIZE}_count{sel}[{w}]))"
+        ),
+    }
+
+
+class PrometheusSource:
+    """Reads one policy's (or one set of servers') signals from Prometheus."""
+
+    def __init__(
+        self,
+        url: str,
+        selector: str,
+        session: aiohttp.ClientSession,
+        *,
+        min_requests: int = MIN_REQUESTS_PER_WINDOW,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.selector = selector
+        self.session = session
+        self.min_requests = min_requests
+
+    async def query(self, promql: str) -> float | None:
+        """The single value of an instant query; None for an empty result or NaN."""
+        try:
+            timeout = aiohttp.ClientTimeout(total=QUERY_TIMEOUT_S)
+            async with self.session.get(
+                f"{self.url}/api/v1/query", params={"query": promql}, timeout=timeout
+            ) as response:
+                body = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise PrometheusQueryError(
+                f"Prometheus at {self.url} is unreachable: {exc or type(exc).__name__}"
+            ) from exc
+        if not isinstance(body, Mapping) or body.get("status") != "success":
+            error = body.get("error") if isinstance(body, Mapping) else body
+            raise PrometheusQueryError(f"Prometheus at {self.url} refused {promql!r}: {error}")
+        result = body["data"]["result"]
+        if not result:
+            return None
+        value = float(result[0]["value"][1])
+        return None if math.isnan(value) else value
+
+    async def read(self, window_s: float) -> Signals:
+        named = queries(self.selector, window_s)
+        try:
+            values = dict(
+                zip(
+                    named,
+                    await asyncio.gather(*(self.query(q) for q in named.values())),
+                    strict=True,
+                )
+            )
+        except PrometheusQueryError as exc:
+            return no_data(str(exc), window_s)
+        requests = values["requests"]
+        if requests is None:
+            return no_data(
+                f"no {names.REQUEST_DURATION} series match {{{self.selector}}} "
+                "(is Prometheus scraping the servers?)",
+                window_s,
+            )
+        waiting = values["waiting"] or 0.0
+        status = traffic_status(requests, waiting, self.min_requests)
+        return Signals(
+            status=status,
+            window_s=window_s,
+            requests=requests,
+            request_rate=values["request_rate"] or 0.0,
+            p99_latency_s=values["p99"] if status == "ok" else None,
+            queue_wait_p99_s=values["queue_wait_p99"],
+            kv_usage=values["kv_usage"],
+            waiting=waiting,
+            preemption_rate=values["preemption_rate"] or 0.0,
+            tokens_per_s=values["tokens_per_s"] or 0.0,
+            mean_batch_size=values["mean_batch_size"],
+            detail=status_detail(status, requests, self.min_requests),
+        )

@@ -1,0 +1,231 @@
+"""Signals from a direct scrape of the servers' `/metrics`, for when no Prometheus is set.
+
+Each `read` scrapes every server, keeps the snapshot, and computes window
+deltas locally against the oldest snapshot still inside the window, summed
+over servers: the same arithmetic PromQL's `increase` and
+`histogram_quantile` do, so both sources mean the same by "p99 over 60 s".
+A counter that went down (the server restarted) counts from zero, as in
+Prometheus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+from batchpilot_operator.signals import (
+    MIN_REQUESTS_PER_WINDOW,
+    Signals,
+    histogram_quantile,
+    no_data,
+    status_detail,
+    traffic_status,
+)
+from batchpilot_server import metric_names as names
+from prometheus_client.parser import text_string_to_metric_families
+
+SCRAPE_TIMEOUT_S = 5.0
+HISTOGRAMS = (names.REQUEST_DURATION, names.QUEUE_WAIT, names.BATCH_SIZE)
+COUNTERS = (names.REQUESTS_TOTAL, names.GENERATION_TOKENS_TOTAL, names.PREEMPTIONS_TOTAL)
+GAUGES = (names.KV_CACHE_USAGE, names.REQUESTS_WAITING)
+
+
+@dataclass
+class Totals:
+    """One server's cumulative values at one scrape."""
+
+    buckets: dict[str, dict[float, float]] = field(default_factory=dict)  # histogram -> le -> n
+    counts: dict[str, float] = field(default_factory=dict)  # histogram _count, counters
+    sums: dict[str, float] = field(default_factory=dict)  # histogram _sum
+    gauges: dict[str, float] = field(default_factory=dict)
+
+    def minus(self, earlier: Totals) -> Totals:
+        """Increase since `earlier`; a value that went down restarted from zero."""
+        return Totals(
+            buckets={
+                name: _increases(per, earlier.buckets.get(name, {}))
+                for name, per in self.buckets.items()
+            },
+            counts=_increases(self.counts, earlier.counts),
+            sums=_increases(self.sums, earlier.sums),
+            gauges=dict(self.gauges),
+        )
+
+
+def _increases(now: dict, before: dict) -> dict:
+    return {key: _increase(value, before.get(key)) for key, value in now.items()}
+
+
+def _increase(now: float, before: float | None) -> float:
+    if before is None or now < before:
+        return now
+    return now - before
+
+
+def parse_metrics(text: str) -> Totals:
+    """The series the tuner needs from one `/metrics` page, summed over label sets."""
+    totals = Totals()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, value = sample.name, float(sample.value)
+            if name.endswith("_bucket") and name.removesuffix("_bucket") in HISTOGRAMS:
+                base = name.removesuffix("_bucket")
+                le = float(sample.labels["le"])
+                per = totals.buckets.setdefault(base, {})
+                per[le] = per.get(le, 0.0) + value
+            elif name.endswith("_count") and name.removesuffix("_count") in HISTOGRAMS:
+                _add(totals.counts, name.removesuffix("_count"), value)
+            elif name.endswith("_sum") and name.removesuffix("_sum") in HISTOGRAMS:
+                _add(totals.sums, name.removesuffix("_sum"), value)
+            elif name in COUNTERS:
+                _add(totals.counts, name, value)
+            elif name in GAUGES:
+                _add(totals.gauges, name, value)
+    return totals
+
+
+def _add(into: dict[str, float], key: str, value: float) -> None:
+    into[key] = into.get(key, 0.0) + value
+
+
+def quantile_from_buckets(q: float, buckets: dict[float, float]) -> float | None:
+    if not buckets:
+        return None
+    bounds = sorted(buckets)
+    return histogram_quantile(q, bounds, [buckets[b] for b in bounds])
+
+
+@dataclass
+class Snapshot:
+    at: float
+    per_server: dict[str, Totals]
+
+
+class ScrapeSource:
+    """Scrapes servers' `/metrics` and turns the last window into `Signals`."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        session: aiohttp.ClientSession,
+        *,
+        min_requests: int = MIN_REQUESTS_PER_WINDOW,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not urls:
+            raise ValueError("the scrape source needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.session = session
+        self.min_requests = min_requests
+        self.clock = clock
+        self.history: list[Snapshot] = []
+        self.errors: dict[str, str] = {}
+
+    async def scrape(self) -> Snapshot:
+        """Scrape every server now; unreachable ones are left out and noted in `errors`."""
+        pages = await asyncio.gather(*(self._fetch(url) for url in self.urls))
+        snapshot = Snapshot(self.clock(), {})
+        self.errors = {}
+        for url, page in zip(self.urls, pages, strict=True):
+            if isinstance(page, str):
+                snapshot.per_server[url] = parse_metrics(page)
+            else:
+                self.errors[url] = str(page)
+        self.history.append(snapshot)
+        return snapshot
+
+    async def _fetch(self, url: str) -> str | Exception:
+        try:
+            timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
+            async with self.session.get(f"{url}/metrics", timeout=timeout) as response:
+                if response.status != 200:
+                    return RuntimeError(f"GET {url}/metrics answered {response.status}")
+                return await response.text()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return RuntimeError(f"cannot scrape {url}/metrics: {exc or type(exc).__name__}")
+
+    async def read(self, window_s: float) -> Signals:
+        """Scrape now and return the signals over the last `window_s` seconds."""
+        now = await self.scrape()
+        if not now.per_server:
+            return no_data("; ".join(self.errors.values()), window_s)
+        baseline = self._baseline(now.at - window_s, exclude=now)
+        if baseline is None:
+            return no_data("first scrape: the next one opens the window", window_s)
+        self._forget_before(baseline.at)
+        return self._signals(baseline, now)
+
+    def _baseline(self, since: float, exclude: Snapshot) -> Snapshot | None:
+        # The oldest snapshot inside the window (with a little slack for timer jitter).
+        slack = 0.05 * max(1.0, exclude.at - since)
+        candidates = [s for s in self.history if s is not exclude and s.at >= since - slack]
+        return candidates[0] if candidates else None
+
+    def _forget_before(self, at: float) -> None:
+        self.history = [s for s in self.history if s.at >= at]
+
+    def _signals(self, baseline: Snapshot, now: Snapshot) -> Signals:
+        window_s = now.at - baseline.at
+        deltas = [
+            totals.minus(baseline.per_server[url])
+            for url, totals in now.per_server.items()
+            if url in baseline.per_server
+        ]
+        if not deltas:
+            return no_data("no server answered both scrapes of the window", window_s)
+        duration = _merged_buckets(deltas, names.REQUEST_DURATION)
+        if not duration:
+            return no_data(f"no {names.REQUEST_DURATION} series on the servers", window_s)
+        requests = _total(deltas, names.REQUEST_DURATION)
+        waiting = sum(t.gauges.get(names.REQUESTS_WAITING, 0.0) for t in now.per_server.values())
+        status = traffic_status(requests, waiting, self.min_requests)
+        detail = status_detail(status, requests, self.min_requests)
+        if self.errors:
+            detail = "; ".join([detail, *self.errors.values()]).lstrip("; ")
+        batches = _total(deltas, names.BATCH_SIZE)
+        return Signals(
+            status=status,
+            window_s=window_s,
+            requests=requests,
+            request_rate=_total(deltas, names.REQUESTS_TOTAL) / window_s,
+            p99_latency_s=quantile_from_buckets(0.99, duration) if status == "ok" else None,
+            queue_wait_p99_s=quantile_from_buckets(
+                0.99, _merged_buckets(deltas, names.QUEUE_WAIT)
+            ),
+            kv_usage=self._kv_max(baseline.at),
+            waiting=waiting,
+            preemption_rate=_total(deltas, names.PREEMPTIONS_TOTAL) / window_s,
+            tokens_per_s=_total(deltas, names.GENERATION_TOKENS_TOTAL) / window_s,
+            mean_batch_size=(sum(t.sums.get(names.BATCH_SIZE, 0.0) for t in deltas) / batches)
+            if batches
+            else None,
+            detail=detail,
+        )
+
+    def _kv_max(self, since: float) -> float | None:
+        values = [
+            totals.gauges[names.KV_CACHE_USAGE]
+            for snap in self.history
+            if snap.at >= since
+            for totals in snap.per_server.values()
+            if names.KV_CACHE_USAGE in totals.gauges
+        ]
+        return max(values) if values else None
+
+
+def _merged_buckets(deltas: Sequence[Totals], name: str) -> dict[float, float]:
+    merged: dict[float, float] = {}
+    for totals in deltas:
+        for le, n in totals.buckets.get(name, {}).items():
+            merged[le] = merged.get(le, 0.0) + n
+    if merged and math.inf not in merged:
+        raise ValueError(f"{name} has no +Inf bucket")
+    return merged
+
+
+def _total(deltas: Sequence[Totals], name: str) -> float:
+    return sum(t.counts.get(name, 0.0) for t in deltas)
