@@ -63,7 +63,7 @@ class ApiCall:
     verb: str
 
 
-class Emulator(kmock.KubernetesEmulator):  # type: ignore[misc]
+class Emulator(kmock.KubernetesEmulator):
     """kmock's emulator, closer to a real API server in the ways the operator relies on."""
 
     def __attrs_post_init__(self) -> None:
