@@ -45,7 +45,9 @@ def test_spec_needs_an_end_and_a_server() -> None:
         LoadSpec(urls=[], num_requests=1)
 
 
-async def test_fixed_concurrency_round_robin_over_two_servers() -> None:
+async def test_fixed_concurrency_round_robin_over_two_servers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     async with serve_in_process() as one, serve_in_process(mode="dynamic") as two:
         seen: list[RequestResult] = []
         spec = LoadSpec(
@@ -55,9 +57,11 @@ async def test_fixed_concurrency_round_robin_over_two_servers() -> None:
             num_requests=12,
             prompt_len=LengthDist.parse("uniform:4,12"),
             output_len=LengthDist.parse("fixed:6"),
+            progress=True,
         )
         report = await run_load(spec, on_result=seen.append)
     assert (report.sent, report.ok, report.errors_by_status) == (12, 12, {})
+    assert "12 done, 0 failed" in capsys.readouterr().err  # the progress bar's last state
     assert len(seen) == 12
     assert {r.url for r in seen} == {one.url, two.url}
     assert all(r.completion_tokens == 6 and len(r.inter_token_s) == 5 for r in seen)

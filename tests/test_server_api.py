@@ -73,7 +73,7 @@ async def test_64_concurrent_requests_complete_with_their_token_counts(mode: str
     assert metrics[(f"{names.REQUEST_DURATION}_count", "")] == 64
     assert metrics[(f"{names.TIME_TO_FIRST_TOKEN}_count", "")] == 64
     assert metrics[(f"{names.INTER_TOKEN_LATENCY}_count", "")] == sum(n - 1 for n in max_tokens)
-    assert metrics[(f"{names.QUEUE_WAIT}_count", "")] >= 64
+    assert metrics[(f"{names.QUEUE_WAIT}_count", "")] == 64
     assert metrics[(f"{names.BATCH_SIZE}_count", "")] > 0
     assert metrics[(f"{names.STEP_DURATION}_count", "")] > 0
     assert metrics[(names.REQUESTS_RUNNING, "")] == 0
@@ -201,6 +201,25 @@ async def test_bad_inputs_get_their_exact_error_and_the_server_keeps_serving() -
                             and case[1] == "POST")  # fmt: skip
     assert metrics[(names.REQUESTS_TOTAL, "rejected")] == completion_errors
     assert metrics[(names.REQUESTS_TOTAL, "error")] == 0
+
+
+async def test_server_limits_on_prompt_and_max_tokens() -> None:
+    async with (
+        serve_in_process(max_prompt_tokens=8, max_tokens=4) as server,
+        aiohttp.ClientSession() as session,
+    ):
+        long_prompt = await complete(session, server.url, prompt="x" * 8, max_tokens=2)
+        many_tokens = await complete(session, server.url, prompt="x", max_tokens=5)
+        within = await complete(session, server.url, prompt="x" * 7, max_tokens=4)
+    assert long_prompt[0] == 400
+    assert long_prompt[1]["error"]["message"] == (
+        "prompt has 9 tokens; this server accepts at most 8"
+    )
+    assert many_tokens[0] == 400
+    assert many_tokens[1]["error"]["message"] == (
+        "max_tokens is 5; this server allows at most 4"
+    )
+    assert within[0] == 200
 
 
 async def test_openapi_document_is_valid_and_covers_every_route() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 from pathlib import Path
 
 import aiohttp
@@ -94,3 +95,30 @@ def test_unusable_files_exit_2_with_a_clear_message(
 def test_missing_config_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--config-file", str(tmp_path / "absent.json")]) == 2
     assert "cannot read config file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--max-batch-size", "0"], "max_batch_size must be between 1 and"),
+        (["--batch-timeout-ms", "-5"], "batch_timeout_ms must be between 0 and"),
+        (["--kv-cache-mb", "-1"], "--kv-cache-mb must be positive"),
+        (["--threads", "0"], "--threads must be at least 1"),
+        (["--queue-timeout-s", "0"], "--queue-timeout-s > 0"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_clear_message(
+    capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    assert main(flags) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_port_in_use_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["--port", str(port), "--device", "cpu", "--threads", "1"])
+    assert code == 1
+    assert "address already in use" in capsys.readouterr().err.lower()
