@@ -226,7 +226,11 @@ async def read_admin_token(client: Client, namespace: str, policy_name: str) -> 
 
 
 def is_subset(desired: Any, actual: Any) -> bool:
-    """Whether `actual` already holds everything `desired` says (the API server adds defaults)."""
+    """Whether `actual` already holds everything `desired` says (the API server adds defaults).
+
+    A key added by hand to a map (a label, a selector entry) is therefore not drift;
+    a changed or missing value, or a list of another length, is.
+    """
     if isinstance(desired, Mapping):
         return isinstance(actual, Mapping) and all(
             key in actual and is_subset(value, actual[key]) for key, value in desired.items()

@@ -102,15 +102,20 @@ async def test_ready_follows_the_deployment_status(cluster: Cluster) -> None:
     assert status["readyReplicas"] == 2
 
 
-async def test_replicas_change_is_followed_and_token_kept(cluster: Cluster) -> None:
+async def test_spec_changes_are_followed_and_token_kept(cluster: Cluster) -> None:
     await cluster.create(kube.POLICIES, policy("scale"))
     secret = await cluster.wait_for(kube.SECRETS, "scale", "llm-admin")
     await cluster.wait_for(kube.DEPLOYMENTS, "scale", "llm")
 
-    await cluster.patch(kube.POLICIES, "scale", "llm", {"spec": {"replicas": 5}})
-    await cluster.wait_for(
-        kube.DEPLOYMENTS, "scale", "llm", lambda d: d["spec"]["replicas"] == 5, "5 replicas"
+    await cluster.patch(
+        kube.POLICIES, "scale", "llm", {"spec": {"replicas": 5, "server": {"image": "bp:2"}}}
     )
+
+    def rolled(deployment: dict[str, Any]) -> bool:
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        return deployment["spec"]["replicas"] == 5 and container["image"] == "bp:2"
+
+    await cluster.wait_for(kube.DEPLOYMENTS, "scale", "llm", rolled, "5 replicas of bp:2")
     fresh = await cluster.wait_for(
         kube.POLICIES, "scale", "llm",
         lambda p: (p.get("status") or {}).get("observedGeneration") == 2, "observedGeneration 2",
