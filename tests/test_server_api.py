@@ -33,6 +33,14 @@ async def test_openai_client_completes_streaming_and_not() -> None:
                 extra_body={"ignore_eos": True},
             )
             chunks = [chunk async for chunk in stream]
+            with_usage = await client.completions.create(
+                model="tiny",
+                prompt="Hello",
+                max_tokens=3,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            usage_chunks = [chunk async for chunk in with_usage]
         finally:
             await client.close()
     assert plain.usage is not None
@@ -44,6 +52,12 @@ async def test_openai_client_completes_streaming_and_not() -> None:
     assert len(chunks) == 12  # one event per token
     assert chunks[-1].choices[0].finish_reason == "length"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    # stream_options.include_usage: one more event, with no choices, carrying the usage.
+    assert usage_chunks[-1].choices == []
+    assert usage_chunks[-1].usage is not None
+    assert usage_chunks[-1].usage.total_tokens == usage_chunks[-1].usage.prompt_tokens + sum(
+        1 for c in usage_chunks[:-1]
+    )
 
 
 @pytest.mark.parametrize("mode", ["continuous", "dynamic"])
