@@ -134,7 +134,7 @@ class Scenario:
 
     def output_mean(self, t: float) -> int:
         if self.name == "longer_outputs" and self.step_at_s is not None and t >= self.step_at_s:
-            return 2 * self.output_tokens
+            return round(1.5 * self.output_tokens)
         return self.output_tokens
 
 
@@ -396,8 +396,9 @@ class _Engine:
         n = len(self.running)
         step_s = self.curve.step_s(n)
         k = min(seq[1] for seq in self.running)
-        if n < self.config.max_batch_size and not self.waiting:
-            k = min(k, max(1, math.ceil((self._arrival_time() - self.now) / step_s)))
+        next_arrival = self._arrival_time()
+        if n < self.config.max_batch_size and not self.waiting and next_arrival < math.inf:
+            k = min(k, max(1, math.ceil((next_arrival - self.now) / step_s)))
         k = min(k, max(1, math.ceil((self.current.end_s - self.now) / step_s)))
         k = self._fit_kv(k)
         if k == 0:

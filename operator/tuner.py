@@ -98,7 +98,7 @@ class TunerParams:
     timeout_step_share: float = 0.02  # timeout growth, as a share of the SLO
     timeout_budget_share: float = 0.1  # the timeout never exceeds this share of the SLO
     full_batch_share: float = 0.8  # mean batch >= share * max counts as "full"
-    busy_batch_share: float = 0.5  # below this share, a queueing breach is not for lack of room
+    queue_share: float = 0.5  # in the band, queue wait >= share * p99: grow before breaking
     service_share: float = 1.0  # p99 less queue wait above share * SLO: the batch is too slow
     timeout_explains: float = 2.0  # queue wait <= this x timeout: the timeout causes it
     queueing_share: float = 0.05  # queue wait p99 >= share * SLO: requests queue
@@ -197,6 +197,19 @@ def _decide(
         return _on_breach(signals, p99, current, bounds, slo, aged, p)
     if p99 < (1 - p.band) * slo.p99_latency_s:
         return _on_headroom(signals, p99, current, bounds, slo, aged, p)
+    queue_wait = signals.queue_wait_p99_s or 0.0
+    limit = _growth_limit(bounds, aged)
+    if queue_wait >= p.queue_share * p99 and current.max_batch_size < limit:
+        # Near the SLO because requests queue: add room before the p99 breaks it.
+        batch = current.max_batch_size
+        new_batch = min(limit, batch + p.additive_step)
+        return Decision(
+            replace(current, max_batch_size=new_batch),
+            "grow_batch",
+            f"p99 {_ms(p99)} nears the SLO from queueing (queue wait p99 {_ms(queue_wait)}): "
+            f"batch {batch} -> {new_batch}",
+            _after_change(aged, p),
+        )
     return Decision(
         current,
         "hold",
@@ -281,15 +294,6 @@ def _on_breach(
             f"underfilled (mean {signals.mean_batch_size:.1f} of {batch}): "
             f"timeout {timeout:g} -> {new_timeout:g} ms",
             _after_change(state, p),
-        )
-    mean = signals.mean_batch_size
-    if mean is not None and mean < p.busy_batch_share * batch:
-        return Decision(
-            current,
-            "hold",
-            f"{head} from queueing (queue wait p99 {_ms(queue_wait)}), but batches run at "
-            f"{mean:.1f} of {batch}: a larger batch would not be used",
-            state,
         )
     # Capacity growth ignores the probing ceiling: a ceiling learnt at another load
     # must not keep requests queued; if the bigger batch runs too slowly, the next

@@ -60,9 +60,11 @@ TABLE = [
      int(16 * P.backoff_factor), 10.0, "while running"),
     ("breach from queueing with full batches", ok(p99_latency_s=0.9, queue_wait_p99_s=0.6),
      "grow_batch", round(16 * P.capacity_factor), 10.0, "capacity short"),
-    ("breach from queueing with idle batch room",
-     ok(p99_latency_s=0.9, queue_wait_p99_s=0.6, mean_batch_size=3.0), "hold", 16, 10.0,
-     "would not be used"),
+    ("breach from queueing at bursts (low mean batch)",
+     ok(p99_latency_s=0.9, queue_wait_p99_s=0.6, mean_batch_size=3.0), "grow_batch",
+     round(16 * P.capacity_factor), 10.0, "capacity short"),
+    ("near the SLO from queueing", ok(p99_latency_s=0.45, queue_wait_p99_s=0.3), "grow_batch",
+     16 + P.additive_step, 10.0, "nears the SLO"),
     ("ample headroom, underfilled, no queueing",
      ok(p99_latency_s=0.1, mean_batch_size=2.0), "grow_timeout", 16,
      10.0 + P.timeout_step_share * 500, "fuller batches"),
@@ -98,6 +100,13 @@ def test_breach_the_timeout_explains_halves_the_timeout() -> None:
     assert decision.config.batch_timeout_ms == 50.0 * P.timeout_cut_factor
     assert decision.config.max_batch_size == 16
     assert "timeout's doing" in decision.reason
+
+
+def test_breach_from_queueing_at_the_maximum_batch_holds_and_says_the_load_is_too_high() -> None:
+    top = BatchingConfig(max_batch_size=BOUNDS.max_batch)
+    decision = run(ok(p99_latency_s=0.9, queue_wait_p99_s=0.6, mean_batch_size=64.0), top)
+    assert (decision.action, decision.config) == ("hold", top)
+    assert "exceeds what the SLO allows" in decision.reason
 
 
 def test_breach_at_minimum_batch_and_timeout_holds_and_says_why() -> None:

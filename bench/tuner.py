@@ -1,0 +1,399 @@
+"""Tuner benchmark: the tuner against the best static config, per scenario and mode.
+
+Simulated part (operator/simulator.py, the real tuner in the loop, an hour of
+traffic per run): for each scenario and engine mode,
+- the oracle: the best static config of a grid (most goodput with the run's
+  p99 within the SLO), found by simulating every grid config;
+- the static default (BatchingConfig()'s batch 8, timeout 10 ms);
+- the tuner, starting from the default.
+Reported: goodput ratio tuner/oracle, the share of post-convergence
+intervals whose p99 meets the SLO, and the intervals the tuner needs to
+re-converge after the 3x load step. Targets: >= 0.95, >= 99%, <= 5.
+
+Real part (unless --skip-real): two `batchpilot serve` processes with the
+tiny model under the same time-varying load from the load generator, one
+left at the default config, one tuned live by the local tuner with scrape
+signals; their goodput and p99 side by side.
+
+Writes docs/tuner_<mode>.png and the `## Tuning (bench/tuner.py)` section of
+docs/benchmarks.md; prints one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from batchpilot_operator.simulator import (
+    Scenario,
+    SimOptions,
+    SimResult,
+    StepCurve,
+    simulate,
+    static,
+)
+from batchpilot_operator.tuner import Bounds, Slo
+from batchpilot_server.batching import MODES, BatchingConfig, Mode
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+BENCHMARKS_MD = DOCS / "benchmarks.md"
+SECTION_START, SECTION_END = "<!-- tuner:start -->", "<!-- tuner:end -->"
+
+INTERVAL_S, WINDOW_S = 30.0, 60.0  # the CRD's defaults
+DURATION_S = 3600.0
+GRID_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+GRID_TIMEOUTS_MS = (0.0, 10.0, 50.0)
+OUTPUT_TOKENS = 64  # mean; the simulator draws uniform [16, 112]
+PROMPT_TOKENS = (16, 128)
+STABLE_INTERVALS = 3  # p99 within SLO this many intervals in a row = converged
+RECONVERGE_GRACE = 5  # the target; intervals after a disturbance not held against the SLO share
+TARGETS = {"goodput_ratio": 0.95, "within_slo": 0.99, "reconverge_intervals": 5}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Workload scale derived from the step-time curve, so any curve gives a fair test."""
+
+    slo_s: float
+    capacity_rps: dict[str, float]  # per mode: requests/s sustainable within the SLO
+
+    @classmethod
+    def from_curve(cls, curve: StepCurve) -> Setup:
+        longest = OUTPUT_TOKENS * 1.75
+        # SLO: three times what the longest output takes at batch 16: room for
+        # dynamic mode's wait behind a running batch, tight enough that the
+        # best batch lies inside the grid rather than at either end.
+        slo_s = round(3.0 * longest * curve.step_s(16), 2)
+        prefill_s = sum(PROMPT_TOKENS) / 2 * curve.per_token_s
+        budget = 0.8 * slo_s
+        # continuous: n sequences decode together; the longest must finish in budget.
+        continuous = max(
+            n / (n * prefill_s + OUTPUT_TOKENS * curve.step_s(n))
+            for n in range(1, 65)
+            if longest * curve.step_s(n) <= budget
+        )
+        # dynamic: a batch of n lasts until its longest member ends, and a request
+        # arriving meanwhile waits for the rest of it: ~1.5 batch durations end to end.
+        dynamic = max(
+            n / duration
+            for n in range(1, 65)
+            if 1.5 * (duration := n * prefill_s + longest * curve.step_s(n)) <= budget
+        )
+        return cls(slo_s=slo_s, capacity_rps={"continuous": continuous, "dynamic": dynamic})
+
+
+def scenarios(setup: Setup, mode: Mode) -> list[Scenario]:
+    cap = setup.capacity_rps[mode]
+    third = DURATION_S / 3
+    return [
+        Scenario("steady", DURATION_S, round(0.6 * cap, 2), OUTPUT_TOKENS, PROMPT_TOKENS),
+        Scenario("step", DURATION_S, round(0.25 * cap, 2), OUTPUT_TOKENS, PROMPT_TOKENS, third),
+        Scenario("diurnal", DURATION_S, round(0.45 * cap, 2), OUTPUT_TOKENS, PROMPT_TOKENS),
+        Scenario("bursts", DURATION_S, round(0.3 * cap, 2), OUTPUT_TOKENS, PROMPT_TOKENS),
+        Scenario(
+            "longer_outputs", DURATION_S, round(0.35 * cap, 2), OUTPUT_TOKENS, PROMPT_TOKENS,
+            DURATION_S / 2,
+        ),
+    ]
+
+
+def grid() -> list[BatchingConfig]:
+    return [
+        BatchingConfig(max_batch_size=b, batch_timeout_ms=t)
+        for b in GRID_BATCHES
+        for t in GRID_TIMEOUTS_MS
+    ]
+
+
+def _run(args: tuple[Scenario, SimOptions, StepCurve, int]) -> SimResult:
+    return simulate(*args)
+
+
+@dataclass
+class ScenarioResult:
+    scenario: Scenario
+    mode: Mode
+    oracle_config: BatchingConfig
+    oracle: SimResult
+    default: SimResult
+    tuner: SimResult
+    slo_s: float
+
+    def disturbance_index(self) -> int | None:
+        at = self.scenario.step_at_s
+        return None if at is None else int(at // INTERVAL_S)
+
+    def converged_index(self) -> int | None:
+        return _first_stable(self.tuner, self.slo_s, 0)
+
+    def reconverge_intervals(self) -> int | None:
+        start = self.disturbance_index()
+        if start is None:
+            return None
+        stable = _first_stable(self.tuner, self.slo_s, start)
+        return None if stable is None else stable - start
+
+    def within_slo_share(self) -> float | None:
+        start = self.converged_index()
+        if start is None:
+            return None
+        grace = self.disturbance_index()
+        judged = [
+            iv
+            for i, iv in enumerate(self.tuner.intervals)
+            if i >= start
+            and iv.p99_s is not None
+            and not (grace is not None and grace <= i < grace + RECONVERGE_GRACE)
+        ]
+        if not judged:
+            return None
+        return sum(iv.p99_s <= self.slo_s for iv in judged if iv.p99_s is not None) / len(judged)
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario.name,
+            "mode": self.mode,
+            "oracle": _label(self.oracle_config),
+            "goodput_oracle": round(self.oracle.goodput, 2),
+            "goodput_default": round(self.default.goodput, 2),
+            "goodput_tuner": round(self.tuner.goodput, 2),
+            "ratio_tuner": round(self.tuner.goodput / self.oracle.goodput, 3),
+            "ratio_default": round(self.default.goodput / self.oracle.goodput, 3),
+            "p99_oracle_s": _round(self.oracle.p99_s),
+            "p99_default_s": _round(self.default.p99_s),
+            "p99_tuner_s": _round(self.tuner.p99_s),
+            "within_slo": _round(self.within_slo_share()),
+            "converged_at": self.converged_index(),
+            "reconverge_intervals": self.reconverge_intervals(),
+            "changes": sum(
+                1 for iv in self.tuner.intervals if iv.decision and iv.decision.action != "hold"
+            ),
+        }
+
+
+def _label(config: BatchingConfig) -> str:
+    return f"{config.max_batch_size}/{config.batch_timeout_ms:g}"
+
+
+def _round(value: float | None, digits: int = 3) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def _first_stable(result: SimResult, slo_s: float, start: int) -> int | None:
+    """First interval from `start` that opens STABLE_INTERVALS in a row within the SLO."""
+    ivs = result.intervals
+    for i in range(start, len(ivs) - STABLE_INTERVALS + 1):
+        window = ivs[i : i + STABLE_INTERVALS]
+        if all(iv.p99_s is None or iv.p99_s <= slo_s for iv in window):
+            return i
+    return None
+
+
+def pick_oracle(
+    configs: Sequence[BatchingConfig], results: Sequence[SimResult], slo_s: float
+) -> int:
+    """Index of the most goodput among configs whose run p99 meets the SLO (any, if none do)."""
+    meeting = [i for i, r in enumerate(results) if r.p99_s is not None and r.p99_s <= slo_s]
+    pool = meeting or list(range(len(results)))
+    return max(pool, key=lambda i: results[i].goodput)
+
+
+def run_simulated(curve: StepCurve, setup: Setup, seed: int, workers: int) -> list[ScenarioResult]:
+    slo = Slo(p99_latency_s=setup.slo_s)
+    configs = grid()
+    jobs: list[tuple[Scenario, SimOptions, StepCurve, int]] = []
+    plan = [(s, m) for m in MODES for s in scenarios(setup, m)]
+    for scenario, mode in plan:
+        base = SimOptions(
+            mode=mode,
+            config=BatchingConfig(),
+            slo=slo,
+            interval_s=INTERVAL_S,
+            window_s=WINDOW_S,
+            bounds=Bounds(),
+        )
+        jobs += [(scenario, static(base, c), curve, seed) for c in configs]
+        jobs.append((scenario, static(base, BatchingConfig()), curve, seed))
+        jobs.append((scenario, base, curve, seed))
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(_run, jobs, chunksize=4))
+    out: list[ScenarioResult] = []
+    per = len(configs) + 2
+    for k, (scenario, mode) in enumerate(plan):
+        chunk = results[k * per : (k + 1) * per]
+        best = pick_oracle(configs, chunk[: len(configs)], setup.slo_s)
+        out.append(
+            ScenarioResult(
+                scenario, mode, configs[best], chunk[best], chunk[-2], chunk[-1], setup.slo_s
+            )
+        )
+    return out
+
+
+def plot(results: list[ScenarioResult], mode: Mode, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results if r.mode == mode]
+    fig, axes = plt.subplots(3, len(rows), figsize=(4 * len(rows), 8), sharex=True)
+    for col, r in enumerate(rows):
+        minutes = np.array([iv.end_s for iv in r.tuner.intervals]) / 60
+        for label, result, style in (
+            ("tuner", r.tuner, "-"),
+            ("default", r.default, ":"),
+            ("oracle", r.oracle, "--"),
+        ):
+            p99 = [np.nan if iv.p99_s is None else iv.p99_s for iv in result.intervals]
+            axes[0, col].plot(minutes[: len(p99)], p99[: len(minutes)], style, label=label)
+        axes[0, col].axhline(r.slo_s, color="red", linewidth=0.8)
+        axes[0, col].set_yscale("log")
+        axes[0, col].set_title(r.scenario.name)
+        cfgs = [iv.config for iv in r.tuner.intervals if iv.config is not None]
+        axes[1, col].step(minutes[: len(cfgs)], [c.max_batch_size for c in cfgs], where="post")
+        axes[2, col].step(minutes[: len(cfgs)], [c.batch_timeout_ms for c in cfgs], where="post")
+        axes[2, col].set_xlabel("minutes")
+    axes[0, 0].set_ylabel("interval p99 (s)")
+    axes[1, 0].set_ylabel("tuner max_batch_size")
+    axes[2, 0].set_ylabel("tuner timeout (ms)")
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle(f"{mode} mode: p99 per 30 s interval (red: SLO) and the tuner's knobs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def markdown(
+    curve: StepCurve, setup: Setup, rows: list[dict[str, Any]], real: dict[str, Any] | None
+) -> str:
+    lines = [
+        "## Tuning (bench/tuner.py)",
+        "",
+        f"Simulated: one hour per scenario, interval {INTERVAL_S:g} s, window {WINDOW_S:g} s, "
+        f"p99 SLO {setup.slo_s:g} s, step-time curve {curve.source}; scenario rates are "
+        "fractions of the mode's capacity within 80% of the SLO "
+        f"({setup.capacity_rps['continuous']:.1f} req/s continuous, "
+        f"{setup.capacity_rps['dynamic']:.1f} req/s dynamic). "
+        "Oracle: best static `batch/timeout_ms` of a "
+        f"{len(GRID_BATCHES)}x{len(GRID_TIMEOUTS_MS)} grid (most goodput with the run's p99 "
+        "within the SLO). Goodput: requests/s finished within the SLO. `within_slo`: share of "
+        "the tuner's intervals meeting the SLO after it first converged (3 intervals in a row "
+        f"within SLO), not counting the {RECONVERGE_GRACE}-interval allowance after the load "
+        "step. Targets: ratio >= 0.95, within_slo >= 0.99, re-convergence <= 5 intervals.",
+        "",
+        "| scenario | mode | oracle | goodput oracle | default/oracle | tuner/oracle "
+        "| p99 default | p99 tuner | within SLO | re-converge | changes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['scenario']} | {r['mode']} | {r['oracle']} | {r['goodput_oracle']} | "
+            f"{r['ratio_default']} | {r['ratio_tuner']} | {r['p99_default_s']} | "
+            f"{r['p99_tuner_s']} | {r['within_slo']} | {r['reconverge_intervals'] or '-'} | "
+            f"{r['changes']} |"
+        )
+    lines += [
+        "",
+        "![continuous](tuner_continuous.png)",
+        "![dynamic](tuner_dynamic.png)",
+        "",
+    ]
+    if real is not None:
+        lines += [
+            "Real servers (tiny model, same load against both, scrape signals):",
+            "",
+            "| server | config at end | goodput req/s | p99 s | ok | errors |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name in ("default", "tuned"):
+            side = real[name]
+            lines.append(
+                f"| {name} | {side['config']} | {side['goodput_rps']} | {side['p99_s']} | "
+                f"{side['ok']} | {side['errors']} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_section(text: str, path: Path = BENCHMARKS_MD) -> None:
+    """Replace (or append) our delimited section, touching nothing else in the file."""
+    block = f"{SECTION_START}\n{text}\n{SECTION_END}"
+    current = path.read_text() if path.exists() else "# Benchmarks\n"
+    if SECTION_START in current and SECTION_END in current:
+        head, _, rest = current.partition(SECTION_START)
+        _, _, tail = rest.partition(SECTION_END)
+        updated = head + block + tail
+    else:
+        updated = current.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(updated)
+
+
+def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ratios = [r["ratio_tuner"] for r in rows]
+    shares = [r["within_slo"] for r in rows if r["within_slo"] is not None]
+    recon = [r["reconverge_intervals"] for r in rows if r["scenario"] == "step"]
+    return {
+        "min_goodput_ratio": min(ratios),
+        "min_within_slo": min(shares) if shares else None,
+        "max_reconverge_intervals": None if None in recon else max(recon),
+        "targets_met": bool(
+            min(ratios) >= TARGETS["goodput_ratio"]
+            and shares
+            and min(shares) >= TARGETS["within_slo"]
+            and None not in recon
+            and max(recon) <= TARGETS["reconverge_intervals"]
+        ),
+    }
+
+
+def run_real(seconds: float) -> dict[str, Any]:
+    raise NotImplementedError
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="bench/tuner.py", description=__doc__.split("\n")[0])
+    ap.add_argument("--skip-real", action="store_true", help="only the simulated part")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--real-seconds", type=float, default=150.0)
+    args = ap.parse_args(argv)
+    started = time.monotonic()
+    curve = StepCurve.load()
+    setup = Setup.from_curve(curve)
+    results = run_simulated(curve, setup, args.seed, args.workers)
+    rows = [r.row() for r in results]
+    for row in rows:
+        print(json.dumps(row), file=sys.stderr)
+    DOCS.mkdir(exist_ok=True)
+    for mode in MODES:
+        plot(results, mode, DOCS / f"tuner_{mode}.png")
+    real = None
+    if not args.skip_real:
+        real = run_real(args.real_seconds)
+    write_section(markdown(curve, setup, rows, real))
+    summary = {
+        "bench": "tuner",
+        "slo_s": setup.slo_s,
+        "curve": curve.source,
+        **verdict(rows),
+        "scenarios": {f"{r['scenario']}/{r['mode']}": r["ratio_tuner"] for r in rows},
+        "real": None if real is None else real["summary"],
+        "seconds": round(time.monotonic() - started, 1),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
+
