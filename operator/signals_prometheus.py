@@ -38,7 +38,7 @@ def selector_for_policy(namespace: str, policy: str) -> str:
 def selector_for_instances(instances: Sequence[str]) -> str:
     """Series scraped from these host:port targets (or server URLs)."""
     hosts = [re.sub(r"^https?://", "", i).rstrip("/") for i in instances]
-    return f'instance=~"{"|".join(re.escape(h) for h in hosts)}"'
+    return f'instance=~"{"|".join(_escape(re.escape(h)) for h in hosts)}"'
 
 
 def _escape(value: str) -> str:
