@@ -1,0 +1,141 @@
+"""`batchpilot demo` as a user runs it: a real subprocess with real servers, Prometheus,
+load and tuner; it must write its plot and summary and leave no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from batchpilot_operator.demo import main as demo_main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+EXIT_DEADLINE_S = 60.0
+
+
+def children_of(pid: int) -> set[int]:
+    """Live processes whose parent is `pid`, read from /proc."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited while we looked
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+class DemoRun:
+    """The demo as a subprocess; tracks every child it ever had, always kills what is left."""
+
+    def __init__(self, tmp_path: Path, *args: str) -> None:
+        self.out = tmp_path / "demo.png"
+        self.log = tmp_path / "demo.out"
+        command = [
+            sys.executable, "-m", "batchpilot_server.cli", "demo",
+            "--out", str(self.out), *args,
+        ]  # fmt: skip
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        self.children: set[int] = set()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def watch_until(self, done: object, timeout_s: float) -> None:
+        """Record children while polling `done()` (a callable) until true or the demo exits."""
+        assert callable(done)
+        deadline = time.monotonic() + timeout_s
+        while self.proc.poll() is None and not done():
+            self.children |= children_of(self.proc.pid)
+            assert time.monotonic() < deadline, f"timed out; output:\n{self.output()}"
+            time.sleep(0.2)
+
+    def wait(self) -> int:
+        self.watch_until(lambda: False, EXIT_DEADLINE_S + 300)
+        return self.proc.wait()
+
+    def kill_leftovers(self) -> None:
+        for pid in [self.proc.pid, *self.children]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def assert_clean(run: DemoRun, expected_children: int) -> None:
+    assert len(run.children) >= expected_children, (run.children, run.output())
+    deadline = time.monotonic() + 5  # the kernel reaps reparented children asynchronously
+    while any(alive(pid) for pid in run.children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in run.children if alive(pid)]
+    assert not left, f"processes left behind: {left}\n{run.output()}"
+
+
+def assert_plot(path: Path) -> None:
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC)
+    assert len(data) > 10_000  # a real figure, not an empty canvas
+
+
+def test_short_demo_writes_plot_and_summary(tmp_path: Path) -> None:
+    run = DemoRun(tmp_path, "--duration", "24", "--interval", "4")
+    try:
+        code = run.wait()
+    finally:
+        run.kill_leftovers()
+    output = run.output()
+    assert code == 0, output
+    # not a terminal: one plain line per tuner interval, then the summary
+    interval_lines = [line for line in output.splitlines() if line.startswith("t=")]
+    assert len(interval_lines) >= 4, output
+    assert "batchpilot demo summary" in output
+    assert "\x1b[" not in output
+    assert_plot(run.out)
+    # two servers, plus Prometheus where it is installed
+    assert_clean(run, expected_children=2)
+
+
+def test_sigint_midway_stops_everything(tmp_path: Path) -> None:
+    run = DemoRun(tmp_path, "--duration", "120", "--interval", "3")
+    try:
+        run.watch_until(lambda: "t=" in run.output(), timeout_s=90)
+        assert run.proc.poll() is None, run.output()
+        run.proc.send_signal(signal.SIGINT)
+        code = run.proc.wait(timeout=EXIT_DEADLINE_S)
+    finally:
+        run.kill_leftovers()
+    output = run.output()
+    assert code == 128 + signal.SIGINT, output
+    assert "summary (interrupted)" in output
+    assert "Traceback" not in output
+    assert_plot(run.out)
+    assert_clean(run, expected_children=2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--duration", "0"], "--duration must be positive"),
+        (["--duration", "10", "--interval", "5"], "too short for --interval"),
+    ],
+)
+def test_bad_flags_are_explained(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        demo_main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
