@@ -228,6 +228,10 @@ def tables(results: dict[str, Any], args: argparse.Namespace) -> str:
             f"| {row['served_not_streamed_tokens_per_s']:.0f} | {row['served_over_engine']:.2f} "
             f"| {row['not_streamed_over_engine']:.2f} |"
         )
+    lines += ["", "Every round, tokens/s (the spread is other work on the same two cores):", ""]
+    for mode, row in results["batch_32"].items():
+        rounds = "; ".join(f"{name} {values}" for name, values in row["rounds"].items())
+        lines.append(f"- {mode}: {rounds}")
     return "\n".join(lines)
 
 
