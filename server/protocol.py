@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 # OpenAI's default when a request names no `max_tokens`.
@@ -110,7 +110,6 @@ class CompletionRequest:
     stream: bool = False
     include_usage_chunk: bool = False
     ignore_eos: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_json_body(raw: bytes) -> Any:

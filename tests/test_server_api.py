@@ -11,6 +11,7 @@ import openai
 import pytest
 from batchpilot_server import metric_names as names
 from batchpilot_server.app import STATE
+from batchpilot_server.engine_api import EngineOptions
 from openapi_spec_validator import validate
 
 from tests.servers import complete, scrape, serve_in_process, stream_events
@@ -234,6 +235,17 @@ async def test_server_limits_on_prompt_and_max_tokens() -> None:
         "max_tokens is 5; this server allows at most 4"
     )
     assert within[0] == 200
+
+
+async def test_request_larger_than_the_kv_pool_is_refused_with_400() -> None:
+    async with serve_in_process(kv_cache_mb=1) as server, aiohttp.ClientSession() as session:
+        pool_tokens = server.app[STATE].engine.stats().kv_blocks_total * EngineOptions.block_size
+        status, answer, _ = await complete(
+            session, server.url, prompt="x" * pool_tokens, max_tokens=16
+        )
+    assert status == 400
+    assert answer["error"]["code"] == "context_length_exceeded"
+    assert "needs more KV blocks than the whole pool holds" in answer["error"]["message"]
 
 
 async def test_openapi_document_is_valid_and_covers_every_route() -> None:
