@@ -282,6 +282,16 @@ class _Run:
     async def open_loop(self) -> None:
         """Poisson or fixed-rate arrivals, independent of how fast answers come."""
         tasks: set[asyncio.Task[None]] = set()
+        try:
+            await self._arrivals(tasks)
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:  # cancelled: requests in flight go too, not left behind the closed session
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _arrivals(self, tasks: set[asyncio.Task[None]]) -> None:
         next_at = self.elapsed()
         while True:
             rate = self.rate_now()
@@ -299,8 +309,6 @@ class _Run:
             task = asyncio.create_task(self.one_request())
             tasks.add(task)
             task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.gather(*tasks)
 
     async def closed_loop(self) -> None:
         """`concurrency` clients, each sending its next request when the last one ends."""

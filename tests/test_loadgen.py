@@ -8,10 +8,12 @@ import random
 import sys
 import time
 
+import aiohttp
 import pytest
+from batchpilot_server import metric_names as names
 from batchpilot_server.loadgen import LengthDist, LoadSpec, RequestResult, run_load
 
-from tests.servers import free_port, serve_in_process
+from tests.servers import free_port, scrape, serve_in_process
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -147,3 +149,29 @@ async def test_cli_refuses_a_bad_distribution() -> None:
     _, stderr = await proc.communicate()
     assert proc.returncode == 2
     assert "bad length distribution 'zipf:1'" in stderr.decode()
+
+
+async def test_cancelled_run_leaves_no_request_behind() -> None:
+    async with serve_in_process() as server, aiohttp.ClientSession() as session:
+        spec = LoadSpec(
+            urls=[server.url],
+            rate=50,
+            duration_s=30,
+            output_len=LengthDist.parse("fixed:400"),
+        )
+        load = asyncio.create_task(run_load(spec))
+        async with asyncio.timeout(20):
+            while (await scrape(session, server.url))[(names.REQUESTS_RUNNING, "")] < 2:
+                await asyncio.sleep(0.02)
+        load.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await load
+        async with asyncio.timeout(20):  # the server sees every client go and frees its work
+            while True:
+                metrics = await scrape(session, server.url)
+                busy = (names.REQUESTS_RUNNING, ""), (names.REQUESTS_WAITING, "")
+                if sum(metrics[key] for key in busy) == 0:
+                    break
+                await asyncio.sleep(0.02)
+    assert metrics[(names.KV_CACHE_USAGE, "")] == 0
+    assert metrics[(names.REQUESTS_TOTAL, "error")] >= 2
