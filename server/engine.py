@@ -94,11 +94,6 @@ class RequestStream:
             self._items.put_nowait(item)
 
 
-def _deliver(items: Delivery) -> None:
-    for stream, item in items:
-        stream._push(item)
-
-
 class Engine:
     def __init__(self, options: EngineOptions, observer: EngineObserver | None = None) -> None:
         if options.mode not in ("dynamic", "continuous"):
@@ -114,6 +109,9 @@ class Engine:
         self._streams: dict[Sequence, RequestStream] = {}
         self._final_events: dict[Sequence, TokenEvent] = {}  # dynamic: held until batch end
         self._cancelled: list[Sequence] = []
+        self._outbox: Delivery = []  # items for the event loop, in order
+        self._outbox_lock = threading.Lock()
+        self._wakeup_pending = False
         self._state = "new"  # new -> running -> stopping -> stopped
         self._drain = False
         self._failure: str | None = None
@@ -435,13 +433,29 @@ class Engine:
                 out += [(stream, replace(event, step=self._steps)), (stream, _END)]
 
     def _send(self, out: Delivery) -> None:
+        """Queue items for the event loop; wake it only if no wake-up is pending.
+
+        Each wake-up is a socket write plus a GIL hand-over to the loop thread, so
+        steps that finish while the loop is still busy ride on one wake-up."""
         if not out:
             return
         assert self._loop is not None
+        with self._outbox_lock:
+            self._outbox += out
+            if self._wakeup_pending:
+                return
+            self._wakeup_pending = True
         try:
-            self._loop.call_soon_threadsafe(_deliver, out)
+            self._loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:
             log.warning("event loop closed; %d stream items dropped", len(out))
+
+    def _deliver(self) -> None:
+        """On the event loop: hand every queued item to its stream."""
+        with self._outbox_lock:
+            items, self._outbox, self._wakeup_pending = self._outbox, [], False
+        for stream, item in items:
+            stream._push(item)
 
     def _stop(self) -> None:
         """Thread exit: every stream still open ends with an error."""

@@ -1,0 +1,450 @@
+"""Engine benchmark, no HTTP: what batching costs and buys on this machine.
+
+- raw: the bare model generate loop (one batched prefill, then greedy decode
+  steps over contiguous K/V tensors, no scheduler, no streams) per batch size:
+  the ceiling. Its seconds per decode step go to docs/step_times.json (the
+  tuner's simulator reads them).
+- continuous: the engine at saturation doing the same work (two waves of
+  `batch` requests through `max_batch_size = batch`), every token streamed.
+- hostage_example: DESIGN's 4 requests of 10/50/100/200 tokens, per mode.
+- mixed: Poisson arrivals at about 70% of the continuous capacity, log-normal
+  output lengths, the same trace through each mode.
+- gather_512: one decode step at context 512 (batch 32) over contiguous K/V,
+  over the paged pool as the engine reads it (in place), and over the pool
+  gathered into contiguous tensors with index_select (the naive way).
+
+Both sides of every ratio run in this process, one after the other, so the
+ratios hold even though the 2-core machine's absolute speed varies. Prints a
+table, writes docs/benchmarks.md (section `engine`) and docs/step_times.json,
+and prints one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from batchpilot_server.batching import MODES, BatchingConfig, Mode
+from batchpilot_server.engine import Engine, RequestStream
+from batchpilot_server.engine_api import EngineOptions, SamplingParams
+from batchpilot_server.kv_cache import KVCache
+from batchpilot_server.model_runner import ModelRunner
+from batchpilot_server.models import Decoder, ModelSpec, build_model
+from batchpilot_server.sequence import Sequence
+from sections import replace_section
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+PROMPT_TOKENS = 16
+HOSTAGE_LENGTHS = (10, 50, 100, 200)
+MIXED_BATCH, MIXED_TIMEOUT_MS, MIXED_LOAD = 16, 20.0, 0.7
+GATHER_BATCH, GATHER_CONTEXT = 32, 512
+TARGETS = {"efficiency_at_32": 0.85, "short_p50_speedup": 3.0, "gather_overhead": 0.15}
+
+
+@dataclass(frozen=True)
+class Plan:
+    decode_tokens: int  # per request in the raw / saturation runs
+    mixed_seconds: float  # arrivals per mode in the mixed run
+    gather_steps: int
+    rounds: int  # alternating raw / engine runs per batch size, best kept
+
+
+FULL = Plan(decode_tokens=128, mixed_seconds=20.0, gather_steps=20, rounds=2)
+QUICK = Plan(decode_tokens=32, mixed_seconds=5.0, gather_steps=6, rounds=1)
+
+
+class ContiguousKV:
+    """The raw loop's cache: [layers, batch, heads, capacity, head_dim] per K and V."""
+
+    def __init__(self, spec: ModelSpec, batch: int, capacity: int) -> None:
+        shape = (spec.n_layers, batch, spec.n_heads, capacity, spec.head_dim)
+        self.k = torch.zeros(shape)
+        self.v = torch.zeros(shape)
+        self.length = 0  # tokens cached before the current forward
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        end = self.length + q.shape[1]
+        self.k[layer, :, :, self.length : end] = k.transpose(1, 2)
+        self.v[layer, :, :, self.length : end] = v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            self.k[layer, :, :, :end],
+            self.v[layer, :, :, :end],
+            is_causal=q.shape[1] > 1,  # prefill starts at 0, so plain causal is right
+        )
+        return out.transpose(1, 2)
+
+
+class IndexSelectAttention:
+    """The naive paged read: copy every sequence's blocks into contiguous K/V per step."""
+
+    def __init__(self, cache: KVCache, tables: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.cache = cache
+        self.tables = tables
+        width = tables.shape[1] * cache.block_size
+        self.mask = (torch.arange(width)[None, :] < lengths[:, None])[:, None, None, :]
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        batch, width = self.tables.shape
+        heads, size, head_dim = self.cache.k.shape[2:]
+        keys, values = (
+            pool[layer]
+            .index_select(0, self.tables.view(-1))
+            .view(batch, width, heads, size, head_dim)
+            .transpose(1, 2)
+            .reshape(batch, heads, width * size, head_dim)
+            for pool in (self.cache.k, self.cache.v)
+        )
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=self.mask)
+        return out.transpose(1, 2)
+
+
+def prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[256, *rng.integers(0, 256, length - 1).tolist()] for _ in range(count)]
+
+
+@torch.inference_mode()
+def raw_generate(model: Decoder, batch: int, tokens: int) -> tuple[float, float]:
+    """Tokens/s of the bare loop and its seconds per decode step."""
+    cache = ContiguousKV(model.spec, batch, PROMPT_TOKENS + tokens)
+    ids = torch.tensor(prompts(batch, PROMPT_TOKENS, seed=batch))
+    positions = torch.arange(PROMPT_TOKENS).expand(batch, -1)
+    start = time.perf_counter()
+    next_ids = model.logits(model.hidden(ids, positions, cache)[:, -1]).argmax(-1)
+    cache.length = PROMPT_TOKENS
+    decode_start = time.perf_counter()
+    for _ in range(tokens - 1):
+        position = torch.full((batch, 1), cache.length)
+        hidden = model.hidden(next_ids[:, None], position, cache)
+        next_ids = model.logits(hidden[:, 0]).argmax(-1)
+        cache.length += 1
+    end = time.perf_counter()
+    return batch * tokens / (end - start), (end - decode_start) / (tokens - 1)
+
+
+async def count_tokens(stream: RequestStream) -> int:
+    return sum([1 async for _ in stream])
+
+
+async def saturated(engine: Engine, batch: int, tokens: int, waves: int = 2) -> float:
+    """Engine tokens/s with `waves * batch` requests queued at once."""
+    config = engine.config
+    engine.reconfigure(BatchingConfig(batch, 0.0, max(config.max_queue_size, waves * batch)))
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    start = time.perf_counter()
+    streams = [engine.submit(p, params) for p in prompts(waves * batch, PROMPT_TOKENS, batch)]
+    produced = sum(await asyncio.gather(*(count_tokens(s) for s in streams)))
+    return produced / (time.perf_counter() - start)
+
+
+def engine_options(mode: Mode, config: BatchingConfig, threads: int) -> EngineOptions:
+    # room for 2 waves of 64 x (prompt + 128) tokens, or a long mixed backlog
+    return EngineOptions(mode=mode, config=config, device="cpu", kv_cache_mb=160, threads=threads)
+
+
+async def throughput_curves(
+    model: Decoder, plan: Plan, threads: int
+) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """Best of `plan.rounds` alternating runs per batch size: other load on the
+    machine only ever slows a run down, so the best is the least disturbed."""
+    raw: dict[int, float] = dict.fromkeys(BATCHES, 0.0)
+    engine_rate: dict[int, float] = dict.fromkeys(BATCHES, 0.0)
+    step_s: dict[int, float] = dict.fromkeys(BATCHES, float("inf"))
+    engine = Engine(engine_options("continuous", BatchingConfig(1, 0.0, 256), threads))
+    await engine.start()
+    try:
+        await saturated(engine, 4, 8)  # warm-up: first calls allocate
+        raw_generate(model, 4, 8)
+        for batch in BATCHES:
+            for _ in range(plan.rounds):
+                rate, step = raw_generate(model, batch, plan.decode_tokens)
+                raw[batch], step_s[batch] = max(raw[batch], rate), min(step_s[batch], step)
+                rate = await saturated(engine, batch, plan.decode_tokens)
+                engine_rate[batch] = max(engine_rate[batch], rate)
+            print(
+                f"  batch {batch:>2}: raw {raw[batch]:8.0f} tok/s  continuous "
+                f"{engine_rate[batch]:8.0f} tok/s  ({engine_rate[batch] / raw[batch]:.2f})",
+                file=sys.stderr,
+            )
+    finally:
+        await engine.shutdown()
+    return raw, engine_rate, step_s
+
+
+async def hostage_example(mode: Mode, threads: int) -> list[float]:
+    """Seconds from submit to completion of each of the four requests."""
+    engine = Engine(engine_options(mode, BatchingConfig(8, 20.0, 64), threads))
+    await engine.start()
+    try:
+        start = time.perf_counter()
+
+        async def complete(stream: RequestStream) -> float:
+            await count_tokens(stream)
+            return time.perf_counter() - start
+
+        streams = [
+            engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts(4, PROMPT_TOKENS, 7), HOSTAGE_LENGTHS, strict=True)
+        ]
+        return list(await asyncio.gather(*(complete(s) for s in streams)))
+    finally:
+        await engine.shutdown()
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at_s: float
+    prompt: list[int]
+    output_tokens: int
+
+
+def mixed_trace(rate: float, seconds: float, seed: int = 11) -> list[Arrival]:
+    """Poisson arrivals; log-normal outputs (median 48 tokens); prompts of 8..64 tokens."""
+    rng = np.random.default_rng(seed)
+    arrivals, now = [], 0.0
+    while True:
+        now += rng.exponential(1.0 / rate)
+        if now >= seconds:
+            return arrivals
+        output = int(np.clip(rng.lognormal(np.log(48.0), 0.8), 4, 400))
+        length = int(rng.integers(8, 65))
+        arrivals.append(Arrival(now, [256, *rng.integers(0, 256, length - 1).tolist()], output))
+
+
+async def mixed_run(mode: Mode, trace: list[Arrival], threads: int) -> dict[str, float]:
+    config = BatchingConfig(MIXED_BATCH, MIXED_TIMEOUT_MS, 100_000)
+    engine = Engine(engine_options(mode, config, threads))
+    await engine.start()
+    try:
+        start = time.perf_counter()
+
+        async def one(arrival: Arrival) -> tuple[float, int]:
+            await asyncio.sleep(max(0.0, start + arrival.at_s - time.perf_counter()))
+            submitted = time.perf_counter()
+            params = SamplingParams(max_tokens=arrival.output_tokens, ignore_eos=True)
+            produced = await count_tokens(engine.submit(arrival.prompt, params))
+            return time.perf_counter() - submitted, produced
+
+        results = await asyncio.gather(*(one(a) for a in trace))
+        elapsed = time.perf_counter() - start
+    finally:
+        await engine.shutdown()
+    latencies = np.array([latency for latency, _ in results])
+    lengths = np.array([a.output_tokens for a in trace])
+    shortest = latencies[lengths <= np.percentile(lengths, 25)]
+    return {
+        "requests": len(trace),
+        "tokens_per_s": sum(produced for _, produced in results) / elapsed,
+        "p50_s": float(np.percentile(latencies, 50)),
+        "p99_s": float(np.percentile(latencies, 99)),
+        "short_quartile_p50_s": float(np.percentile(shortest, 50)),
+    }
+
+
+@torch.inference_mode()
+def gather_cost(model: Decoder, steps: int) -> dict[str, float]:
+    """Seconds per decode step at context 512: contiguous, paged in place, index_select."""
+    spec, batch, context = model.spec, GATHER_BATCH, GATHER_CONTEXT
+    cache = KVCache(spec, num_blocks=batch * context // 16 + 8, block_size=16, device="cpu")
+    cache.k.normal_()
+    cache.v.normal_()
+    # interleave the sequences' blocks, as a pool that has seen traffic holds them
+    seqs = [
+        Sequence(str(n), [1] * context, SamplingParams(max_tokens=1), 0.0, None, None)
+        for n in range(batch)
+    ]
+    for block in range(context // 16):
+        for seq in seqs:
+            cache.pool.grow(seq.block_table, (block + 1) * 16)
+    runner = ModelRunner(model, cache)
+    contiguous = ContiguousKV(spec, batch, context)
+    contiguous.k.normal_()
+    contiguous.v.normal_()
+    ids = torch.ones(batch, 1, dtype=torch.long)
+    positions = torch.full((batch, 1), context - 1)
+    tables = torch.tensor([seq.block_table for seq in seqs])
+    naive = IndexSelectAttention(cache, tables, torch.full((batch,), context))
+
+    def contiguous_step() -> None:
+        contiguous.length = context - 1
+        model.logits(model.hidden(ids, positions, contiguous)[:, 0])
+
+    def naive_step() -> None:
+        model.logits(model.hidden(ids, positions, naive)[:, 0])
+
+    variants = {
+        "contiguous": contiguous_step,
+        "paged": lambda: runner.decode(seqs),
+        "index_select": naive_step,
+    }
+    best = dict.fromkeys(variants, float("inf"))
+    for _ in range(3):  # interleaved rounds, best of each: the machine is shared
+        for name, step in variants.items():
+            step()
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            best[name] = min(best[name], (time.perf_counter() - start) / steps)
+    return {
+        "contiguous_step_s": best["contiguous"],
+        "paged_step_s": best["paged"],
+        "index_select_step_s": best["index_select"],
+        "paged_overhead": best["paged"] / best["contiguous"] - 1.0,
+        "index_select_overhead": best["index_select"] / best["contiguous"] - 1.0,
+    }
+
+
+def render(results: dict[str, Any]) -> str:
+    raw, cont = results["raw_tokens_per_s"], results["continuous_tokens_per_s"]
+    setup = results["setup"]
+    lines = [
+        "## Engine (bench/engine.py)",
+        "",
+        f"CPU, {setup['threads']} torch thread(s), tiny model, prompts of {PROMPT_TOKENS} "
+        f"tokens, {setup['decode_tokens']} generated tokens per request. The machine is shared "
+        "(2 cores), so absolute rates move between runs; every ratio compares two runs made "
+        "one after the other in one process.",
+        "",
+        "| batch | raw tokens/s | continuous tokens/s | continuous / raw | raw step ms |",
+        "|---|---|---|---|---|",
+    ]
+    for batch in BATCHES:
+        b = str(batch)
+        lines.append(
+            f"| {batch} | {raw[b]:.0f} | {cont[b]:.0f} | {cont[b] / raw[b]:.2f} | "
+            f"{results['step_seconds'][b] * 1e3:.2f} |"
+        )
+    hostage = results["hostage_example"]
+    lines += [
+        "",
+        "Hostage example (seconds from submit to completion, requests of "
+        + "/".join(map(str, HOSTAGE_LENGTHS))
+        + " tokens):",
+        "",
+        "| mode | " + " | ".join(f"{n} tokens" for n in HOSTAGE_LENGTHS) + " |",
+        "|---|" + "---|" * len(HOSTAGE_LENGTHS),
+    ]
+    for mode in MODES:
+        lines.append(f"| {mode} | " + " | ".join(f"{t:.3f}" for t in hostage[mode]) + " |")
+    mixed = results["mixed"]
+    lines += [
+        "",
+        f"Mixed load: Poisson arrivals at {mixed['rate_rps']:.1f} req/s (about "
+        f"{MIXED_LOAD:.0%} of the continuous capacity at batch {MIXED_BATCH}), log-normal "
+        f"outputs (median 48 tokens), max_batch_size {MIXED_BATCH}, batch_timeout_ms "
+        f"{MIXED_TIMEOUT_MS:g}, {mixed['continuous']['requests']} requests per mode.",
+        "",
+        "| mode | tokens/s | p50 s | p99 s | shortest-quartile p50 s |",
+        "|---|---|---|---|---|",
+    ]
+    for mode in MODES:
+        m = mixed[mode]
+        lines.append(
+            f"| {mode} | {m['tokens_per_s']:.0f} | {m['p50_s']:.3f} | {m['p99_s']:.3f} | "
+            f"{m['short_quartile_p50_s']:.3f} |"
+        )
+    gather = results["gather_512"]
+    lines += [
+        "",
+        f"Reading paged K/V at context {GATHER_CONTEXT}, batch {GATHER_BATCH} (one decode step):",
+        "",
+        "| K/V layout | step ms | vs contiguous |",
+        "|---|---|---|",
+        f"| contiguous tensors | {gather['contiguous_step_s'] * 1e3:.2f} | - |",
+        f"| paged, read in place (the engine) | {gather['paged_step_s'] * 1e3:.2f} | "
+        f"{gather['paged_overhead']:+.0%} |",
+        f"| paged, index_select gather | {gather['index_select_step_s'] * 1e3:.2f} | "
+        f"{gather['index_select_overhead']:+.0%} |",
+        "",
+        "Targets: "
+        + ", ".join(f"{k} {'met' if ok else 'MISSED'}" for k, ok in results["targets"].items()),
+    ]
+    return "\n".join(lines)
+
+
+def verdict(results: dict[str, Any]) -> dict[str, bool]:
+    mixed = results["mixed"]
+    dyn, cont = mixed["dynamic"], mixed["continuous"]
+    return {
+        "efficiency_at_32": results["efficiency_at_32"] >= TARGETS["efficiency_at_32"],
+        "mixed_throughput": cont["tokens_per_s"] >= dyn["tokens_per_s"],
+        "short_quartile_p50": dyn["short_quartile_p50_s"]
+        >= TARGETS["short_p50_speedup"] * cont["short_quartile_p50_s"],
+        "gather_512": results["gather_512"]["paged_overhead"] <= TARGETS["gather_overhead"],
+    }
+
+
+async def run(plan: Plan, threads: int) -> dict[str, Any]:
+    torch.set_num_threads(threads)
+    model = build_model("tiny", "cpu")
+    print("throughput by batch size", file=sys.stderr)
+    raw, cont, step_s = await throughput_curves(model, plan, threads)
+    print("hostage example", file=sys.stderr)
+    hostage = {mode: await hostage_example(mode, threads) for mode in MODES}
+    mean_output = float(np.mean([a.output_tokens for a in mixed_trace(50.0, 200.0)]))
+    rate = MIXED_LOAD * cont[MIXED_BATCH] / mean_output
+    trace = mixed_trace(rate, plan.mixed_seconds)
+    print(f"mixed load at {rate:.1f} req/s, {len(trace)} requests per mode", file=sys.stderr)
+    mixed: dict[str, Any] = {"rate_rps": rate}
+    for mode in MODES:
+        mixed[mode] = await mixed_run(mode, trace, threads)
+    print("paged K/V read cost at context 512", file=sys.stderr)
+    gather = gather_cost(model, plan.gather_steps)
+    results: dict[str, Any] = {
+        "setup": {"threads": threads, "decode_tokens": plan.decode_tokens, "device": "cpu"},
+        "raw_tokens_per_s": {str(b): v for b, v in raw.items()},
+        "continuous_tokens_per_s": {str(b): v for b, v in cont.items()},
+        "step_seconds": {str(b): v for b, v in step_s.items()},
+        "efficiency_at_32": cont[32] / raw[32],
+        "hostage_example": hostage,
+        "mixed": mixed,
+        "gather_512": gather,
+    }
+    results["targets"] = verdict(results)
+    return results
+
+
+def write_docs(results: dict[str, Any], docs: Path) -> None:
+    replace_section(docs / "benchmarks.md", "engine", render(results))
+    curve = {
+        "model": "tiny",
+        "source": "bench/engine.py raw decode loop",
+        **results["setup"],
+        "prompt_tokens": PROMPT_TOKENS,
+        "step_seconds": results["step_seconds"],
+    }
+    (docs / "step_times.json").write_text(json.dumps(curve, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a ~30 s version")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--docs", type=Path, default=DOCS, help="where to write the results")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args(argv)
+    results = asyncio.run(run(QUICK if args.quick else FULL, args.threads))
+    print(render(results))
+    if not args.no_write:
+        write_docs(results, args.docs)
+    print(json.dumps(results, separators=(",", ":")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
