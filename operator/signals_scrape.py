@@ -29,6 +29,9 @@ from batchpilot_server import metric_names as names
 from prometheus_client.parser import text_string_to_metric_families
 
 SCRAPE_TIMEOUT_S = 5.0
+# A timer that fires a little early still counts the previous read as the window start.
+SCHEDULING_SLACK_S = 0.25
+SCHEDULING_SLACK_SHARE = 0.05
 HISTOGRAMS = (names.REQUEST_DURATION, names.QUEUE_WAIT, names.BATCH_SIZE)
 COUNTERS = (names.REQUESTS_TOTAL, names.GENERATION_TOKENS_TOTAL, names.PREEMPTIONS_TOTAL)
 GAUGES = (names.KV_CACHE_USAGE, names.REQUESTS_WAITING)
@@ -149,24 +152,28 @@ class ScrapeSource:
             return RuntimeError(f"cannot scrape {url}/metrics: {exc or type(exc).__name__}")
 
     async def read(self, window_s: float) -> Signals:
-        """Scrape now and return the signals over the last `window_s` seconds."""
+        """Scrape now and return the signals over (at least) the last `window_s` seconds."""
         now = await self.scrape()
         if not now.per_server:
             return no_data("; ".join(self.errors.values()), window_s)
         baseline = self._baseline(now.at - window_s, exclude=now)
         if baseline is None:
             return no_data("first scrape: the next one opens the window", window_s)
-        self._forget_before(baseline.at)
+        self.history = [s for s in self.history if s.at >= baseline.at]
         return self._signals(baseline, now)
 
     def _baseline(self, since: float, exclude: Snapshot) -> Snapshot | None:
-        # The oldest snapshot inside the window (with a little slack for timer jitter).
-        slack = 0.05 * max(1.0, exclude.at - since)
-        candidates = [s for s in self.history if s is not exclude and s.at >= since - slack]
-        return candidates[0] if candidates else None
+        """The newest snapshot at or before `since`, else the oldest there is.
 
-    def _forget_before(self, at: float) -> None:
-        self.history = [s for s in self.history if s.at >= at]
+        Reads come late when servers are busy; the window then spans a little
+        more than asked, never a blend reaching before the previous read.
+        """
+        earlier = [s for s in self.history if s is not exclude]
+        if not earlier:
+            return None
+        slack = max(SCHEDULING_SLACK_S, SCHEDULING_SLACK_SHARE * (exclude.at - since))
+        at_or_before = [s for s in earlier if s.at <= since + slack]
+        return at_or_before[-1] if at_or_before else earlier[0]
 
     def _signals(self, baseline: Snapshot, now: Snapshot) -> Signals:
         window_s = now.at - baseline.at
