@@ -121,8 +121,8 @@ class PrometheusSource:
         requests = values["requests"]
         if requests is None:
             return no_data(
-                f"no {names.REQUEST_DURATION} series match {{{self.selector}}} "
-                "(is Prometheus scraping the servers?)",
+                f"no {names.REQUEST_DURATION} series match {{{self.selector}}} over the last "
+                f"{window_s:.0f} s (is Prometheus scraping the servers, at least twice a window?)",
                 window_s,
             )
         waiting = values["waiting"] or 0.0

@@ -108,12 +108,17 @@ class TunerParams:
     ceiling_ttl_intervals: int = 20  # how long a breach caps growth
 
 
+SINCE_CHANGE_CAP = 1000
+
+
 @dataclass(frozen=True)
 class TunerState:
     """What the tuner remembers between intervals; round-trips through status."""
 
     cooldown: int = 0
-    since_change: int = 0  # intervals decided since the last change
+    # Intervals decided since the last change; a fresh tuner has made none, so its
+    # first window is a full one.
+    since_change: int = SINCE_CHANGE_CAP
     ceiling: int | None = None  # batch size that last broke the SLO or the KV guard
     ceiling_age: int = 0
 
@@ -127,7 +132,7 @@ class TunerState:
         ceiling = data.get("ceiling")
         return cls(
             cooldown=max(0, int(data.get("cooldown", 0))),
-            since_change=max(0, int(data.get("since_change", 0))),
+            since_change=max(0, int(data.get("since_change", SINCE_CHANGE_CAP))),
             ceiling=None if ceiling is None else int(ceiling),
             ceiling_age=max(0, int(data.get("ceiling_age", 0))),
         )
@@ -144,9 +149,6 @@ class Decision:
         return self.config != current
 
 
-_SINCE_CHANGE_CAP = 1000
-
-
 def decide(
     signals: Signals,
     current: BatchingConfig,
@@ -159,7 +161,7 @@ def decide(
     decision = _decide(signals, current, bounds, slo, state, params or TunerParams())
     if decision.config == current:
         held = decision.state
-        since = min(held.since_change + 1, _SINCE_CHANGE_CAP)
+        since = min(held.since_change + 1, SINCE_CHANGE_CAP)
         return replace(decision, state=replace(held, since_change=since))
     return decision
 
@@ -405,7 +407,7 @@ def signal_window_s(state: TunerState, interval_s: float, window_s: float) -> fl
     Right after a change the window is one interval long, so the tuner judges
     the new config alone instead of a blend of old and new.
     """
-    return min(window_s, interval_s * (min(state.since_change, _SINCE_CHANGE_CAP) + 1))
+    return min(window_s, interval_s * (min(state.since_change, SINCE_CHANGE_CAP) + 1))
 
 
 def _describe_clamp(before: BatchingConfig, after: BatchingConfig) -> str:
