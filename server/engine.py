@@ -338,6 +338,7 @@ class Engine:
                 self._waiting.remove(seq)
                 seq.status = Status.FINISHED
             elif seq.status is Status.RUNNING:
+                self._final_events.pop(seq, None)  # a dynamic batch may hold its last event
                 self._release(self._scheduler.cancel(seq), time.monotonic(), out)
                 seq.status = Status.FINISHED
 

@@ -48,7 +48,7 @@ class PagedDecodeAttention:
     """
 
     def __init__(self, cache: KVCache, seqs: list[Sequence]) -> None:
-        size = cache.block_size
+        size, batch = cache.block_size, len(seqs)
         lengths = [seq.num_tokens for seq in seqs]
         width = -(-max(lengths) // size)  # table columns of the longest context
         pairs = list(zip(seqs, lengths, strict=True))
@@ -56,23 +56,27 @@ class PagedDecodeAttention:
         # only the blocks in use: a dynamic batch reserves more than it has written
         used = [seq.block_table[: -(-n // size)] for seq, n in pairs]
         span = 1 + max(max(blocks) for blocks in used)
-        slots = len(seqs) * width
-        owner, where = [0] * span, [slots] * span  # `slots` = the all-zero weight row
-        for row, blocks in enumerate(used):
-            for column, block in enumerate(blocks):
-                owner[block], where[block] = row, row * width + column
+        # per pool block below `span`: its owner's row and its column in that row's
+        # table; blocks of no one in the batch score against row 0 and add into a
+        # spare output row `batch`
+        row, column, out_row = [0] * span, [0] * span, [batch] * span
+        for index, blocks in enumerate(used):
+            for position, block in enumerate(blocks):
+                row[block], column[block], out_row[block] = index, position, index
         device = cache.k.device
-        tables = [blocks + [0] * (width - len(blocks)) for blocks in used]
-        keys = torch.arange(width * size, device=device)
+        keys = torch.arange(width * size, device=device).view(width, size)
         lengths_t = torch.tensor(lengths, device=device)
         self.cache = cache
         self.span = span
         self.width = width
-        self.tables = torch.tensor(tables, device=device).view(-1)
-        self.owner = torch.tensor(owner, device=device)
-        self.where = torch.tensor(where, device=device)
-        self.bias = torch.zeros(len(seqs), 1, width * size, device=device).masked_fill_(
-            (keys[None, :] >= lengths_t[:, None])[:, None, :], float("-inf")
+        self.tables = torch.tensor(
+            [blocks + [0] * (width - len(blocks)) for blocks in used], device=device
+        ).view(-1)
+        self.row = torch.tensor(row, device=device)
+        self.column = torch.tensor(column, device=device)
+        self.out_row = torch.tensor(out_row, device=device)
+        self.bias = torch.zeros(batch, 1, width, size, device=device).masked_fill_(
+            keys[None, None] >= lengths_t[:, None, None, None], float("-inf")
         )
         self.write_blocks = torch.tensor(last_blocks, device=device)
         self.write_offsets = (lengths_t - 1) % size
@@ -80,18 +84,20 @@ class PagedDecodeAttention:
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        cache, batch, heads, size = self.cache, q.shape[0], q.shape[2], self.cache.block_size
-        cache.write(layer, self.write_blocks, self.write_offsets, k[:, 0], v[:, 0])
-        keys, values = cache.k[layer, : self.span], cache.v[layer, : self.span]
-        query = (q[:, 0] * q.shape[-1] ** -0.5).index_select(0, self.owner)
-        scores = torch.matmul(query.unsqueeze(2), keys.transpose(2, 3))  # [span, H, 1, bs]
+        batch, _, heads, head_dim = q.shape
+        size = self.cache.block_size
+        self.cache.write(layer, self.write_blocks, self.write_offsets, k[:, 0], v[:, 0])
+        keys, values = self.cache.k[layer, : self.span], self.cache.v[layer, : self.span]
+        query = q[:, 0].index_select(0, self.row).unsqueeze(2)  # [span, H, 1, hd]
+        scores = torch.matmul(query, keys.transpose(2, 3))  # [span, H, 1, bs]
         per_seq = scores.index_select(0, self.tables).view(batch, self.width, heads, size)
-        weights = torch.softmax(per_seq.transpose(1, 2).reshape(batch, heads, -1) + self.bias, -1)
-        by_block = weights.view(batch, heads, self.width, size).transpose(1, 2)
-        by_block = torch.cat([by_block.reshape(-1, heads, size), weights.new_zeros(1, heads, size)])
-        mixed = torch.matmul(by_block.index_select(0, self.where).unsqueeze(2), values)
-        out = q.new_zeros(batch, heads, q.shape[-1]).index_add_(0, self.owner, mixed[:, :, 0])
-        return out[:, None]
+        logits = torch.add(self.bias, per_seq.transpose(1, 2), alpha=head_dim**-0.5)
+        weights = torch.softmax(logits.reshape(batch, heads, -1), -1)
+        by_block = weights.view(batch, heads, self.width, size)[self.row, :, self.column]
+        mixed = torch.matmul(by_block.unsqueeze(2), values)  # [span, H, 1, hd]
+        out = q.new_zeros(batch + 1, heads, head_dim)
+        out.index_add_(0, self.out_row, mixed.view(self.span, heads, head_dim))
+        return out[:batch, None]
 
 
 class ModelRunner:
