@@ -82,11 +82,11 @@ class Setup:
             if longest * curve.step_s(n) <= budget
         )
         # dynamic: a batch of n lasts until its longest member ends, and a request
-        # arriving meanwhile waits for the rest of it: ~1.5 batch durations end to end.
+        # arriving meanwhile waits for what is left of it: the p99 is about one duration.
         dynamic = max(
             n / duration
             for n in range(1, 65)
-            if 1.5 * (duration := n * prefill_s + longest * curve.step_s(n)) <= budget
+            if (duration := n * prefill_s + longest * curve.step_s(n)) <= budget
         )
         return cls(slo_s=slo_s, capacity_rps={"continuous": continuous, "dynamic": dynamic})
 

@@ -1,0 +1,251 @@
+"""The tuning loop inside the operator: one Kopf daemon per BatchingPolicy.
+
+Every `autotune.intervalSeconds` (re-read from the policy each round, so a
+spec change takes effect at the next one) it reads the policy's signals
+(Prometheus when `autotune.prometheusUrl` or the operator's
+`--prometheus-url` is set, else a direct scrape of its ready pods), runs
+`tuner.decide`, and when the config changes pushes it through the
+`KubernetesActuator` (ConfigMap first, then every ready pod) and posts an
+Event. Each round writes status: the config in force, `observed`,
+`lastDecision`, a bounded `history` of changes, and the conditions Tuning,
+SLOMet and MetricsAvailable.
+
+The config is always read from the policy's ConfigMap, so a restarted
+operator resumes from what is in force, never from `initial`. The tuner's
+own small state (a ceiling learnt from a breach, intervals since the last
+change) lives in memory and starts fresh after a restart: the first window
+is then a full one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import kopf
+from batchpilot_operator import builders, kube
+from batchpilot_operator.actuators import ActuationReport, KubernetesActuator
+from batchpilot_operator.handlers import client_of
+from batchpilot_operator.reconcile import now_iso, read_config, write_status
+from batchpilot_operator.signals import Signals
+from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_policy
+from batchpilot_operator.signals_scrape import ScrapeSource
+from batchpilot_operator.spec import PolicySpec, SpecError, parse_spec
+from batchpilot_operator.tuner import (
+    Bounds,
+    Decision,
+    Slo,
+    TunerState,
+    decide,
+    signal_window_s,
+)
+from batchpilot_server.batching import BatchingConfig
+
+HISTORY_LIMIT = 20  # the CRD allows 50; 20 changes cover hours of tuning
+TUNING, SLO_MET, METRICS_AVAILABLE = "Tuning", "SLOMet", "MetricsAvailable"
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PolicyTuner:
+    """What one policy's daemon keeps between rounds."""
+
+    state: TunerState = field(default_factory=TunerState)
+    scrape: ScrapeSource | None = None
+
+
+# -- pure parts: what a round writes ------------------------------------------------------
+
+
+def bounds_of(spec: PolicySpec) -> Bounds:
+    knobs = spec.batching
+    return Bounds(
+        min_batch=int(knobs.max_batch_size.min),
+        max_batch=int(knobs.max_batch_size.max),
+        min_timeout_ms=float(knobs.batch_timeout_ms.min),
+        max_timeout_ms=float(knobs.batch_timeout_ms.max),
+    )
+
+
+def slo_of(spec: PolicySpec) -> Slo:
+    return Slo(spec.p99_latency_ms / 1000.0, spec.autotune.kv_high_watermark)
+
+
+def observed(signals: Signals) -> dict[str, float]:
+    values = {
+        "p99LatencyMs": None if signals.p99_latency_s is None else signals.p99_latency_s * 1000,
+        "kvCacheUsage": signals.kv_usage,
+        "requestRate": signals.request_rate,
+        "tokensPerSecond": signals.tokens_per_s,
+    }
+    return {key: round(value, 3) for key, value in values.items() if value is not None}
+
+
+def decision_record(decision: Decision, at: str) -> dict[str, Any]:
+    return {
+        "time": at,
+        "action": decision.action,
+        "reason": decision.reason,
+        "maxBatchSize": decision.config.max_batch_size,
+        "batchTimeoutMs": decision.config.batch_timeout_ms,
+    }
+
+
+def conditions(signals: Signals, slo: Slo, decision: Decision) -> list[dict[str, str]]:
+    if signals.status == "no_data":
+        metrics = {"status": "False", "reason": "MetricsUnavailable", "message": signals.detail}
+    else:
+        metrics = {"status": "True", "reason": "MetricsRead",
+                   "message": f"{signals.requests:.0f} requests in the last "
+                              f"{signals.window_s:.0f} s"}
+    p99 = signals.p99_latency_s
+    if p99 is None:
+        reason = {"no_data": "NoData", "no_traffic": "NoTraffic"}.get(
+            signals.status, "TooLittleTraffic"
+        )
+        slo_met = {"status": "Unknown", "reason": reason,
+                   "message": signals.detail or "no p99 in the window"}
+    else:
+        met = p99 <= slo.p99_latency_s
+        slo_met = {
+            "status": "True" if met else "False",
+            "reason": "WithinSLO" if met else "AboveSLO",
+            "message": f"p99 {p99 * 1000:.0f} ms, SLO {slo.p99_latency_s * 1000:.0f} ms",
+        }
+    tuning = {"status": "True", "reason": "Enabled",
+              "message": f"{decision.action}: {decision.reason}"}
+    return [
+        {"type": TUNING, **tuning},
+        {"type": SLO_MET, **slo_met},
+        {"type": METRICS_AVAILABLE, **metrics},
+    ]
+
+
+def status_fields(
+    config: BatchingConfig,
+    signals: Signals,
+    decision: Decision,
+    history: list[dict[str, Any]],
+    changed: bool,
+    at: str,
+) -> dict[str, Any]:
+    record = decision_record(decision, at)
+    return {
+        "maxBatchSize": config.max_batch_size,
+        "batchTimeoutMs": config.batch_timeout_ms,
+        "observed": observed(signals),
+        "lastDecision": record,
+        "history": ([*history, record] if changed else list(history))[-HISTORY_LIMIT:],
+    }
+
+
+# -- the daemon -----------------------------------------------------------------------------
+
+
+@kopf.daemon(builders.GROUP, builders.VERSION, builders.PLURAL, cancellation_timeout=10.0)
+async def autotune(
+    stopped: kopf.DaemonStopped,
+    name: str,
+    namespace: str,
+    memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    tuner = PolicyTuner()
+    async with aiohttp.ClientSession() as session:
+        while not stopped:
+            interval = await tune_once(client_of(memo), session, namespace, name, memo, tuner)
+            if interval is None:
+                return  # the policy is gone
+            await stopped.wait(interval)
+
+
+async def tune_once(
+    client: kube.Client,
+    session: aiohttp.ClientSession,
+    namespace: str,
+    name: str,
+    memo: Mapping[str, Any],
+    tuner: PolicyTuner,
+) -> float | None:
+    """One round for one policy; returns the seconds until the next (None: policy deleted)."""
+    policy = await client.get(kube.POLICIES, namespace, name)
+    if policy is None:
+        return None
+    try:
+        spec = parse_spec(policy.get("spec") or {})
+    except SpecError:
+        return 30.0  # reconcile reports the invalid spec; look again later
+    interval = float(spec.autotune.interval_seconds)
+    if not spec.autotune.enabled:
+        await write_status(client, policy, {}, [{
+            "type": TUNING, "status": "False", "reason": "Disabled",
+            "message": "autotune.enabled is false: the config stays as it is",
+        }])
+        return interval
+    current = await read_config(client, namespace, name)
+    if current is None:
+        return interval  # reconcile has not written the ConfigMap yet
+    actuator = KubernetesActuator(client, session, namespace, name)
+    window = signal_window_s(tuner.state, interval, float(spec.autotune.window_seconds))
+    signals = await read_signals(spec, memo, session, actuator, tuner, window)
+    slo = slo_of(spec)
+    decision = decide(signals, current, bounds_of(spec), slo, tuner.state)
+    report: ActuationReport | None = None
+    in_force = current
+    if decision.config != current:
+        report = await actuator.apply(decision.config)
+        in_force = decision.config  # the ConfigMap holds it now; pods that refused re-read it
+    tuner.state = decision.state
+    at = now_iso()
+    history = list((policy.get("status") or {}).get("history") or [])
+    fields = status_fields(in_force, signals, decision, history, report is not None, at)
+    await write_status(client, policy, fields, conditions(signals, slo, decision))
+    if report is not None:
+        await _post_events(client, policy, decision, current, report)
+    return interval
+
+
+async def read_signals(
+    spec: PolicySpec,
+    memo: Mapping[str, Any],
+    session: aiohttp.ClientSession,
+    actuator: KubernetesActuator,
+    tuner: PolicyTuner,
+    window_s: float,
+) -> Signals:
+    prometheus_url = spec.autotune.prometheus_url or str(memo.get("prometheus_url") or "")
+    if prometheus_url:
+        selector = selector_for_policy(actuator.namespace, actuator.policy_name)
+        return await PrometheusSource(prometheus_url, selector, session).read(window_s)
+    urls = [url for _, url in await actuator.ready_pods()]
+    if not urls:
+        return Signals(status="no_data", window_s=window_s, detail="no ready pod to scrape")
+    if tuner.scrape is None:
+        tuner.scrape = ScrapeSource(urls, session)
+        await tuner.scrape.scrape()
+        return Signals(
+            status="no_data", window_s=window_s,
+            detail="first scrape of the pods: the next round opens the window",
+        )
+    tuner.scrape.urls = urls  # pods come and go; deltas only count pods seen at both ends
+    return await tuner.scrape.read(window_s)
+
+
+async def _post_events(
+    client: kube.Client,
+    policy: Mapping[str, Any],
+    decision: Decision,
+    before: BatchingConfig,
+    report: ActuationReport,
+) -> None:
+    message = (
+        f"maxBatchSize {before.max_batch_size} -> {decision.config.max_batch_size}, "
+        f"batchTimeoutMs {before.batch_timeout_ms:g} -> {decision.config.batch_timeout_ms:g} "
+        f"({decision.action}): {decision.reason}; {report.summary()}"
+    )
+    await client.create_event(policy, "Tuned", message)
+    if report.refused:
+        await client.create_event(policy, "PushRefused", report.summary(), "Warning")
