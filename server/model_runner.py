@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from itertools import chain
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from batchpilot_server.kv_cache import KVCache
@@ -48,38 +51,40 @@ class PagedDecodeAttention:
     """
 
     def __init__(self, cache: KVCache, seqs: list[Sequence]) -> None:
+        # numpy, not Python loops: this runs every step over every block in use
         size, batch = cache.block_size, len(seqs)
-        lengths = [seq.num_tokens for seq in seqs]
-        width = -(-max(lengths) // size)  # table columns of the longest context
-        pairs = list(zip(seqs, lengths, strict=True))
-        last_blocks = [seq.block_table[(n - 1) // size] for seq, n in pairs]  # where K/V go now
-        # only the blocks in use: a dynamic batch reserves more than it has written
-        used = [seq.block_table[: -(-n // size)] for seq, n in pairs]
-        span = 1 + max(max(blocks) for blocks in used)
+        lengths = np.fromiter((seq.num_tokens for seq in seqs), np.int64, batch)
+        counts = -(-lengths // size)  # blocks in use; a dynamic batch reserves more
+        blocks = np.fromiter(
+            chain.from_iterable(seq.block_table[:n] for seq, n in zip(seqs, counts, strict=True)),
+            np.int64,
+            int(counts.sum()),
+        )
+        rows = np.repeat(np.arange(batch), counts)
+        firsts = np.cumsum(counts) - counts
+        columns = np.arange(blocks.size) - np.repeat(firsts, counts)
+        width, span = int(counts.max()), int(blocks.max()) + 1
+        tables = np.zeros((batch, width), np.int64)
+        tables[rows, columns] = blocks
         # per pool block below `span`: its owner's row and its column in that row's
         # table; blocks of no one in the batch score against row 0 and add into a
         # spare output row `batch`
-        row, column, out_row = [0] * span, [0] * span, [batch] * span
-        for index, blocks in enumerate(used):
-            for position, block in enumerate(blocks):
-                row[block], column[block], out_row[block] = index, position, index
+        row, column = np.zeros(span, np.int64), np.zeros(span, np.int64)
+        out_row = np.full(span, batch, np.int64)
+        row[blocks], column[blocks], out_row[blocks] = rows, columns, rows
         device = cache.k.device
-        keys = torch.arange(width * size, device=device).view(width, size)
-        lengths_t = torch.tensor(lengths, device=device)
+        keys = np.arange(width * size).reshape(1, 1, width, size)
         self.cache = cache
         self.span = span
         self.width = width
-        self.tables = torch.tensor(
-            [blocks + [0] * (width - len(blocks)) for blocks in used], device=device
-        ).view(-1)
-        self.row = torch.tensor(row, device=device)
-        self.column = torch.tensor(column, device=device)
-        self.out_row = torch.tensor(out_row, device=device)
-        self.bias = torch.zeros(batch, 1, width, size, device=device).masked_fill_(
-            keys[None, None] >= lengths_t[:, None, None, None], float("-inf")
+        self.tables, self.row, self.column, self.out_row = (
+            torch.from_numpy(a).to(device) for a in (tables.reshape(-1), row, column, out_row)
         )
-        self.write_blocks = torch.tensor(last_blocks, device=device)
-        self.write_offsets = (lengths_t - 1) % size
+        self.bias = torch.from_numpy(
+            np.where(keys >= lengths[:, None, None, None], -np.inf, 0.0)
+        ).to(device=device, dtype=cache.k.dtype)
+        self.write_blocks = torch.from_numpy(blocks[firsts + counts - 1]).to(device)
+        self.write_offsets = torch.from_numpy((lengths - 1) % size).to(device)
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
