@@ -103,10 +103,12 @@ class ContiguousKV:
 
 
 class IndexSelectAttention:
-    """The naive paged read: copy every sequence's blocks into contiguous K/V per step."""
+    """The naive paged read DESIGN measured: copy every sequence's blocks into
+    contiguous K/V with index_select each step. It reads a token-major copy of the
+    pool ([blocks, block_size, heads, head_dim]) so that the gather is the only copy."""
 
     def __init__(self, cache: KVCache, tables: torch.Tensor, lengths: torch.Tensor) -> None:
-        self.cache = cache
+        self.k, self.v = (pool.transpose(2, 3).contiguous() for pool in (cache.k, cache.v))
         self.tables = tables
         width = tables.shape[1] * cache.block_size
         self.mask = (torch.arange(width)[None, :] < lengths[:, None])[:, None, None, :]
@@ -114,15 +116,10 @@ class IndexSelectAttention:
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        batch, width = self.tables.shape
-        heads, size, head_dim = self.cache.k.shape[2:]
+        batch, flat = self.tables.shape[0], self.tables.view(-1)
         keys, values = (
-            pool[layer]
-            .index_select(0, self.tables.view(-1))
-            .view(batch, width, heads, size, head_dim)
-            .transpose(1, 2)
-            .reshape(batch, heads, width * size, head_dim)
-            for pool in (self.cache.k, self.cache.v)
+            pool[layer].index_select(0, flat).view(batch, -1, *pool.shape[3:]).transpose(1, 2)
+            for pool in (self.k, self.v)
         )
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=self.mask)
         return out.transpose(1, 2)

@@ -176,11 +176,12 @@ async def test_reconfigure_while_running_fails_no_request(mode: str) -> None:
 
 async def test_shutdown_finishes_running_and_refuses_unscheduled() -> None:
     engine = await started("dynamic", max_batch_size=1, batch_timeout_ms=0)
-    running = engine.submit(prompt(engine, 1), GREEDY_16)
+    # long enough that the batch surely still runs when shutdown begins
+    running = engine.submit(prompt(engine, 1), SamplingParams(max_tokens=300, ignore_eos=True))
     await running.__anext__()
     queued = engine.submit(prompt(engine, 2), GREEDY_16)
     await engine.shutdown()
-    assert len(await collect(running)) == 15  # the first event was read above
+    assert len(await collect(running)) == 299  # the first event was read above
     with pytest.raises(EngineStoppedError, match="shutting down"):
         await collect(queued)
     with pytest.raises(EngineStoppedError, match="not running"):
