@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-HANDLER_MODULES: tuple[str, ...] = ("batchpilot_operator.handlers", "batchpilot_operator.autotune")
+HANDLER_MODULES: tuple[str, ...] = ("batchpilot_operator.handlers",)
 
 
 def load_handlers() -> None:
