@@ -1,4 +1,4 @@
-"""The tuning loop inside the operator: one Kopf daemon per BatchingPolicy.
+"""The tuning loop inside the operator: one asyncio task per BatchingPolicy.
 
 Every `autotune.intervalSeconds` (re-read from the policy each round, so a
 spec change takes effect at the next one) it reads the policy's signals
@@ -19,6 +19,7 @@ is then a full one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from batchpilot_operator.tuner import (
 )
 from batchpilot_server.batching import BatchingConfig
 
+RETRY_SECONDS = 10.0
 HISTORY_LIMIT = 20  # the CRD allows 50; 20 changes cover hours of tuning
 TUNING, SLO_MET, METRICS_AVAILABLE = "Tuning", "SLOMet", "MetricsAvailable"
 log = logging.getLogger(__name__)
@@ -145,21 +147,93 @@ def status_fields(
 # -- the daemon -----------------------------------------------------------------------------
 
 
-@kopf.daemon(builders.GROUP, builders.VERSION, builders.PLURAL, cancellation_timeout=10.0)
-async def autotune(
-    stopped: kopf.DaemonStopped,
-    name: str,
-    namespace: str,
-    memo: kopf.Memo,
-    **_: Any,
+TASKS = "autotune_tasks"  # memo key: (namespace, name) -> the policy's running loop
+
+
+@kopf.on.startup()
+async def start_autotune(memo: kopf.Memo, **_: Any) -> None:
+    # Per-object memos are shallow copies of this one: they all share this dict.
+    memo[TASKS] = {}
+
+
+@kopf.on.cleanup()
+async def stop_autotune(memo: kopf.Memo, **_: Any) -> None:
+    tasks: dict[tuple[str, str], asyncio.Task[None]] = memo.get(TASKS) or {}
+    for task in tasks.values():
+        task.cancel()
+    await asyncio.gather(*tasks.values(), return_exceptions=True)
+    tasks.clear()
+
+
+@kopf.on.event(builders.GROUP, builders.VERSION, builders.PLURAL)
+async def autotune_policy(
+    event: Mapping[str, Any], name: str, namespace: str, memo: kopf.Memo, **_: Any
 ) -> None:
+    """Keep exactly one tuning loop per existing policy.
+
+    A plain event handler rather than a Kopf timer or daemon: those put a
+    finalizer on every policy, so a policy could not be deleted while the
+    operator is down. The loop ends by itself once the policy is gone.
+    """
+    tasks: dict[tuple[str, str], asyncio.Task[None]] = memo[TASKS]
+    key = (namespace, name)
+    running = tasks.get(key)
+    if event.get("type") == "DELETED":
+        if running is not None:
+            running.cancel()
+        return
+    if running is None or running.done():
+        tasks[key] = asyncio.create_task(
+            tuning_loop(client_of(memo), namespace, name, memo), name=f"autotune {namespace}/{name}"
+        )
+
+
+async def tuning_loop(
+    client: kube.Client, namespace: str, name: str, memo: Mapping[str, Any]
+) -> None:
+    """Round after round until the policy is deleted; a failed round is logged and retried.
+
+    The first decision comes one interval after the start: a window needs data.
+    """
     tuner = PolicyTuner()
     async with aiohttp.ClientSession() as session:
-        while not stopped:
-            interval = await tune_once(client_of(memo), session, namespace, name, memo, tuner)
-            if interval is None:
-                return  # the policy is gone
-            await stopped.wait(interval)
+        interval = await first_interval(client, session, namespace, name, memo, tuner)
+        while interval is not None:
+            await asyncio.sleep(interval)
+            try:
+                interval = await tune_once(client, session, namespace, name, memo, tuner)
+            except (kube.KubeError, aiohttp.ClientError, TimeoutError) as exc:
+                log.warning("autotune %s/%s: round failed, retrying: %s", namespace, name, exc)
+                interval = RETRY_SECONDS
+
+
+async def first_interval(
+    client: kube.Client,
+    session: aiohttp.ClientSession,
+    namespace: str,
+    name: str,
+    memo: Mapping[str, Any],
+    tuner: PolicyTuner,
+) -> float | None:
+    """Read-only start: the policy's interval, and a scrape baseline where pods are scraped."""
+    policy = await client.get(kube.POLICIES, namespace, name)
+    if policy is None:
+        return None
+    try:
+        spec = parse_spec(policy.get("spec") or {})
+    except SpecError:
+        return RETRY_SECONDS
+    if spec.autotune.enabled and not prometheus_url_of(spec, memo):
+        actuator = KubernetesActuator(client, session, namespace, name)
+        urls = [url for _, url in await actuator.ready_pods()]
+        if urls:
+            tuner.scrape = ScrapeSource(urls, session)
+            await tuner.scrape.scrape()
+    return float(spec.autotune.interval_seconds)
+
+
+def prometheus_url_of(spec: PolicySpec, memo: Mapping[str, Any]) -> str:
+    return spec.autotune.prometheus_url or str(memo.get("prometheus_url") or "")
 
 
 async def tune_once(
@@ -177,7 +251,7 @@ async def tune_once(
     try:
         spec = parse_spec(policy.get("spec") or {})
     except SpecError:
-        return 30.0  # reconcile reports the invalid spec; look again later
+        return RETRY_SECONDS  # reconcile reports the invalid spec; look again later
     interval = float(spec.autotune.interval_seconds)
     if not spec.autotune.enabled:
         await write_status(client, policy, {}, [{
@@ -216,7 +290,7 @@ async def read_signals(
     tuner: PolicyTuner,
     window_s: float,
 ) -> Signals:
-    prometheus_url = spec.autotune.prometheus_url or str(memo.get("prometheus_url") or "")
+    prometheus_url = prometheus_url_of(spec, memo)
     if prometheus_url:
         selector = selector_for_policy(actuator.namespace, actuator.policy_name)
         return await PrometheusSource(prometheus_url, selector, session).read(window_s)

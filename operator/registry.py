@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-HANDLER_MODULES: tuple[str, ...] = ("batchpilot_operator.handlers",)
+HANDLER_MODULES: tuple[str, ...] = ("batchpilot_operator.handlers", "batchpilot_operator.autotune")
 
 
 def load_handlers() -> None:

@@ -1,0 +1,169 @@
+"""The autotune daemon for real: Kopf against the emulator, pods that are real local servers."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from batchpilot_operator import builders, kube
+from batchpilot_operator.actuators import get_batching
+from batchpilot_server.loadgen import LengthDist, LoadSpec, run_load
+
+from tests.k8s_emulator import Cluster, condition, run_cluster, run_operator
+from tests.servers import free_port, spawn_server
+
+TOKEN = "autotune-test-token"
+INTERVAL_S = 5  # the CRD's minimum
+TUNE_DEADLINE_S = 60.0  # a baseline round, then decisions every INTERVAL_S
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with run_cluster() as running:
+        yield running
+
+
+def policy(namespace: str, name: str = "llm", **autotune: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "batchpilot.io/v1alpha1",
+        "kind": "BatchingPolicy",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "replicas": 1,
+            "server": {"image": "batchpilot:test"},
+            "batching": {
+                "mode": "continuous",
+                "maxBatchSize": {"initial": 1, "min": 1, "max": 32},
+                "batchTimeoutMs": {"initial": 0, "min": 0, "max": 50},
+            },
+            "slo": {"p99LatencyMs": 30000},
+            "autotune": {"intervalSeconds": INTERVAL_S, "windowSeconds": 10, **autotune},
+        },
+    }
+
+
+async def admin_secret(cluster: Cluster, namespace: str, name: str = "llm") -> None:
+    """The policy's admin Secret made up front, so the local server can share its token."""
+    await cluster.create(kube.SECRETS, {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": {"name": builders.secret_name(name), "namespace": namespace},
+        "data": {builders.TOKEN_KEY: base64.b64encode(TOKEN.encode()).decode()},
+    })
+
+
+@contextlib.asynccontextmanager
+async def background_load(url: str) -> AsyncIterator[None]:
+    """Far more than a batch of one can serve: the queue grows until the tuner acts."""
+    spec = LoadSpec(
+        urls=[url], rate=40.0, duration_s=3 * TUNE_DEADLINE_S,
+        prompt_len=LengthDist("fixed", 16), output_len=LengthDist("fixed", 24),
+    )
+    task = asyncio.create_task(run_load(spec))
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+def tuned(policy_obj: dict[str, Any]) -> bool:
+    return bool((policy_obj.get("status") or {}).get("history"))
+
+
+async def test_timer_tunes_a_real_server_and_a_restart_resumes_from_status(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    ns = "autotune"
+    await admin_secret(cluster, ns)
+    with spawn_server(
+        tmp_path=tmp_path, max_batch_size=1, batch_timeout_ms=0, max_queue_size=4096,
+        admin_token=TOKEN,
+    ) as server:
+        await cluster.add_server_pod(ns, "llm", "llm-0", "127.0.0.1", server.port)
+        async with background_load(server.url), aiohttp.ClientSession() as session:
+            with run_operator(cluster):
+                await cluster.create(kube.POLICIES, policy(ns))
+                first = await cluster.wait_for(
+                    kube.POLICIES, ns, "llm", tuned, "a tuning change in status.history",
+                    TUNE_DEADLINE_S,
+                )
+            status = first["status"]
+            change = status["history"][0]
+            assert change["action"] == "grow_batch", change
+            assert change["maxBatchSize"] > 1
+            assert status["observed"]["requestRate"] > 0
+            for type_ in ("Tuning", "MetricsAvailable"):
+                assert condition(first, type_)["status"] == "True"  # type: ignore[index]
+            assert condition(first, "SLOMet") is not None
+            # The decision is in force everywhere: ConfigMap, the server, status.
+            in_force = await get_batching(session, server.url)
+            cm = await cluster.get(kube.CONFIGMAPS, ns, builders.config_map_name("llm"))
+            assert cm is not None
+            stored = builders.parse_config_data(cm["data"])
+            assert stored is not None
+            assert in_force.max_batch_size == stored.max_batch_size == status["maxBatchSize"]
+            events = await cluster.events_for(ns, "llm")
+            assert any(e["reason"] == "Tuned" for e in events), events
+
+            # A new operator starts from what is in force, not from `initial`.
+            with run_operator(cluster):
+                def decided_again(obj: dict[str, Any]) -> bool:
+                    last = (obj.get("status") or {}).get("lastDecision") or {}
+                    return last.get("time", "") > status["lastDecision"]["time"]
+
+                resumed = await cluster.wait_for(
+                    kube.POLICIES, ns, "llm", decided_again, "a decision after the restart",
+                    TUNE_DEADLINE_S,
+                )
+            assert resumed["status"]["maxBatchSize"] >= status["maxBatchSize"] > 1
+            pushed = await get_batching(session, server.url)
+            assert pushed.max_batch_size >= in_force.max_batch_size
+
+
+async def test_disabled_autotune_changes_nothing(cluster: Cluster, tmp_path: Path) -> None:
+    ns = "disabled"
+    await admin_secret(cluster, ns)
+    with spawn_server(
+        tmp_path=tmp_path, max_batch_size=1, batch_timeout_ms=0, admin_token=TOKEN
+    ) as server:
+        await cluster.add_server_pod(ns, "llm", "llm-0", "127.0.0.1", server.port)
+        async with background_load(server.url), aiohttp.ClientSession() as session:
+            with run_operator(cluster):
+                await cluster.create(kube.POLICIES, policy(ns, enabled=False))
+                found = await cluster.wait_for_condition(
+                    ns, "llm", "Tuning", "False", "Disabled", TUNE_DEADLINE_S
+                )
+                assert "enabled is false" in found["message"]
+                # Two more intervals under load: still nothing changes.
+                await asyncio.sleep(2 * INTERVAL_S)
+                current = await cluster.get(kube.POLICIES, ns, "llm")
+            assert current is not None
+            assert not (current.get("status") or {}).get("history")
+            assert (current.get("status") or {}).get("lastDecision") is None
+            assert (await get_batching(session, server.url)).max_batch_size == 1
+            assert (await get_batching(session, server.url)).to_dict()["max_batch_size"] == 1
+
+
+async def test_unreachable_prometheus_sets_metrics_available_false_and_holds(
+    cluster: Cluster,
+) -> None:
+    ns = "noprom"
+    dead = f"http://127.0.0.1:{free_port()}"
+    with run_operator(cluster):
+        await cluster.create(kube.POLICIES, policy(ns, prometheusUrl=dead))
+        found = await cluster.wait_for_condition(
+            ns, "llm", "MetricsAvailable", "False", "MetricsUnavailable", TUNE_DEADLINE_S
+        )
+        current = await cluster.get(kube.POLICIES, ns, "llm")
+    assert f"Prometheus at {dead} is unreachable" in found["message"]
+    assert current is not None
+    status = current["status"]
+    assert status["lastDecision"]["action"] == "hold"
+    assert status["maxBatchSize"] == 1
+    assert condition(current, "SLOMet")["status"] == "Unknown"  # type: ignore[index]
