@@ -344,15 +344,18 @@ class Engine:
 
     def _expire_deadlines(self, now: float, out: Delivery) -> None:
         expired = [
-            s for s in self._waiting
+            s
+            for s in self._waiting
             if s.first_scheduled is None and s.deadline is not None and now >= s.deadline
         ]
         for seq in expired:
             self._waiting.remove(seq)
-            self._end(seq, DeadlineExceededError(
-                f"request waited {now - seq.arrival:.3f}s in the queue without being scheduled "
-                f"(deadline {seq.deadline - seq.arrival:.3f}s)"
-            ), out)
+            waited, allowed = now - seq.arrival, (seq.deadline or now) - seq.arrival
+            message = (
+                f"request waited {waited:.3f}s in the queue without being scheduled "
+                f"(deadline {allowed:.3f}s)"
+            )
+            self._end(seq, DeadlineExceededError(message), out)
 
     def _refuse_unscheduled(self, out: Delivery) -> None:
         for seq in [s for s in self._waiting if s.first_scheduled is None]:
