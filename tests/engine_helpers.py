@@ -49,6 +49,7 @@ async def started(
     mode: Mode,
     observer: RecordingObserver | None = None,
     kv_cache_mb: float = 16.0,
+    prefill_token_budget: int = 2048,
     **config: float,
 ) -> Engine:
     defaults = {"max_batch_size": 8, "batch_timeout_ms": 20.0, "max_queue_size": 256}
@@ -58,6 +59,7 @@ async def started(
         device="cpu",
         kv_cache_mb=kv_cache_mb,
         threads=1,  # two torch threads thrash when the 2-core machine is busy with other tests
+        prefill_token_budget=prefill_token_budget,
     )
     engine = Engine(options, observer)
     await engine.start()

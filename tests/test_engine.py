@@ -215,3 +215,22 @@ async def test_engine_reports_what_the_server_needs() -> None:
     assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.steps == 16
     assert [e.index for e in events] == list(range(16))
     assert len(observer.scheduled) == 1 and len(observer.steps) == 16
+
+
+class FailingObserver(RecordingObserver):
+    """An observer that breaks on the first model step, as a faulty metrics sink would."""
+
+    def on_step(self, batch_size: int, duration_s: float) -> None:
+        raise RuntimeError("metrics sink is broken")
+
+
+async def test_an_internal_failure_ends_every_stream_with_the_reason() -> None:
+    engine = await started("continuous", FailingObserver())
+    try:
+        stream = engine.submit(prompt(engine, 1), GREEDY_16)
+        with pytest.raises(EngineStoppedError, match="internal error: RuntimeError: metrics sink"):
+            await collect(stream)
+        with pytest.raises(EngineStoppedError, match="metrics sink is broken"):
+            engine.submit(prompt(engine, 2), GREEDY_16)
+    finally:
+        await engine.shutdown()
