@@ -431,7 +431,9 @@ class _Engine:
             left = self.left_after_preemption.get(request, output)
             context = int(self.work.prompts[request]) + output - left
             need = self._blocks(context + 1)
-            if self.kv_used + need > self.opt.kv_blocks:
+            # Keep a block per running sequence in reserve, so that the next step
+            # can always run (vLLM's watermark): admission never forces a preemption.
+            if self.kv_used + need + len(self.running) + 1 > self.opt.kv_blocks:
                 break
             self.waiting.popleft()
             self._scheduled(request)
@@ -478,24 +480,35 @@ def _bucket_p99(values: list[float]) -> float | None:
 
 
 def simulate(
-    scenario: Scenario, options: SimOptions, curve: StepCurve, seed: int = 0
+    scenario: Scenario,
+    options: SimOptions,
+    curve: StepCurve,
+    seed: int = 0,
+    drain_s: float = 0.0,
 ) -> SimResult:
-    """Play `scenario` once; the tuner runs every interval when `options.tune`."""
+    """Play `scenario` once; the tuner runs every interval when `options.tune`.
+
+    `drain_s` keeps the server running that long after the last arrival window.
+    """
     work = make_workload(scenario, seed)
+    return simulate_workload(work, options, curve, scenario.duration_s + drain_s)
+
+
+def simulate_workload(
+    work: Workload, options: SimOptions, curve: StepCurve, run_s: float
+) -> SimResult:
     engine = _Engine(work, options, curve)
-    engine.run(scenario.duration_s)
+    engine.run(run_s)
     # Requests still queued or running at the end count as not good.
     ended = [*engine.intervals, engine.current]
-    completed = sum(iv.completed for iv in ended)
-    good = sum(iv.good for iv in ended)
     latencies = engine.all_latencies
     return SimResult(
         intervals=engine.intervals,
-        completed=completed,
-        good=good,
+        completed=sum(iv.completed for iv in ended),
+        good=sum(iv.good for iv in ended),
         rejected=engine.rejected,
         arrived=len(work.arrivals),
-        duration_s=scenario.duration_s,
+        duration_s=run_s,
         p99_s=float(np.percentile(latencies, 99)) if latencies else None,
     )
 
