@@ -22,16 +22,23 @@ docs/benchmarks.md; prints one JSON line last.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
+from batchpilot_operator.actuators import get_batching
+from batchpilot_operator.demo import ServerProcess, stop_process, wait_ready
+from batchpilot_operator.prometheus_local import free_port
 from batchpilot_operator.simulator import (
     Scenario,
     SimOptions,
@@ -40,8 +47,10 @@ from batchpilot_operator.simulator import (
     simulate,
     static,
 )
+from batchpilot_operator.tune_local import TuneOptions, tune_loop
 from batchpilot_operator.tuner import Bounds, Slo
 from batchpilot_server.batching import MODES, BatchingConfig, Mode
+from batchpilot_server.loadgen import LengthDist, LoadReport, LoadSpec, run_load
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -53,7 +62,7 @@ DURATION_S = 3600.0
 GRID_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 GRID_TIMEOUTS_MS = (0.0, 10.0, 50.0)
 OUTPUT_TOKENS = 64  # mean; the simulator draws uniform [16, 112]
-PROMPT_TOKENS = (16, 128)
+PROMPT_TOKENS = (8, 32)
 STABLE_INTERVALS = 3  # p99 within SLO this many intervals in a row = converged
 RECONVERGE_GRACE = 5  # the target; intervals after a disturbance not held against the SLO share
 TARGETS = {"goodput_ratio": 0.95, "within_slo": 0.99, "reconverge_intervals": 5}
@@ -64,7 +73,7 @@ class Setup:
     """Workload scale derived from the step-time curve, so any curve gives a fair test."""
 
     slo_s: float
-    capacity_rps: dict[str, float]  # per mode: requests/s sustainable within the SLO
+    default_capacity_rps: dict[str, float]  # per mode, at the default config's batch
 
     @classmethod
     def from_curve(cls, curve: StepCurve) -> Setup:
@@ -74,33 +83,33 @@ class Setup:
         # best batch lies inside the grid rather than at either end.
         slo_s = round(3.0 * longest * curve.step_s(16), 2)
         prefill_s = sum(PROMPT_TOKENS) / 2 * curve.per_token_s
-        budget = 0.8 * slo_s
-        # continuous: n sequences decode together; the longest must finish in budget.
-        continuous = max(
-            n / (n * prefill_s + OUTPUT_TOKENS * curve.step_s(n))
-            for n in range(1, 65)
-            if longest * curve.step_s(n) <= budget
-        )
-        # dynamic: a batch of n lasts until its longest member ends, and a request
-        # arriving meanwhile waits for what is left of it: the p99 is about one duration.
-        dynamic = max(
-            n / duration
-            for n in range(1, 65)
-            if (duration := n * prefill_s + longest * curve.step_s(n)) <= budget
-        )
-        return cls(slo_s=slo_s, capacity_rps={"continuous": continuous, "dynamic": dynamic})
+        n = BatchingConfig().max_batch_size
+        # continuous: n sequences decode together, each admitted with its prefill.
+        continuous = n / (n * prefill_s + OUTPUT_TOKENS * curve.step_s(n))
+        # dynamic: a batch of n lasts until its longest member ends.
+        dynamic = n / (n * prefill_s + longest * curve.step_s(n))
+        return cls(slo_s=slo_s, default_capacity_rps={"continuous": continuous, "dynamic": dynamic})
+
+
+# Peak loads sit just above what the default config serves, and below what a
+# larger batch serves: the default must fail there and a good config must not.
+PEAK = 1.1
 
 
 def scenarios(setup: Setup, mode: Mode) -> list[Scenario]:
-    cap = setup.capacity_rps[mode]
+    cap = setup.default_capacity_rps[mode]
+
+    def rate(share: float) -> float:
+        return round(share * cap, 2)
+
     third = DURATION_S / 3
     return [
-        Scenario("steady", DURATION_S, round(0.6 * cap, 2), OUTPUT_TOKENS, PROMPT_TOKENS),
-        Scenario("step", DURATION_S, round(0.25 * cap, 2), OUTPUT_TOKENS, PROMPT_TOKENS, third),
-        Scenario("diurnal", DURATION_S, round(0.45 * cap, 2), OUTPUT_TOKENS, PROMPT_TOKENS),
-        Scenario("bursts", DURATION_S, round(0.3 * cap, 2), OUTPUT_TOKENS, PROMPT_TOKENS),
+        Scenario("steady", DURATION_S, rate(PEAK), OUTPUT_TOKENS, PROMPT_TOKENS),
+        Scenario("step", DURATION_S, rate(PEAK / 3), OUTPUT_TOKENS, PROMPT_TOKENS, third),
+        Scenario("diurnal", DURATION_S, rate(PEAK / 1.6), OUTPUT_TOKENS, PROMPT_TOKENS),
+        Scenario("bursts", DURATION_S, rate(PEAK / 2.5), OUTPUT_TOKENS, PROMPT_TOKENS),
         Scenario(
-            "longer_outputs", DURATION_S, round(0.35 * cap, 2), OUTPUT_TOKENS, PROMPT_TOKENS,
+            "longer_outputs", DURATION_S, rate(PEAK / 1.5), OUTPUT_TOKENS, PROMPT_TOKENS,
             DURATION_S / 2,
         ),
     ]
@@ -280,10 +289,10 @@ def markdown(
         "## Tuning (bench/tuner.py)",
         "",
         f"Simulated: one hour per scenario, interval {INTERVAL_S:g} s, window {WINDOW_S:g} s, "
-        f"p99 SLO {setup.slo_s:g} s, step-time curve {curve.source}; scenario rates are "
-        "fractions of the mode's capacity within 80% of the SLO "
-        f"({setup.capacity_rps['continuous']:.1f} req/s continuous, "
-        f"{setup.capacity_rps['dynamic']:.1f} req/s dynamic). "
+        f"p99 SLO {setup.slo_s:g} s, step-time curve {curve.source}; each scenario peaks at "
+        f"{PEAK:g}x what the default config serves "
+        f"({setup.default_capacity_rps['continuous']:.1f} req/s continuous, "
+        f"{setup.default_capacity_rps['dynamic']:.1f} req/s dynamic). "
         "Oracle: best static `batch/timeout_ms` of a "
         f"{len(GRID_BATCHES)}x{len(GRID_TIMEOUTS_MS)} grid (most goodput with the run's p99 "
         "within the SLO). Goodput: requests/s finished within the SLO. `within_slo`: share of "
@@ -310,7 +319,10 @@ def markdown(
     ]
     if real is not None:
         lines += [
-            "Real servers (tiny model, same load against both, scrape signals):",
+            f"Real servers (tiny model, continuous mode, {REAL_SLO_S:g} s p99 SLO, both started "
+            "at the default config, the same load against each, a 3x step a third of the way "
+            f"in; the tuner decides every {REAL_INTERVAL_S:g} s from scrape signals): "
+            f"goodput tuned/default {real['summary']['goodput_ratio_tuned_over_default']}.",
             "",
             "| server | config at end | goodput req/s | p99 s | ok | errors |",
             "|---|---|---|---|---|---|",
@@ -356,8 +368,96 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+# -- the real-server run -------------------------------------------------------------------
+
+REAL_SLO_S = 1.0
+REAL_INTERVAL_S, REAL_WINDOW_S = 10.0, 20.0
+REAL_TOKEN = "bench-tuner-token"
+
+
+def real_rate(seconds: float) -> Callable[[float], float]:
+    """Moderate load for the first third, then three times as much."""
+    return lambda t: 4.0 if t < seconds / 3 else 12.0
+
+
+def start_real_server(name: str, workdir: Path, token_file: Path) -> ServerProcess:
+    port = free_port()
+    log_path = workdir / f"{name}.log"
+    default = BatchingConfig()
+    command = [
+        sys.executable, "-m", "batchpilot_server.cli", "serve",
+        "--model", "tiny", "--mode", "continuous", "--device", "cpu",
+        "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
+        "--max-batch-size", str(default.max_batch_size),
+        "--batch-timeout-ms", str(default.batch_timeout_ms),
+        "--max-queue-size", str(default.max_queue_size),
+        "--admin-token-file", str(token_file),
+    ]  # fmt: skip
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    return ServerProcess(name, port, process, log_path)
+
+
+def side(report: LoadReport, config: BatchingConfig, seconds: float) -> dict[str, Any]:
+    good = sum(1 for r in report.results if r.ok and r.latency_s <= REAL_SLO_S)
+    errors = sum(report.errors_by_status.values())
+    return {
+        "config": f"{config.max_batch_size}/{config.batch_timeout_ms:g}",
+        "goodput_rps": round(good / seconds, 2),
+        "p99_s": report.latency_s["p99"],
+        "ok": report.ok,
+        "errors": errors,
+    }
+
+
+async def _real(seconds: float, workdir: Path) -> dict[str, Any]:
+    token_file = workdir / "token"
+    token_file.write_text(REAL_TOKEN + "\n")
+    servers = [start_real_server(n, workdir, token_file) for n in ("default", "tuned")]
+    try:
+        async with aiohttp.ClientSession() as session:
+            for server in servers:
+                await wait_ready(server, session)
+            load = [
+                LoadSpec(
+                    urls=[server.url], rate_schedule=real_rate(seconds), duration_s=seconds,
+                    prompt_len=LengthDist("uniform", 8, 32),
+                    output_len=LengthDist("uniform", 16, 112), seed=11,
+                )
+                for server in servers
+            ]
+            stop = asyncio.Event()
+            options = TuneOptions(
+                servers=(servers[1].url,), slo=Slo(REAL_SLO_S), interval_s=REAL_INTERVAL_S,
+                window_s=REAL_WINDOW_S, token=REAL_TOKEN, min_requests=30,
+            )
+            tuning = asyncio.create_task(tune_loop(options, None, stop))
+            reports = await asyncio.gather(*(run_load(spec) for spec in load))
+            stop.set()
+            steps = await tuning
+            configs = [await get_batching(session, server.url) for server in servers]
+    finally:
+        for server in servers:
+            stop_process(server.process)
+    default, tuned = (side(r, c, seconds) for r, c in zip(reports, configs, strict=True))
+    ratio = tuned["goodput_rps"] / default["goodput_rps"] if default["goodput_rps"] else None
+    return {
+        "default": default,
+        "tuned": tuned,
+        "decisions": [s.to_dict()["action"] for s in steps],
+        "summary": {
+            "goodput_ratio_tuned_over_default": None if ratio is None else round(ratio, 3),
+            "p99_default_s": default["p99_s"],
+            "p99_tuned_s": tuned["p99_s"],
+            "tuned_config": tuned["config"],
+        },
+    }
+
+
 def run_real(seconds: float) -> dict[str, Any]:
-    raise NotImplementedError
+    """Two real servers at the default config, the same load on each, one tuned live."""
+    with tempfile.TemporaryDirectory(prefix="bench-tuner-") as workdir:
+        return asyncio.run(_real(seconds, Path(workdir)))
 
 
 def main(argv: list[str]) -> int:

@@ -98,7 +98,7 @@ class TunerParams:
     timeout_step_share: float = 0.02  # timeout growth, as a share of the SLO
     timeout_budget_share: float = 0.1  # the timeout never exceeds this share of the SLO
     full_batch_share: float = 0.8  # mean batch >= share * max counts as "full"
-    queue_share: float = 0.5  # in the band, queue wait >= share * p99: grow before breaking
+    queue_share: float = 0.5  # queue wait >= share * p99: queueing is half the story
     service_share: float = 1.0  # p99 less queue wait above share * SLO: the batch is too slow
     timeout_explains: float = 2.0  # queue wait <= this x timeout: the timeout causes it
     queueing_share: float = 0.05  # queue wait p99 >= share * SLO: requests queue
@@ -271,6 +271,16 @@ def _on_breach(
     queue_wait = min(p99, signals.queue_wait_p99_s or 0.0)
     service = p99 - queue_wait
     if service > p.service_share * slo.p99_latency_s:
+        if queue_wait >= p.queue_share * p99:
+            # Both halves break the SLO: a smaller batch queues more, a larger one runs
+            # slower. Moving would only add noise; say so and wait for the load to drop.
+            return Decision(
+                current,
+                "hold",
+                f"{head}: overloaded, running ~{_ms(service)} and queueing "
+                f"{_ms(queue_wait)} both exceed what the SLO allows; no batch size fixes it",
+                state,
+            )
         # Running alone takes too long: a smaller batch makes every step shorter.
         if batch > bounds.min_batch:
             new_batch = max(bounds.min_batch, min(batch - 1, math.floor(batch * p.backoff_factor)))

@@ -58,6 +58,8 @@ TABLE = [
      10.0, "within the band"),
     ("breach while running", ok(p99_latency_s=0.8, queue_wait_p99_s=0.1), "backoff_batch",
      int(16 * P.backoff_factor), 10.0, "while running"),
+    ("overloaded: running and queueing both break the SLO",
+     ok(p99_latency_s=2.0, queue_wait_p99_s=1.2), "hold", 16, 10.0, "no batch size fixes it"),
     ("breach from queueing with full batches", ok(p99_latency_s=0.9, queue_wait_p99_s=0.6),
      "grow_batch", round(16 * P.capacity_factor), 10.0, "capacity short"),
     ("breach from queueing at bursts (low mean batch)",
