@@ -5,22 +5,27 @@ state) always gives the same decision, so the simulator, the local
 `batchpilot tune` loop and the Kopf timer all run exactly this code.
 
 The rule (SLO-aware AIMD in the spirit of Clipper, with a diagnosis of *why*
-the p99 is what it is; `docs/tuning.md` explains each constant):
+the p99 is what it is: the p99 splits into queue wait and running time;
+`docs/tuning.md` explains each constant):
 
 1. bounds first: a config outside the policy's bounds is clamped into them;
-2. hold when the window has no data, too little or no traffic;
+2. hold when the window has no data, too little or no traffic, or no p99;
 3. KV guard: KV usage at the high watermark or any preemption cuts the batch
    multiplicatively, whatever the latency headroom says;
-4. cooldown: after a change, wait until the window reflects it;
-5. p99 above the SLO: if batches fire underfilled, the timeout is pure added
-   latency, so it is halved first; if the p99 is mostly queueing and the
-   service time still has headroom, capacity is short and the batch grows
-   multiplicatively; otherwise the batch is too slow and backs off
-   multiplicatively (and that size becomes a ceiling for a while);
-6. p99 well below the SLO (outside the hysteresis band): grow the batch
-   additively while requests queue behind full batches; with ample headroom
-   and underfilled batches, let the timeout grow toward fuller batches;
-7. otherwise hold.
+4. cooldown (none by default: the loops trim the window at a change instead);
+5. p99 above the SLO:
+   - running alone breaks the SLO: back off the batch multiplicatively (that
+     size becomes a ceiling for probing), unless requests also queue for half
+     the p99 - then no batch size helps and the tuner holds;
+   - else queueing pushes it over: halve the timeout when the timeout explains
+     the wait and batches fire underfilled, otherwise grow the batch
+     multiplicatively (capacity is short), up to the bound;
+6. p99 under the hysteresis band: grow the batch additively while requests
+   queue behind full batches; with ample headroom, underfilled batches and no
+   queueing, let the timeout grow toward fuller batches (capped at a share
+   of the SLO);
+7. inside the band: grow additively only if queueing is half the p99 (act
+   before the SLO breaks), else hold.
 """
 
 from __future__ import annotations
