@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,8 +41,8 @@ from batchpilot_server.loadgen import LengthDist, LoadReport, LoadSpec, run_load
 NAMESPACE = "local"
 POLICY = "demo"
 SERVERS = 2
-# Poor on purpose: one sequence per step and a long idle wait, so the tuner has
-# visible work to do before the load even steps up.
+# Poor on purpose: a small batch and a long idle wait before the first step, so
+# the tuner has visible work to do before the load even steps up.
 INITIAL = BatchingConfig(max_batch_size=1, batch_timeout_ms=100.0, max_queue_size=512)
 ADMIN_TOKEN = "batchpilot-demo"
 SERVER_READY_TIMEOUT_S = 90.0
@@ -82,11 +83,11 @@ class DemoOptions:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="batchpilot demo", description=__doc__.splitlines()[0])
     p.add_argument("--duration", type=float, default=180.0, help="seconds of load (default 180)")
-    p.add_argument("--slo-p99-ms", type=float, default=500.0, help="p99 latency SLO (ms)")
+    p.add_argument("--slo-p99-ms", type=float, default=1000.0, help="p99 latency SLO (ms)")
     p.add_argument("--out", type=Path, default=Path("docs/demo.png"), help="plot to write")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between tuner decisions")
-    p.add_argument("--rate", type=float, default=8.0, help="requests/s before the load step")
-    p.add_argument("--step-factor", type=float, default=2.5, help="load multiplier at the step")
+    p.add_argument("--rate", type=float, default=4.0, help="requests/s before the load step")
+    p.add_argument("--step-factor", type=float, default=4.0, help="load multiplier at the step")
     p.add_argument(
         "--no-prometheus",
         action="store_true",
@@ -329,6 +330,9 @@ class LiveView:
         self.stream.flush()
 
     def _redraw(self, lines: list[str]) -> None:
+        # A wrapped line would break the cursor arithmetic below: cut to the width.
+        width = shutil.get_terminal_size().columns
+        lines = [line[: width - 1] for line in lines]
         # Up to the first line we drew, clear to the end of the screen, draw again.
         prefix = f"\x1b[{self._drawn}F\x1b[J" if self._drawn else ""
         self.stream.write(prefix + "\n".join(lines) + "\n")
@@ -364,6 +368,10 @@ def write_plot(recording: Recording, path: Path) -> None:
 
     options, samples = recording.options, recording.samples
     times = [s.t_s for s in samples]
+    # The knobs start at the initial config, before the first decision.
+    knob_times = [0.0, *times]
+    batches = [INITIAL.max_batch_size, *(s.max_batch_size for s in samples)]
+    timeouts = [INITIAL.batch_timeout_ms, *(s.batch_timeout_ms for s in samples)]
     fig, (ax_p99, ax_batch, ax_timeout) = plt.subplots(
         3, 1, figsize=(10, 8), sharex=True, height_ratios=(2, 1, 1)
     )
@@ -383,10 +391,10 @@ def write_plot(recording: Recording, path: Path) -> None:
     handles = ax_p99.get_legend_handles_labels()[0] + ax_load.get_legend_handles_labels()[0]
     ax_p99.legend(handles=handles, loc="upper left", fontsize=8)
 
-    ax_batch.step(times, [s.max_batch_size for s in samples], where="post", color="tab:green")
+    ax_batch.step(knob_times, batches, where="post", color="tab:green")
     ax_batch.set_ylabel("max_batch_size")
     ax_batch.set_ylim(bottom=0)
-    ax_timeout.step(times, [s.batch_timeout_ms for s in samples], where="post", color="tab:purple")
+    ax_timeout.step(knob_times, timeouts, where="post", color="tab:purple")
     ax_timeout.set_ylabel("batch timeout (ms)")
     ax_timeout.set_ylim(bottom=0)
     ax_timeout.set_xlabel("time since load start (s)")
@@ -459,8 +467,8 @@ def load_spec(options: DemoOptions, servers: list[ServerProcess]) -> LoadSpec:
         arrival="poisson",
         rate_schedule=options.offered_rate,
         duration_s=options.duration_s,
-        prompt_len=LengthDist("uniform", 16, 64),
-        output_len=LengthDist("uniform", 16, 48),
+        prompt_len=LengthDist("uniform", 16, 48),
+        output_len=LengthDist("uniform", 32, 96),
         timeout_s=60.0,
     )
 
@@ -575,8 +583,7 @@ async def drive(
             task.cancel()
         await asyncio.gather(load, tuner, view_task, stopper, return_exceptions=True)
         view.refresh(recording)
-    if tuner.done() and tuner.exception() is not None:
-        raise tuner.exception()  # type: ignore[misc]
+    tuner.result()  # re-raises what stopped the tuner, e.g. a TuneError
     return None if load.cancelled() else load.result()
 
 

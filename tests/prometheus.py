@@ -1,6 +1,6 @@
 """Test fixture layer over `batchpilot_operator.prometheus_local`: a real Prometheus per test.
 
-    with run_prometheus(tmp_path, [server.url_hostport], labels={"policy": "demo"}) as prom:
+    with run_prometheus(tmp_path, [f"127.0.0.1:{server.port}"], labels={"policy": "demo"}) as prom:
         prom.wait_for_targets_up()
         prom.query("batchpilot_requests_running")
 

@@ -11,10 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
+from batchpilot_operator.demo import SERVERS
 from batchpilot_operator.demo import main as demo_main
+from batchpilot_operator.prometheus_local import find_binary
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EXIT_DEADLINE_S = 60.0
+# the servers, plus Prometheus where it is installed
+CHILDREN = SERVERS + (find_binary() is not None)
 
 
 def children_of(pid: int) -> set[int]:
@@ -104,8 +108,7 @@ def test_short_demo_writes_plot_and_summary(tmp_path: Path) -> None:
     assert "batchpilot demo summary" in output
     assert "\x1b[" not in output
     assert_plot(run.out)
-    # two servers, plus Prometheus where it is installed
-    assert_clean(run, expected_children=2)
+    assert_clean(run, expected_children=CHILDREN)
 
 
 def test_sigint_midway_stops_everything(tmp_path: Path) -> None:
@@ -122,7 +125,7 @@ def test_sigint_midway_stops_everything(tmp_path: Path) -> None:
     assert "summary (interrupted)" in output
     assert "Traceback" not in output
     assert_plot(run.out)
-    assert_clean(run, expected_children=2)
+    assert_clean(run, expected_children=CHILDREN)
 
 
 @pytest.mark.parametrize(
