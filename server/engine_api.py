@@ -9,7 +9,13 @@ Torch-free. `batchpilot_server.engine.Engine` implements it:
         ...
     stream.cancel()                   # frees its KV blocks; safe at any time
     engine.reconfigure(BatchingConfig(...))   # applies at the next scheduling decision
-    await engine.shutdown()
+    await engine.shutdown()           # running requests finish; never-scheduled ones end
+                                      # with EngineStoppedError (drain=True serves them all)
+
+`submit` raises synchronously: QueueFullError, PromptTooLongError,
+InvalidRequestError, EngineStoppedError. A stream raises DeadlineExceededError
+(waited past `deadline_s` unscheduled) or EngineStoppedError (shutdown, or the
+engine thread failed: the message carries the reason).
 """
 
 from __future__ import annotations
