@@ -86,8 +86,11 @@ class Setup:
         n = BatchingConfig().max_batch_size
         # continuous: n sequences decode together, each admitted with its prefill.
         continuous = n / (n * prefill_s + OUTPUT_TOKENS * curve.step_s(n))
-        # dynamic: a batch of n lasts until its longest member ends.
-        dynamic = n / (n * prefill_s + longest * curve.step_s(n))
+        # dynamic: a batch of n lasts until its longest member ends; for outputs
+        # uniform on [lo, hi] that is lo + (hi - lo) * n / (n + 1) tokens on average.
+        low, high = OUTPUT_TOKENS / 4, OUTPUT_TOKENS * 1.75
+        batch_longest = low + (high - low) * n / (n + 1)
+        dynamic = n / (n * prefill_s + batch_longest * curve.step_s(n))
         return cls(slo_s=slo_s, default_capacity_rps={"continuous": continuous, "dynamic": dynamic})
 
 
