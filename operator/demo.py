@@ -549,6 +549,8 @@ async def run_demo(
         prometheus = None
         if options.use_prometheus:
             prometheus = await start_prometheus(stack, workdir, servers, exporter, stop, stream)
+        else:
+            say(stream, "--no-prometheus: the tuner scrapes the servers' /metrics itself")
         recording.signal_source = "prometheus" if prometheus else "direct scrape"
         return recording, await drive(options, servers, prometheus, recording, stop, stream)
 

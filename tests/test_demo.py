@@ -95,7 +95,7 @@ def assert_plot(path: Path) -> None:
 
 
 def test_short_demo_writes_plot_and_summary(tmp_path: Path) -> None:
-    run = DemoRun(tmp_path, "--duration", "24", "--interval", "4")
+    run = DemoRun(tmp_path, "--duration", "20", "--interval", "4")
     try:
         code = run.wait()
     finally:
@@ -104,28 +104,56 @@ def test_short_demo_writes_plot_and_summary(tmp_path: Path) -> None:
     assert code == 0, output
     # not a terminal: one plain line per tuner interval, then the summary
     interval_lines = [line for line in output.splitlines() if line.startswith("t=")]
-    assert len(interval_lines) >= 4, output
+    assert len(interval_lines) >= 3, output
     assert "batchpilot demo summary" in output
     assert "\x1b[" not in output
     assert_plot(run.out)
     assert_clean(run, expected_children=CHILDREN)
 
 
-def test_sigint_midway_stops_everything(tmp_path: Path) -> None:
-    run = DemoRun(tmp_path, "--duration", "120", "--interval", "3")
+@pytest.mark.parametrize(
+    ("sig", "extra", "children"),
+    [
+        (signal.SIGINT, [], CHILDREN),
+        # SIGTERM on the direct-scrape path, so that path runs too
+        (signal.SIGTERM, ["--no-prometheus"], SERVERS),
+    ],
+    ids=["sigint-prometheus", "sigterm-direct-scrape"],
+)
+def test_signal_midway_stops_everything(
+    tmp_path: Path, sig: signal.Signals, extra: list[str], children: int
+) -> None:
+    run = DemoRun(tmp_path, "--duration", "120", "--interval", "3", *extra)
     try:
         run.watch_until(lambda: "t=" in run.output(), timeout_s=90)
         assert run.proc.poll() is None, run.output()
+        run.proc.send_signal(sig)
+        code = run.proc.wait(timeout=EXIT_DEADLINE_S)
+    finally:
+        run.kill_leftovers()
+    output = run.output()
+    assert code == 128 + sig, output
+    assert "summary (interrupted)" in output
+    assert "Traceback" not in output
+    assert_plot(run.out)
+    assert_clean(run, expected_children=children)
+
+
+def test_sigint_while_starting_stops_the_servers(tmp_path: Path) -> None:
+    run = DemoRun(tmp_path, "--duration", "60")
+    try:
+        # the servers are being started: interrupt before anything is ready
+        run.watch_until(lambda: len(run.children) >= SERVERS, timeout_s=30)
         run.proc.send_signal(signal.SIGINT)
         code = run.proc.wait(timeout=EXIT_DEADLINE_S)
     finally:
         run.kill_leftovers()
     output = run.output()
     assert code == 128 + signal.SIGINT, output
-    assert "summary (interrupted)" in output
+    assert "interrupted while starting" in output
     assert "Traceback" not in output
-    assert_plot(run.out)
-    assert_clean(run, expected_children=CHILDREN)
+    assert not run.out.exists()
+    assert_clean(run, expected_children=SERVERS)
 
 
 @pytest.mark.parametrize(
