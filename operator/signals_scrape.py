@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import aiohttp
 from batchpilot_operator.signals import (
@@ -28,6 +29,7 @@ from batchpilot_operator.signals import (
 from batchpilot_server import metric_names as names
 from prometheus_client.parser import text_string_to_metric_families
 
+K = TypeVar("K")
 SCRAPE_TIMEOUT_S = 5.0
 # A timer that fires a little early still counts the previous read as the window start.
 SCHEDULING_SLACK_S = 0.25
@@ -59,7 +61,7 @@ class Totals:
         )
 
 
-def _increases(now: dict, before: dict) -> dict:
+def _increases(now: Mapping[K, float], before: Mapping[K, float]) -> dict[K, float]:
     return {key: _increase(value, before.get(key)) for key, value in now.items()}
 
 

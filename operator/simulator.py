@@ -31,7 +31,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from batchpilot_operator.signals import Signals, histogram_quantile, status_detail, traffic_status
+from batchpilot_operator.signals import (
+    MIN_REQUESTS_PER_WINDOW,
+    Signals,
+    histogram_quantile,
+    status_detail,
+    traffic_status,
+)
 from batchpilot_operator.tuner import (
     Bounds,
     Decision,
@@ -302,7 +308,7 @@ class _Engine:
                 window_s=window_s,
                 requests=requests,
                 waiting=waiting,
-                detail=status_detail(status, requests, 50),
+                detail=status_detail(status, requests, MIN_REQUESTS_PER_WINDOW),
             )
         batches = sum(iv.batch_count for iv in window)
         return Signals(

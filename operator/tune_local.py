@@ -16,7 +16,7 @@ import json
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +86,7 @@ class TuneStep:
                 "batch_timeout_ms": self.before.batch_timeout_ms,
             },
             "signals": self.signals.to_dict(),
-            "refused": [] if self.report is None else [r.__dict__ for r in self.report.refused],
+            "refused": [] if self.report is None else [asdict(r) for r in self.report.refused],
         }
 
     def line(self) -> str:
