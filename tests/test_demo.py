@@ -45,7 +45,7 @@ def alive(pid: int) -> bool:
 class DemoRun:
     """The demo as a subprocess; tracks every child it ever had, always kills what is left."""
 
-    def __init__(self, tmp_path: Path, *args: str) -> None:
+    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.out = tmp_path / "demo.png"
         self.log = tmp_path / "demo.out"
         command = [
@@ -53,7 +53,9 @@ class DemoRun:
             "--out", str(self.out), *args,
         ]  # fmt: skip
         with self.log.open("wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
         self.children: set[int] = set()
 
     def output(self) -> str:
@@ -153,6 +155,19 @@ def test_sigint_while_starting_stops_the_servers(tmp_path: Path) -> None:
     assert "interrupted while starting" in output
     assert "Traceback" not in output
     assert not run.out.exists()
+    assert_clean(run, expected_children=SERVERS)
+
+
+def test_broken_prometheus_is_reported_and_servers_stopped(tmp_path: Path) -> None:
+    run = DemoRun(tmp_path, "--duration", "60", env={"PROMETHEUS_BIN": "/bin/false"})
+    try:
+        code = run.wait()
+    finally:
+        run.kill_leftovers()
+    output = run.output()
+    assert code == 1, output
+    assert "batchpilot demo: prometheus exited during start" in output
+    assert "Traceback" not in output
     assert_clean(run, expected_children=SERVERS)
 
 
