@@ -429,9 +429,10 @@ def render(results: dict[str, Any]) -> str:
         "batched matmuls over many 16-token x 64-dim pieces (one per block and head) read "
         "K/V about 1.2-1.5x slower than the fused flash kernel reads one contiguous tensor "
         "at the contexts of this run (16-144 tokens), and each layer adds a dozen small "
-        "indexing ops; at context 512 the gap shrinks to the figure above. Copying the "
-        "blocks into contiguous tensors first (with reused buffers) measured 2-5x slower "
-        "still, and larger blocks (32-128 tokens) slower too, so neither is used.",
+        "indexing ops; at context 512 the gap is the table's figure. Copying the blocks "
+        "into contiguous tensors first measured slower at every context tried (2-5x the "
+        "contiguous attention at 48-144 tokens even with reused buffers; the table's last "
+        "row at 512), and larger blocks (32-128 tokens) slower too, so neither is used.",
         "",
         "Targets: "
         + ", ".join(f"{k} {'met' if ok else 'MISSED'}" for k, ok in results["targets"].items()),
