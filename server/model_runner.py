@@ -92,14 +92,17 @@ class PagedDecodeAttention:
         batch, _, heads, head_dim = q.shape
         size = self.cache.block_size
         self.cache.write(layer, self.write_blocks, self.write_offsets, k[:, 0], v[:, 0])
-        keys, values = self.cache.k[layer, : self.span], self.cache.v[layer, : self.span]
-        query = q[:, 0].index_select(0, self.row).unsqueeze(2)  # [span, H, 1, hd]
-        scores = torch.matmul(query, keys.transpose(2, 3))  # [span, H, 1, bs]
+        # 3-d views for bmm: one (1 x hd) @ (hd x bs) product per block and head
+        pieces = self.span * heads
+        keys = self.cache.k[layer, : self.span].view(pieces, size, head_dim)
+        values = self.cache.v[layer, : self.span].view(pieces, size, head_dim)
+        query = q[:, 0].index_select(0, self.row).view(pieces, 1, head_dim)
+        scores = torch.bmm(query, keys.transpose(1, 2)).view(self.span, heads, size)
         per_seq = scores.index_select(0, self.tables).view(batch, self.width, heads, size)
         logits = torch.add(self.bias, per_seq.transpose(1, 2), alpha=head_dim**-0.5)
         weights = torch.softmax(logits.reshape(batch, heads, -1), -1)
         by_block = weights.view(batch, heads, self.width, size)[self.row, :, self.column]
-        mixed = torch.matmul(by_block.unsqueeze(2), values)  # [span, H, 1, hd]
+        mixed = torch.bmm(by_block.view(pieces, 1, size), values)
         out = q.new_zeros(batch + 1, heads, head_dim)
         out.index_add_(0, self.out_row, mixed.view(self.span, heads, head_dim))
         return out[:batch, None]
