@@ -2,7 +2,9 @@
 
 A policy is reconciled when it is created, changed or resumed, and again
 whenever one of its owned objects changes or disappears (drift repair by
-watching, not by polling). Handlers share a `kube.Client` through Kopf's memo.
+watching, not by polling). Handlers share a `kube.Client` and the
+`PolicyMetrics` (each valid policy's SLO and KV watermark, served for
+Prometheus) through Kopf's memo.
 """
 
 from __future__ import annotations
@@ -15,11 +17,18 @@ from typing import Any
 
 import kopf
 from batchpilot_operator import builders, kube
+from batchpilot_operator.policy_metrics import PolicyMetrics
 from batchpilot_operator.reconcile import reconcile
+from batchpilot_operator.spec import PolicySpec
 
 OWNED_KINDS = (kube.DEPLOYMENTS, kube.SERVICES, kube.CONFIGMAPS, kube.SECRETS)
 ANNOTATION_PREFIX = "batchpilot.io"
 RETRY_DELAY_SECONDS = 10.0
+# Memo keys: the port to serve the policy targets on (0 or absent: not served,
+# set by `batchpilot operator --metrics-port`), the gauges, and their server.
+METRICS_PORT = "metrics_port"
+POLICY_METRICS = "policy_metrics"
+METRICS_SERVER = "policy_metrics_server"
 
 # What Kopf itself calls on the API for these handlers (tests/test_rbac.py checks
 # the ClusterRole covers it): list+watch of every handled kind, merge-patches of
@@ -61,6 +70,15 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     # One reconcile at a time per policy: the policy's own handler and the drift
     # handlers of its owned objects would otherwise race on create.
     memo["locks"] = {}
+    memo[POLICY_METRICS] = PolicyMetrics()
+    port = int(memo.get(METRICS_PORT) or 0)
+    if port:
+        try:
+            memo[METRICS_SERVER], _ = memo[POLICY_METRICS].serve(port)
+        except OSError as exc:  # permanent: retrying would not free the port
+            raise kopf.PermanentError(
+                f"cannot serve policy metrics on port {port} (--metrics-port): {exc}"
+            ) from exc
 
 
 @kopf.on.cleanup()
@@ -68,12 +86,36 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
     client = memo.get("kube")
     if client is not None:
         await client.close()
+    server = memo.get(METRICS_SERVER)
+    if server is not None:
+        await asyncio.to_thread(server.shutdown)  # waits for its serving thread's poll
+        server.server_close()
 
 
 def client_of(memo: kopf.Memo) -> kube.Client:
     """The operator's API client (created at startup); for every handler module."""
     client: kube.Client = memo["kube"]
     return client
+
+
+def policy_metrics_of(memo: kopf.Memo) -> PolicyMetrics:
+    """The operator's policy target gauges (created at startup); for every handler module."""
+    metrics: PolicyMetrics = memo[POLICY_METRICS]
+    return metrics
+
+
+def track_targets(
+    metrics: PolicyMetrics, namespace: str, name: str, spec: PolicySpec | None
+) -> None:
+    """Publish a valid policy's SLO and KV watermark; drop them when it has no valid spec."""
+    if spec is None:
+        metrics.forget(namespace, name)
+        return
+    metrics.publish(
+        namespace, name,
+        slo_p99_ms=spec.p99_latency_ms,
+        kv_high_watermark=spec.autotune.kv_high_watermark,
+    )
 
 
 @kopf.on.resume(builders.GROUP, builders.VERSION, builders.PLURAL)
@@ -106,6 +148,16 @@ async def on_owned_event(
         logger.warning(f"drift repair of {namespace}/{meta.name} failed: {exc}")
 
 
+@kopf.on.event(builders.GROUP, builders.VERSION, builders.PLURAL)
+async def on_policy_event(
+    event: Mapping[str, Any], name: str, namespace: str, memo: kopf.Memo, **_: Any
+) -> None:
+    # A plain event, not kopf.on.delete: that would put a finalizer on every policy.
+    if event.get("type") == "DELETED":
+        async with _lock_of(memo, (namespace, name)):  # after a reconcile in flight publishes
+            track_targets(policy_metrics_of(memo), namespace, name, None)
+
+
 for _kind in OWNED_KINDS:
     kopf.on.event(
         _kind.group,
@@ -119,13 +171,18 @@ async def _reconcile_locked(
     memo: kopf.Memo, policy: Mapping[str, Any], logger: kopf.Logger
 ) -> None:
     key = (policy["metadata"]["namespace"], policy["metadata"]["name"])
-    locks: dict[tuple[str, str], asyncio.Lock] = memo["locks"]
-    async with locks.setdefault(key, asyncio.Lock()):
+    async with _lock_of(memo, key):
         outcome = await reconcile(client_of(memo), policy)
+        track_targets(policy_metrics_of(memo), *key, outcome.spec)
     if outcome.error is not None:
         logger.warning(f"invalid spec ({outcome.error.reason}): {outcome.error.message}")
     for action in outcome.actions:
         logger.info(action)
+
+
+def _lock_of(memo: kopf.Memo, key: tuple[str, str]) -> asyncio.Lock:
+    locks: dict[tuple[str, str], asyncio.Lock] = memo["locks"]
+    return locks.setdefault(key, asyncio.Lock())
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:

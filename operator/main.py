@@ -11,6 +11,7 @@ import kopf
 from batchpilot_operator.registry import load_handlers
 
 DEFAULT_LIVENESS_PORT = 8080
+DEFAULT_METRICS_PORT = 8081
 NAMESPACE_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
@@ -36,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--liveness-port", type=int, default=DEFAULT_LIVENESS_PORT,
         help=f"port of the /healthz liveness endpoint (default {DEFAULT_LIVENESS_PORT}; 0: off)",
     )
+    parser.add_argument(
+        "--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+        help="port of /metrics with each policy's SLO and KV watermark for Prometheus "
+        f"(default {DEFAULT_METRICS_PORT}; 0: off)",
+    )
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     return parser
 
@@ -58,13 +64,23 @@ def _check_namespaces(parser: argparse.ArgumentParser, namespaces: list[str] | N
             )
 
 
+def _check_ports(parser: argparse.ArgumentParser, liveness: int, metrics: int) -> None:
+    for flag, port in (("--liveness-port", liveness), ("--metrics-port", metrics)):
+        if not 0 <= port <= 65535:
+            parser.error(f"{flag} must be 0..65535, got {port}")
+    if liveness and liveness == metrics:
+        parser.error(
+            f"--liveness-port and --metrics-port are both {liveness}: "
+            "they are two servers and need two ports"
+        )
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_namespaces(parser, args.namespaces)
     _check_url(parser, args.prometheus_url)
-    if not 0 <= args.liveness_port <= 65535:
-        parser.error(f"--liveness-port must be 0..65535, got {args.liveness_port}")
+    _check_ports(parser, args.liveness_port, args.metrics_port)
     kopf.configure(
         verbose=args.verbose, log_format=kopf.LogFormat.JSON, log_refkey="object"
     )
@@ -78,6 +94,6 @@ def main(argv: list[str]) -> int:
         namespaces=args.namespaces or (),
         standalone=True,  # one replica; no peering objects (and no RBAC for them)
         liveness_endpoint=liveness,
-        memo=kopf.Memo(prometheus_url=args.prometheus_url),
+        memo=kopf.Memo(prometheus_url=args.prometheus_url, metrics_port=args.metrics_port),
     )
     return 0
