@@ -78,16 +78,18 @@ def wait_live(url: str, process: subprocess.Popen[str]) -> None:
 async def test_operator_command_serves_liveness_reconciles_and_stops_on_sigterm(
     tmp_path: Path,
 ) -> None:
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     log = tmp_path / "operator.log"
     with run_cluster() as cluster, log.open("w") as sink:
         env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
         process = subprocess.Popen(
-            [str(BATCHPILOT), "operator", "--all-namespaces", "--liveness-port", str(port)],
+            [str(BATCHPILOT), "operator", "--all-namespaces", "--liveness-port", str(port),
+             "--metrics-port", str(metrics_port)],
             env=env, stdout=sink, stderr=subprocess.STDOUT, text=True,
         )
         try:
             wait_live(f"http://127.0.0.1:{port}/healthz", process)
+            wait_live(f"http://127.0.0.1:{metrics_port}/metrics", process)
             await cluster.create(kube.POLICIES, {
                 "apiVersion": "batchpilot.io/v1alpha1", "kind": "BatchingPolicy",
                 "metadata": {"name": "cli", "namespace": "team"}, "spec": {},
