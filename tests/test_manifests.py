@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.test_rbac import render_manifests
+from tests.test_rbac import operator_object, render_manifests
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
@@ -47,7 +47,7 @@ def test_the_crd_is_the_one_in_crds(rendered: list[dict[str, Any]]) -> None:
 def test_operator_runs_locked_down_with_probes_on_its_liveness_port(
     rendered: list[dict[str, Any]],
 ) -> None:
-    deployment = one(rendered, "Deployment")
+    deployment = operator_object(rendered, "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["args"][0] == "operator"

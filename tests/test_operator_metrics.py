@@ -7,6 +7,8 @@ the tests scrape them over HTTP as Prometheus would.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -14,6 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 from batchpilot_operator import kube
 from batchpilot_operator.main import main
 from batchpilot_operator.policy_metrics import KV_HIGH_WATERMARK, SLO_P99_LATENCY
@@ -21,6 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.k8s_emulator import Cluster, run_cluster, run_operator
 from tests.test_operator_cli import BATCHPILOT, DEADLINE_S, free_port
+from tests.test_prometheus_rules import pod_group
+from tests.test_rbac import operator_object, render_manifests
 
 Series = dict[tuple[str, str, str], float]  # (metric, namespace, policy) -> value
 
@@ -154,3 +159,37 @@ def test_bad_metrics_port_exits_2_with_a_clear_message(
         main(argv)
     assert exited.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def kept_by(job: dict[str, Any], meta: dict[str, str]) -> bool:
+    """Whether the job's `keep` relabel rules let a target with these labels through."""
+    return all(
+        re.fullmatch(rule["regex"], ";".join(meta.get(src, "") for src in rule["source_labels"]))
+        for rule in job["relabel_configs"]
+        if rule.get("action") == "keep"
+    )
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_the_base_has_prometheus_scrape_the_operator_metrics_port() -> None:
+    docs = render_manifests()
+    template = operator_object(docs, "Deployment")["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    args, annotations = container["args"], template["metadata"]["annotations"]
+    port = int(args[args.index("--metrics-port") + 1])
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}["metrics"] == port
+    assert annotations["prometheus.io/port"] == str(port)
+
+    (config,) = [
+        yaml.safe_load(d["data"]["prometheus.yml"])
+        for d in docs
+        if d["kind"] == "ConfigMap" and "prometheus.yml" in d.get("data", {})
+    ]
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    meta = pod_group(
+        "operator", address=f"10.0.0.1:{port}",
+        annotations=annotations, labels=template["metadata"]["labels"],
+    )["labels"]
+    assert kept_by(jobs["batchpilot-operator"], meta)
+    # Not also scraped as a server: it would be counted twice.
+    assert not kept_by(jobs["batchpilot-servers"], meta)

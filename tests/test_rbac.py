@@ -12,6 +12,7 @@ from batchpilot_operator.handlers import KOPF_PERMISSIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 Grant = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
+OPERATOR = "batchpilot-operator"  # its ServiceAccount, ClusterRole, binding and Deployment
 
 
 def render_manifests() -> list[dict]:
@@ -22,9 +23,14 @@ def render_manifests() -> list[dict]:
     return [doc for doc in yaml.safe_load_all(out) if doc]
 
 
+def operator_object(docs: list[dict], kind: str) -> dict:
+    """The operator's object of `kind`: the base holds Prometheus's account, role and more too."""
+    (found,) = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == OPERATOR]
+    return found
+
+
 def cluster_role() -> dict:
-    (role,) = [doc for doc in render_manifests() if doc["kind"] == "ClusterRole"]
-    return role
+    return operator_object(render_manifests(), "ClusterRole")
 
 
 def granted_by_cluster_role() -> set[Grant]:
@@ -59,9 +65,9 @@ def test_no_wildcards_and_no_unused_rule_fields() -> None:
 
 def test_binding_gives_the_role_to_the_operator_account() -> None:
     docs = render_manifests()
-    (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
-    (account,) = [d for d in docs if d["kind"] == "ServiceAccount"]
-    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    binding = operator_object(docs, "ClusterRoleBinding")
+    account = operator_object(docs, "ServiceAccount")
+    deployment = operator_object(docs, "Deployment")
     assert binding["roleRef"]["name"] == cluster_role()["metadata"]["name"]
     (subject,) = binding["subjects"]
     assert (subject["name"], subject["namespace"]) == (
