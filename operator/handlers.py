@@ -99,7 +99,7 @@ def client_of(memo: kopf.Memo) -> kube.Client:
 
 
 def policy_metrics_of(memo: kopf.Memo) -> PolicyMetrics:
-    """The operator's policy target gauges (created at startup); for every handler module."""
+    """The operator's per-policy target gauges (created at startup)."""
     metrics: PolicyMetrics = memo[POLICY_METRICS]
     return metrics
 
