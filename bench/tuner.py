@@ -336,6 +336,10 @@ def markdown(
                 f"| {name} | {side['config']} | {side['goodput_rps']} | {side['p99_s']} | "
                 f"{side['ok']} | {side['errors']} |"
             )
+        changes = [d for d in real["decisions"] if not d.startswith("hold")]
+        lines += ["", f"The tuned server's changes ({len(changes)} of {len(real['decisions'])} "
+                  "decisions):", ""]
+        lines += [f"- {d}" for d in changes] or ["- none"]
         lines.append("")
     return "\n".join(lines)
 
@@ -380,7 +384,7 @@ REAL_TOKEN = "bench-tuner-token"
 
 def real_rate(seconds: float) -> Callable[[float], float]:
     """Moderate load for the first third, then three times as much."""
-    return lambda t: 4.0 if t < seconds / 3 else 12.0
+    return lambda t: 5.0 if t < seconds / 3 else 15.0
 
 
 def start_real_server(name: str, workdir: Path, token_file: Path) -> ServerProcess:
@@ -447,7 +451,7 @@ async def _real(seconds: float, workdir: Path) -> dict[str, Any]:
     return {
         "default": default,
         "tuned": tuned,
-        "decisions": [s.to_dict()["action"] for s in steps],
+        "decisions": [f"{s.decision.action}: {s.decision.reason}" for s in steps],
         "summary": {
             "goodput_ratio_tuned_over_default": None if ratio is None else round(ratio, 3),
             "p99_default_s": default["p99_s"],
