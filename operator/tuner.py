@@ -354,14 +354,15 @@ def _on_headroom(
             _after_change(state, p),
         )
     timeout_cap = min(bounds.max_timeout_ms, p.timeout_budget_share * slo.p99_latency_s * 1000)
+    step = max(1.0, p.timeout_step_share * slo.p99_latency_s * 1000)
+    # Rounded to whole microseconds so that reaching the cap ends the growth.
+    new_timeout = max(timeout, round(min(timeout_cap, timeout + step), 3))
     if (
         p99 < p.ample_headroom * slo.p99_latency_s
         and _underfilled(signals, batch, p)
         and not _queueing(signals, slo, p)
-        and timeout < timeout_cap
+        and new_timeout > timeout
     ):
-        step = max(1.0, p.timeout_step_share * slo.p99_latency_s * 1000)
-        new_timeout = round(min(timeout_cap, timeout + step), 3)
         return Decision(
             replace(current, batch_timeout_ms=new_timeout),
             "grow_timeout",

@@ -104,6 +104,18 @@ def test_breach_the_timeout_explains_halves_the_timeout() -> None:
     assert "timeout's doing" in decision.reason
 
 
+def test_timeout_growth_stops_at_its_share_of_the_slo() -> None:
+    slo = Slo(p99_latency_s=1.09)  # a cap (109 ms) that is not a round float
+    config, state = CURRENT, TunerState()
+    for _ in range(100):
+        decision = decide(ok(p99_latency_s=0.1, mean_batch_size=2.0), config, BOUNDS, slo, state)
+        if decision.action != "hold":
+            assert decision.config != config, decision  # an action always moves a knob
+        config, state = decision.config, decision.state
+    assert config.batch_timeout_ms == pytest.approx(P.timeout_budget_share * 1090)
+    assert decision.action == "hold"
+
+
 def test_breach_from_queueing_at_the_maximum_batch_holds_and_says_the_load_is_too_high() -> None:
     top = BatchingConfig(max_batch_size=BOUNDS.max_batch)
     decision = run(ok(p99_latency_s=0.9, queue_wait_p99_s=0.6, mean_batch_size=64.0), top)
@@ -264,6 +276,7 @@ def test_a_change_moves_one_knob_at_a_time_and_always_explains() -> None:
     for signals, config, bounds, state in CASES:
         decision = decide(signals, config, bounds, SLO, state)
         assert decision.reason
+        assert (decision.action == "hold") == (decision.config == config), decision
         if decision.action in ("grow_batch", "backoff_batch", "kv_guard"):
             assert decision.config.batch_timeout_ms == config.batch_timeout_ms
             assert decision.config.max_batch_size != config.max_batch_size
