@@ -86,6 +86,9 @@ async def test_timer_tunes_a_real_server_and_a_restart_resumes_from_status(
         admin_token=TOKEN,
     ) as server:
         await cluster.add_server_pod(ns, "llm", "llm-0", "127.0.0.1", server.port)
+        # A pod that is Ready but whose server is gone: it must be reported, not fatal.
+        dead_port = free_port()
+        await cluster.add_server_pod(ns, "llm", "llm-1", "127.0.0.1", dead_port)
         async with background_load(server.url), aiohttp.ClientSession() as session:
             with run_operator(cluster):
                 await cluster.create(kube.POLICIES, policy(ns))
@@ -108,8 +111,11 @@ async def test_timer_tunes_a_real_server_and_a_restart_resumes_from_status(
             stored = builders.parse_config_data(cm["data"])
             assert stored is not None
             assert in_force.max_batch_size == stored.max_batch_size == status["maxBatchSize"]
-            events = await cluster.events_for(ns, "llm")
-            assert any(e["reason"] == "Tuned" for e in events), events
+            events = {e["reason"]: e for e in await cluster.events_for(ns, "llm")}
+            assert "Tuned" in events, events
+            refused = events["PushRefused"]
+            assert refused["type"] == "Warning"
+            assert "llm-1: unreachable" in refused["message"]
 
             # A new operator starts from what is in force, not from `initial`.
             with run_operator(cluster):
