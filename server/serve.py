@@ -41,7 +41,7 @@ def parser() -> argparse.ArgumentParser:
         "--kv-cache-mb",
         type=float,
         help=f"KV cache size (default: {EngineOptions.kv_cache_mb:g} on CPU, "
-        f"{GPU_MEMORY_FRACTION:.0%} of free memory on a GPU)",
+        f"{GPU_MEMORY_FRACTION * 100:.0f}%% of free memory on a GPU)",
     )
     p.add_argument("--admin-token-file", type=Path, help="enables PUT /admin/batching")
     p.add_argument(
