@@ -62,3 +62,19 @@ def test_operator_runs_locked_down_with_probes_on_its_liveness_port(
     assert not security["allowPrivilegeEscalation"]
     assert pod["securityContext"]["runAsNonRoot"]
     assert deployment["spec"]["replicas"] == 1
+
+
+def test_operator_reads_signals_from_the_prometheus_the_base_ships(
+    rendered: list[dict[str, Any]],
+) -> None:
+    args = operator_object(rendered, "Deployment")["spec"]["template"]["spec"]["containers"][0][
+        "args"
+    ]
+    url = args[args.index("--prometheus-url") + 1]
+    services = [
+        d for d in rendered if d["kind"] == "Service" and "prometheus" in d["metadata"]["name"]
+    ]
+    (service,) = services
+    meta = service["metadata"]
+    port = service["spec"]["ports"][0]["port"]
+    assert url == f"http://{meta['name']}.{meta['namespace']}.svc:{port}"
