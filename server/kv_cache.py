@@ -9,6 +9,8 @@ a contiguous tensor per step.
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 from batchpilot_server.models import ModelSpec
 
@@ -25,8 +27,10 @@ class BlockPool:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # popped from the end: low ids first, so the used part of the pool stays compact
-        self._free = list(range(num_blocks - 1, -1, -1))
+        # a min-heap: the lowest free id goes first, so the blocks in use stay packed at
+        # the start of the pool even after a batch frees blocks all over it; decode
+        # attention scores every block below the highest in use (model_runner)
+        self._free = list(range(num_blocks))
         self._is_free = [True] * num_blocks
 
     @property
@@ -54,7 +58,7 @@ class BlockPool:
         if needed > len(self._free):
             return False
         for _ in range(needed):
-            block = self._free.pop()
+            block = heapq.heappop(self._free)
             self._is_free[block] = False
             table.append(block)
         return True
@@ -65,7 +69,7 @@ class BlockPool:
             if not 0 <= block < self.num_blocks or self._is_free[block]:
                 raise KVAccountingError(f"block {block} released but not allocated")
             self._is_free[block] = True
-            self._free.append(block)
+            heapq.heappush(self._free, block)
         table.clear()
 
 
