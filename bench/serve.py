@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,25 +28,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+from batchpilot_operator.prometheus_local import free_port
 from batchpilot_server.batching import MODES, BatchingConfig, Mode
 from batchpilot_server.engine_api import EngineOptions, NullObserver, SamplingParams
 from batchpilot_server.loadgen import LengthDist, LoadSpec, run_load
+from sections import replace_section
 
 if TYPE_CHECKING:
     from batchpilot_server.engine import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
-START_MARK, END_MARK = "<!-- serve:start -->", "<!-- serve:end -->"
 HOSTAGE_LENGTHS = (10, 50, 100, 200)
 BATCH = 32
 TARGET_RATIO = 0.8
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager
@@ -235,19 +229,6 @@ def tables(results: dict[str, Any], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def write_doc(text: str) -> None:
-    section = f"{START_MARK}\n## Serving (bench/serve.py)\n\n{text}\n{END_MARK}"
-    current = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    if START_MARK in current and END_MARK in current:
-        head, rest = current.split(START_MARK, 1)
-        tail = rest.split(END_MARK, 1)[1]
-        updated = f"{head}{section}{tail}"
-    else:
-        updated = f"{current.rstrip()}\n\n{section}\n"
-    DOC.parent.mkdir(exist_ok=True)
-    DOC.write_text(updated)
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=128, help="requests per throughput run")
@@ -269,7 +250,7 @@ def main(argv: list[str]) -> int:
     text = tables(results, args)
     print(text)
     if not args.no_doc:
-        write_doc(text)
+        replace_section(DOC, "serve", f"## Serving (bench/serve.py)\n\n{text}")
     ratio = results["batch_32"]["continuous"]["served_over_engine"]
     summary = {
         "benchmark": "serve",

@@ -51,11 +51,11 @@ from batchpilot_operator.tune_local import TuneOptions, tune_loop
 from batchpilot_operator.tuner import Bounds, Slo
 from batchpilot_server.batching import MODES, BatchingConfig, Mode
 from batchpilot_server.loadgen import LengthDist, LoadReport, LoadSpec, run_load
+from sections import replace_section
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 BENCHMARKS_MD = DOCS / "benchmarks.md"
-SECTION_START, SECTION_END = "<!-- tuner:start -->", "<!-- tuner:end -->"
 
 INTERVAL_S, WINDOW_S = 30.0, 60.0  # the CRD's defaults
 DURATION_S = 3600.0
@@ -344,19 +344,6 @@ def markdown(
     return "\n".join(lines)
 
 
-def write_section(text: str, path: Path = BENCHMARKS_MD) -> None:
-    """Replace (or append) our delimited section, touching nothing else in the file."""
-    block = f"{SECTION_START}\n{text}\n{SECTION_END}"
-    current = path.read_text() if path.exists() else "# Benchmarks\n"
-    if SECTION_START in current and SECTION_END in current:
-        head, _, rest = current.partition(SECTION_START)
-        _, _, tail = rest.partition(SECTION_END)
-        updated = head + block + tail
-    else:
-        updated = current.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(updated)
-
-
 def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ratios = [r["ratio_tuner"] for r in rows]
     shares = [r["within_slo"] for r in rows if r["within_slo"] is not None]
@@ -487,7 +474,7 @@ def main(argv: list[str]) -> int:
     real = None
     if not args.skip_real:
         real = run_real(args.real_seconds)
-    write_section(markdown(curve, setup, rows, real))
+    replace_section(BENCHMARKS_MD, "tuner", markdown(curve, setup, rows, real))
     summary = {
         "bench": "tuner",
         "slo_s": setup.slo_s,
