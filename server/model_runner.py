@@ -77,8 +77,11 @@ class PagedDecodeAttention:
         self.cache = cache
         self.span = span
         self.width = width
-        self.tables, self.row, self.column, self.out_row = (
-            torch.from_numpy(a).to(device) for a in (tables.reshape(-1), row, column, out_row)
+        # where each pool block's weights lie in the [batch * width] rows of the
+        # block-major weights: one index_select instead of a 2-d advanced index
+        weight_row = row * width + column
+        self.tables, self.row, self.weight_row, self.out_row = (
+            torch.from_numpy(a).to(device) for a in (tables.reshape(-1), row, weight_row, out_row)
         )
         self.bias = torch.from_numpy(
             np.where(keys >= lengths[:, None, None, None], -np.inf, 0.0)
@@ -101,7 +104,9 @@ class PagedDecodeAttention:
         per_seq = scores.index_select(0, self.tables).view(batch, self.width, heads, size)
         logits = torch.add(self.bias, per_seq.transpose(1, 2), alpha=head_dim**-0.5)
         weights = torch.softmax(logits.reshape(batch, heads, -1), -1)
-        by_block = weights.view(batch, heads, self.width, size)[self.row, :, self.column]
+        block_major = weights.view(batch, heads, self.width, size).transpose(1, 2)
+        rows = block_major.reshape(batch * self.width, heads, size)
+        by_block = rows.index_select(0, self.weight_row)
         mixed = torch.bmm(by_block.view(pieces, 1, size), values)
         out = q.new_zeros(batch + 1, heads, head_dim)
         out.index_add_(0, self.out_row, mixed.view(self.span, heads, head_dim))
