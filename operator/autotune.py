@@ -216,13 +216,10 @@ async def first_interval(
     tuner: PolicyTuner,
 ) -> float | None:
     """Read-only start: the policy's interval, and a scrape baseline where pods are scraped."""
-    policy = await client.get(kube.POLICIES, namespace, name)
-    if policy is None:
-        return None
-    try:
-        spec = parse_spec(policy.get("spec") or {})
-    except SpecError:
-        return RETRY_SECONDS
+    read = await read_policy(client, namespace, name)
+    if not isinstance(read, tuple):
+        return read
+    _, spec = read
     if spec.autotune.enabled and not prometheus_url_of(spec, memo):
         actuator = KubernetesActuator(client, session, namespace, name)
         urls = [url for _, url in await actuator.ready_pods()]
@@ -230,6 +227,20 @@ async def first_interval(
             tuner.scrape = ScrapeSource(urls, session)
             await tuner.scrape.scrape()
     return float(spec.autotune.interval_seconds)
+
+
+async def read_policy(
+    client: kube.Client, namespace: str, name: str
+) -> tuple[dict[str, Any], PolicySpec] | float | None:
+    """The policy and its spec, else what the loop does next: None when the policy is
+    gone, RETRY_SECONDS when its spec is invalid (reconcile reports that; look again later)."""
+    policy = await client.get(kube.POLICIES, namespace, name)
+    if policy is None:
+        return None
+    try:
+        return policy, parse_spec(policy.get("spec") or {})
+    except SpecError:
+        return RETRY_SECONDS
 
 
 def prometheus_url_of(spec: PolicySpec, memo: Mapping[str, Any]) -> str:
@@ -245,13 +256,10 @@ async def tune_once(
     tuner: PolicyTuner,
 ) -> float | None:
     """One round for one policy; returns the seconds until the next (None: policy deleted)."""
-    policy = await client.get(kube.POLICIES, namespace, name)
-    if policy is None:
-        return None
-    try:
-        spec = parse_spec(policy.get("spec") or {})
-    except SpecError:
-        return RETRY_SECONDS  # reconcile reports the invalid spec; look again later
+    read = await read_policy(client, namespace, name)
+    if not isinstance(read, tuple):
+        return read
+    policy, spec = read
     interval = float(spec.autotune.interval_seconds)
     if not spec.autotune.enabled:
         await write_status(client, policy, {}, [{
