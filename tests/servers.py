@@ -13,7 +13,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from batchpilot_operator.prometheus_local import free_port
 from batchpilot_server.app import build_app
 from batchpilot_server.batching import BatchingConfig
 from batchpilot_server.engine_api import EngineOptions
@@ -36,12 +36,6 @@ from prometheus_client.parser import text_string_to_metric_families
 START_DEADLINE_S = 60.0
 STOP_DEADLINE_S = 15.0
 STDERR_TAIL_LINES = 40
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

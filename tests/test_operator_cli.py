@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from batchpilot_operator import kube
 from batchpilot_operator.main import main
 
 from tests.k8s_emulator import run_cluster
+from tests.servers import free_port
+from tests.usage import refused_usage
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCHPILOT = Path(sys.executable).parent / "batchpilot"
@@ -37,10 +38,7 @@ DEADLINE_S = 30.0
 def test_bad_arguments_exit_2_with_a_clear_message(
     argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exited:
-        main(argv)
-    assert exited.value.code == 2
-    assert words in capsys.readouterr().err
+    assert words in refused_usage(main, argv, capsys)
 
 
 def test_the_operator_never_imports_torch() -> None:
@@ -53,12 +51,6 @@ def test_the_operator_never_imports_torch() -> None:
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, cwd="/")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_live(url: str, process: subprocess.Popen[str]) -> None:

@@ -23,9 +23,11 @@ from batchpilot_operator.policy_metrics import KV_HIGH_WATERMARK, SLO_P99_LATENC
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.k8s_emulator import Cluster, run_cluster, run_operator
-from tests.test_operator_cli import BATCHPILOT, DEADLINE_S, free_port
+from tests.servers import free_port
+from tests.test_operator_cli import BATCHPILOT, DEADLINE_S
 from tests.test_prometheus_rules import pod_group
 from tests.test_rbac import operator_object, render_manifests
+from tests.usage import refused_usage
 
 Series = dict[tuple[str, str, str], float]  # (metric, namespace, policy) -> value
 
@@ -155,10 +157,7 @@ def test_a_taken_metrics_port_stops_the_operator_with_the_reason() -> None:
 def test_bad_metrics_port_exits_2_with_a_clear_message(
     argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit) as exited:
-        main(argv)
-    assert exited.value.code == 2
-    assert words in capsys.readouterr().err
+    assert words in refused_usage(main, argv, capsys)
 
 
 def kept_by(job: dict[str, Any], meta: dict[str, str]) -> bool:

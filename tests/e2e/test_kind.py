@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
+from batchpilot_operator.prometheus_local import free_port
 
 KUBECONFIG = os.environ.get("BATCHPILOT_E2E_KUBECONFIG", "")
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,12 +66,6 @@ def policy() -> dict[str, Any]:
     spec["server"]["resources"] = {"requests": {"cpu": "500m", "memory": "512Mi"}}
     spec["autotune"].update({"intervalSeconds": 5, "windowSeconds": 10})
     return body
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager
