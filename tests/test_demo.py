@@ -72,9 +72,13 @@ class DemoRun:
             assert time.monotonic() < deadline, f"timed out; output:\n{self.output()}"
             time.sleep(0.2)
 
-    def wait(self) -> int:
-        self.watch_until(lambda: False, EXIT_DEADLINE_S + 300)
-        return self.proc.wait()
+    def run_to_exit(self) -> int:
+        """The demo's exit code once it ends by itself; anything it left running is killed."""
+        try:
+            self.watch_until(lambda: False, EXIT_DEADLINE_S + 300)
+            return self.proc.wait()
+        finally:
+            self.kill_leftovers()
 
     def kill_leftovers(self) -> None:
         for pid in [self.proc.pid, *self.children]:
@@ -100,10 +104,7 @@ def assert_plot(path: Path) -> None:
 
 def test_short_demo_writes_plot_and_summary(tmp_path: Path) -> None:
     run = DemoRun(tmp_path, "--duration", "20", "--interval", "4")
-    try:
-        code = run.wait()
-    finally:
-        run.kill_leftovers()
+    code = run.run_to_exit()
     output = run.output()
     assert code == 0, output
     # not a terminal: one plain line per tuner interval, then the summary
@@ -162,10 +163,7 @@ def test_sigint_while_starting_stops_the_servers(tmp_path: Path) -> None:
 
 def test_broken_prometheus_is_reported_and_servers_stopped(tmp_path: Path) -> None:
     run = DemoRun(tmp_path, "--duration", "60", env={"PROMETHEUS_BIN": "/bin/false"})
-    try:
-        code = run.wait()
-    finally:
-        run.kill_leftovers()
+    code = run.run_to_exit()
     output = run.output()
     assert code == 1, output
     assert "batchpilot demo: prometheus exited during start" in output
