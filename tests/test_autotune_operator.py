@@ -16,6 +16,7 @@ from batchpilot_operator.actuators import get_batching
 from batchpilot_server.loadgen import LengthDist, LoadSpec, run_load
 
 from tests.k8s_emulator import Cluster, condition, run_cluster, run_operator
+from tests.policies import policy_object
 from tests.servers import free_port, spawn_server
 
 TOKEN = "autotune-test-token"
@@ -30,22 +31,17 @@ def cluster() -> Iterator[Cluster]:
 
 
 def policy(namespace: str, name: str = "llm", **autotune: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "batchpilot.io/v1alpha1",
-        "kind": "BatchingPolicy",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "replicas": 1,
-            "server": {"image": "batchpilot:test"},
-            "batching": {
-                "mode": "continuous",
-                "maxBatchSize": {"initial": 1, "min": 1, "max": 32},
-                "batchTimeoutMs": {"initial": 0, "min": 0, "max": 50},
-            },
-            "slo": {"p99LatencyMs": 30000},
-            "autotune": {"intervalSeconds": INTERVAL_S, "windowSeconds": 10, **autotune},
+    return policy_object(name, namespace, {
+        "replicas": 1,
+        "server": {"image": "batchpilot:test"},
+        "batching": {
+            "mode": "continuous",
+            "maxBatchSize": {"initial": 1, "min": 1, "max": 32},
+            "batchTimeoutMs": {"initial": 0, "min": 0, "max": 50},
         },
-    }
+        "slo": {"p99LatencyMs": 30000},
+        "autotune": {"intervalSeconds": INTERVAL_S, "windowSeconds": 10, **autotune},
+    })
 
 
 async def admin_secret(cluster: Cluster, namespace: str, name: str = "llm") -> None:

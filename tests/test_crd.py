@@ -15,6 +15,8 @@ import pytest
 import yaml
 from batchpilot_operator.spec import SpecError, parse_spec
 
+from tests.policies import policy_object
+
 ROOT = Path(__file__).resolve().parent.parent
 CRD = yaml.safe_load((ROOT / "crds" / "batchingpolicy.yaml").read_text())
 (VERSION,) = CRD["spec"]["versions"]
@@ -111,12 +113,7 @@ def test_crd_defaults_are_the_operators_defaults() -> None:
 
 
 def policy(**spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "batchpilot.io/v1alpha1",
-        "kind": "BatchingPolicy",
-        "metadata": {"name": "p", "namespace": "default"},
-        "spec": spec,
-    }
+    return policy_object("p", "default", spec)
 
 
 INVALID = [

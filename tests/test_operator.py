@@ -14,6 +14,7 @@ from batchpilot_operator.spec import parse_spec
 from batchpilot_server.batching import BatchingConfig
 
 from tests.k8s_emulator import Cluster, condition, run_cluster, run_operator
+from tests.policies import policy_object
 from tests.test_rbac import granted_by_cluster_role
 
 OWNED = (
@@ -31,12 +32,9 @@ def cluster() -> Iterator[Cluster]:
 
 
 def policy(namespace: str, name: str = "llm", **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "batchpilot.io/v1alpha1",
-        "kind": "BatchingPolicy",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {"replicas": 2, "server": {"image": "batchpilot:test"}, **spec},
-    }
+    return policy_object(
+        name, namespace, {"replicas": 2, "server": {"image": "batchpilot:test"}, **spec}
+    )
 
 
 async def owned_objects(cluster: Cluster, namespace: str, name: str) -> dict[str, dict[str, Any]]:

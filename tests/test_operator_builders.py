@@ -10,14 +10,11 @@ from batchpilot_operator.reconcile import is_subset, set_conditions
 from batchpilot_operator.spec import parse_spec
 from batchpilot_server.batching import FIELDS, BatchingConfig
 
+from tests.policies import policy_object
+
 
 def policy(**spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "batchpilot.io/v1alpha1",
-        "kind": "BatchingPolicy",
-        "metadata": {"name": "llm", "namespace": "team", "uid": "u-1"},
-        "spec": spec,
-    }
+    return policy_object("llm", "team", spec, uid="u-1")
 
 
 def pod_template(**spec: Any) -> dict[str, Any]:

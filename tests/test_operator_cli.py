@@ -17,6 +17,7 @@ from batchpilot_operator import kube
 from batchpilot_operator.main import main
 
 from tests.k8s_emulator import run_cluster
+from tests.policies import policy_object
 from tests.servers import free_port
 from tests.usage import refused_usage
 
@@ -82,10 +83,7 @@ async def test_operator_command_serves_liveness_reconciles_and_stops_on_sigterm(
         try:
             wait_live(f"http://127.0.0.1:{port}/healthz", process)
             wait_live(f"http://127.0.0.1:{metrics_port}/metrics", process)
-            await cluster.create(kube.POLICIES, {
-                "apiVersion": "batchpilot.io/v1alpha1", "kind": "BatchingPolicy",
-                "metadata": {"name": "cli", "namespace": "team"}, "spec": {},
-            })
+            await cluster.create(kube.POLICIES, policy_object("cli", "team", {}))
             await cluster.wait_for(kube.DEPLOYMENTS, "team", "cli", timeout=DEADLINE_S)
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=DEADLINE_S) == 0

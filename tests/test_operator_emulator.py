@@ -9,6 +9,7 @@ import pytest
 from batchpilot_operator import kube
 
 from tests.k8s_emulator import Cluster, run_cluster
+from tests.policies import policy_object
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +33,7 @@ async def test_created_objects_get_identity_and_versions(cluster: Cluster) -> No
 
 
 async def test_spec_patches_bump_generation_status_patches_do_not(cluster: Cluster) -> None:
-    body = {"apiVersion": "batchpilot.io/v1alpha1", "kind": "BatchingPolicy",
-            "metadata": {"name": "g", "namespace": "emu"}, "spec": {"replicas": 1}}
-    await cluster.create(kube.POLICIES, body)
+    await cluster.create(kube.POLICIES, policy_object("g", "emu", {"replicas": 1}))
     await cluster.patch(kube.POLICIES, "emu", "g", {"status": {"readyReplicas": 1}}, "status")
     after_status = await cluster.get(kube.POLICIES, "emu", "g")
     assert after_status is not None and after_status["metadata"]["generation"] == 1

@@ -23,6 +23,7 @@ from batchpilot_operator.policy_metrics import KV_HIGH_WATERMARK, SLO_P99_LATENC
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.k8s_emulator import Cluster, run_cluster, run_operator
+from tests.policies import policy_object
 from tests.servers import free_port
 from tests.test_operator_cli import BATCHPILOT, DEADLINE_S
 from tests.test_prometheus_rules import pod_group
@@ -44,18 +45,13 @@ def cluster(metrics_port: int) -> Iterator[Cluster]:
 
 
 def policy(namespace: str, slo_ms: float, watermark: float, **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "batchpilot.io/v1alpha1",
-        "kind": "BatchingPolicy",
-        "metadata": {"name": "llm", "namespace": namespace},
-        "spec": {
-            "replicas": 1,
-            "slo": {"p99LatencyMs": slo_ms},
-            # No tuning loop: these tests only watch the published targets.
-            "autotune": {"enabled": False, "kvHighWatermark": watermark},
-            **spec,
-        },
-    }
+    return policy_object("llm", namespace, {
+        "replicas": 1,
+        "slo": {"p99LatencyMs": slo_ms},
+        # No tuning loop: these tests only watch the published targets.
+        "autotune": {"enabled": False, "kvHighWatermark": watermark},
+        **spec,
+    })
 
 
 async def scrape(port: int) -> Series:
