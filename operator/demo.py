@@ -86,8 +86,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-p99-ms", type=float, default=1000.0, help="p99 latency SLO (ms)")
     p.add_argument("--out", type=Path, default=Path("docs/demo.png"), help="plot to write")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between tuner decisions")
-    p.add_argument("--rate", type=float, default=4.0, help="requests/s before the load step")
-    p.add_argument("--step-factor", type=float, default=4.0, help="load multiplier at the step")
+    p.add_argument("--rate", type=float, default=8.0, help="requests/s before the load step")
+    p.add_argument("--step-factor", type=float, default=6.0, help="load multiplier at the step")
     p.add_argument(
         "--no-prometheus",
         action="store_true",
