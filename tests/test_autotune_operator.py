@@ -17,6 +17,7 @@ from batchpilot_server.loadgen import LengthDist, LoadSpec, run_load
 
 from tests.k8s_emulator import Cluster, condition, run_cluster, run_operator
 from tests.policies import policy_object
+from tests.prometheus import requires_prometheus, run_prometheus
 from tests.servers import free_port, spawn_server
 
 TOKEN = "autotune-test-token"
@@ -172,3 +173,38 @@ async def test_unreachable_prometheus_sets_metrics_available_false_and_holds(
     assert status["lastDecision"]["action"] == "hold"
     assert status["maxBatchSize"] == 1
     assert condition(current, "SLOMet")["status"] == "Unknown"  # type: ignore[index]
+
+
+@requires_prometheus
+async def test_prometheus_outage_holds_with_metrics_unavailable_and_recovers(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    ns = "outage"
+    await admin_secret(cluster, ns)
+    with spawn_server(
+        tmp_path=tmp_path, max_batch_size=1, batch_timeout_ms=0, max_queue_size=4096,
+        admin_token=TOKEN,
+    ) as server, run_prometheus(
+        tmp_path, [f"127.0.0.1:{server.port}"], labels={"namespace": ns, "policy": "llm"}
+    ) as prometheus:
+        prometheus.wait_for_targets_up()
+        await cluster.add_server_pod(ns, "llm", "llm-0", "127.0.0.1", server.port)
+        async with background_load(server.url):
+            with run_operator(cluster):
+                await cluster.create(kube.POLICIES, policy(ns, prometheusUrl=prometheus.url))
+                await cluster.wait_for_condition(
+                    ns, "llm", "MetricsAvailable", "True", "MetricsRead", TUNE_DEADLINE_S
+                )
+                prometheus.stop()
+                down = await cluster.wait_for_condition(
+                    ns, "llm", "MetricsAvailable", "False", "MetricsUnavailable",
+                    TUNE_DEADLINE_S,
+                )
+                during = await cluster.get(kube.POLICIES, ns, "llm")
+                prometheus.start()
+                await cluster.wait_for_condition(
+                    ns, "llm", "MetricsAvailable", "True", "MetricsRead", TUNE_DEADLINE_S
+                )
+    assert f"Prometheus at {prometheus.url} is unreachable" in down["message"]
+    assert during is not None
+    assert during["status"]["lastDecision"]["action"] == "hold"
