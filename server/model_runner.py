@@ -141,8 +141,6 @@ class ModelRunner:
             torch.tensor(ids, device=device), positions.expand(len(seqs), width), attention
         )
         last = hidden[torch.arange(len(seqs), device=device), length_t - 1]
-        for seq in seqs:
-            seq.num_cached = seq.num_tokens
         return self.model.logits(last)
 
     @torch.inference_mode()
@@ -153,6 +151,4 @@ class ModelRunner:
         ids = torch.tensor([[seq.token_ids[-1]] for seq in seqs], device=device)
         positions = torch.tensor([[seq.num_tokens - 1] for seq in seqs], device=device)
         hidden = self.model.hidden(ids, positions, attention)
-        for seq in seqs:
-            seq.num_cached = seq.num_tokens
         return self.model.logits(hidden[:, 0])

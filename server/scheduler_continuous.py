@@ -70,7 +70,6 @@ class ContinuousScheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.pool.release(seq.block_table)
-        seq.num_cached = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)  # victims go newest first: the oldest ends up in front
 

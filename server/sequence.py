@@ -28,12 +28,10 @@ class Sequence:
     generator: torch.Generator | None  # None: greedy
     token_ids: list[int] = field(init=False)
     block_table: list[int] = field(default_factory=list)
-    num_cached: int = 0  # tokens whose K/V sit in the cache
     status: Status = Status.WAITING
     first_scheduled: float | None = None
     finish_reason: FinishReason | None = None
     finished_at: float | None = None
-    cancelled: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
