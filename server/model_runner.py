@@ -21,7 +21,9 @@ class PagedPrefillAttention:
         self.cache = cache
         self.blocks = blocks
         self.offsets = offsets
-        self.valid = valid
+        # flat [batch * tokens] positions of the real tokens, found once per step: a
+        # boolean index on k and v would search the mask again in every layer
+        self.stored = valid.reshape(-1).nonzero().squeeze(1)
         tokens = valid.shape[1]
         causal = torch.ones(tokens, tokens, dtype=torch.bool, device=valid.device).tril()
         # ragged rows also mask the padding keys; equal rows take the fast causal path
@@ -30,7 +32,9 @@ class PagedPrefillAttention:
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        self.cache.write(layer, self.blocks, self.offsets, k[self.valid], v[self.valid])
+        k_stored = k.flatten(0, 1).index_select(0, self.stored)
+        v_stored = v.flatten(0, 1).index_select(0, self.stored)
+        self.cache.write(layer, self.blocks, self.offsets, k_stored, v_stored)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
