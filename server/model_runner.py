@@ -130,15 +130,19 @@ class ModelRunner:
         lengths = [seq.num_tokens for seq in seqs]
         width = max(lengths)
         ids = [seq.token_ids + [0] * (width - seq.num_tokens) for seq in seqs]
-        blocks = [seq.block_table[pos // size] for seq in seqs for pos in range(seq.num_tokens)]
-        offsets = [pos % size for seq in seqs for pos in range(seq.num_tokens)]
+        # numpy per sequence, not a Python loop per prompt token
+        slots = [np.arange(seq.num_tokens) for seq in seqs]
+        blocks = np.concatenate(
+            [np.asarray(seq.block_table)[pos // size] for seq, pos in zip(seqs, slots, strict=True)]
+        )
+        offsets = np.concatenate(slots) % size
         device = self.device
         length_t = torch.tensor(lengths, device=device)
         positions = torch.arange(width, device=device)
         attention = PagedPrefillAttention(
             self.cache,
-            torch.tensor(blocks, device=device),
-            torch.tensor(offsets, device=device),
+            torch.from_numpy(blocks).to(device),
+            torch.from_numpy(offsets).to(device),
             positions[None, :] < length_t[:, None],
         )
         hidden = self.model.hidden(
