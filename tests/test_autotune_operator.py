@@ -18,7 +18,7 @@ from batchpilot_server.loadgen import LengthDist, LoadSpec, run_load
 from tests.k8s_emulator import Cluster, condition, run_cluster, run_operator
 from tests.policies import policy_object
 from tests.prometheus import requires_prometheus, run_prometheus
-from tests.servers import free_port, spawn_server
+from tests.servers import ServerProcess, free_port, spawn_server
 
 TOKEN = "autotune-test-token"
 INTERVAL_S = 5  # the CRD's minimum
@@ -69,6 +69,20 @@ async def background_load(url: str) -> AsyncIterator[None]:
         await asyncio.gather(task, return_exceptions=True)
 
 
+@contextlib.asynccontextmanager
+async def server_pod(
+    cluster: Cluster, tmp_path: Path, namespace: str
+) -> AsyncIterator[ServerProcess]:
+    """A real server at batch 1, timeout 0, sharing the policy's admin token, as pod llm-0."""
+    await admin_secret(cluster, namespace)
+    with spawn_server(
+        tmp_path=tmp_path, max_batch_size=1, batch_timeout_ms=0, max_queue_size=4096,
+        admin_token=TOKEN,
+    ) as server:
+        await cluster.add_server_pod(namespace, "llm", "llm-0", "127.0.0.1", server.port)
+        yield server
+
+
 def tuned(policy_obj: dict[str, Any]) -> bool:
     return bool((policy_obj.get("status") or {}).get("history"))
 
@@ -77,12 +91,7 @@ async def test_timer_tunes_a_real_server_and_a_restart_resumes_from_status(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     ns = "autotune"
-    await admin_secret(cluster, ns)
-    with spawn_server(
-        tmp_path=tmp_path, max_batch_size=1, batch_timeout_ms=0, max_queue_size=4096,
-        admin_token=TOKEN,
-    ) as server:
-        await cluster.add_server_pod(ns, "llm", "llm-0", "127.0.0.1", server.port)
+    async with server_pod(cluster, tmp_path, ns) as server:
         # A pod that is Ready but whose server is gone: it must be reported, not fatal.
         dead_port = free_port()
         await cluster.add_server_pod(ns, "llm", "llm-1", "127.0.0.1", dead_port)
@@ -131,29 +140,28 @@ async def test_timer_tunes_a_real_server_and_a_restart_resumes_from_status(
 
 async def test_disabled_autotune_changes_nothing(cluster: Cluster, tmp_path: Path) -> None:
     ns = "disabled"
-    await admin_secret(cluster, ns)
-    with spawn_server(
-        tmp_path=tmp_path, max_batch_size=1, batch_timeout_ms=0, admin_token=TOKEN
-    ) as server:
-        await cluster.add_server_pod(ns, "llm", "llm-0", "127.0.0.1", server.port)
-        async with background_load(server.url), aiohttp.ClientSession() as session:
-            with run_operator(cluster):
-                await cluster.create(kube.POLICIES, policy(ns, enabled=False))
-                found = await cluster.wait_for_condition(
-                    ns, "llm", "Tuning", "False", "Disabled", TUNE_DEADLINE_S
-                )
-                assert "enabled is false" in found["message"]
-                # A round ran under a load that makes an enabled tuner grow the batch
-                # at its first round (the test above): here nothing moved.
-                current = await cluster.get(kube.POLICIES, ns, "llm")
-            assert current is not None
-            assert not (current.get("status") or {}).get("history")
-            assert (current.get("status") or {}).get("lastDecision") is None
-            assert (await get_batching(session, server.url)).max_batch_size == 1
-            cm = await cluster.get(kube.CONFIGMAPS, ns, builders.config_map_name("llm"))
-            assert cm is not None
-            stored = builders.parse_config_data(cm["data"])
-            assert stored is not None and stored.max_batch_size == 1
+    async with (
+        server_pod(cluster, tmp_path, ns) as server,
+        background_load(server.url),
+        aiohttp.ClientSession() as session,
+    ):
+        with run_operator(cluster):
+            await cluster.create(kube.POLICIES, policy(ns, enabled=False))
+            found = await cluster.wait_for_condition(
+                ns, "llm", "Tuning", "False", "Disabled", TUNE_DEADLINE_S
+            )
+            assert "enabled is false" in found["message"]
+            # A round ran under a load that makes an enabled tuner grow the batch
+            # at its first round (the test above): here nothing moved.
+            current = await cluster.get(kube.POLICIES, ns, "llm")
+        assert current is not None
+        assert not (current.get("status") or {}).get("history")
+        assert (current.get("status") or {}).get("lastDecision") is None
+        assert (await get_batching(session, server.url)).max_batch_size == 1
+        cm = await cluster.get(kube.CONFIGMAPS, ns, builders.config_map_name("llm"))
+        assert cm is not None
+        stored = builders.parse_config_data(cm["data"])
+        assert stored is not None and stored.max_batch_size == 1
 
 
 async def test_unreachable_prometheus_sets_metrics_available_false_and_holds(
@@ -180,31 +188,27 @@ async def test_prometheus_outage_holds_with_metrics_unavailable_and_recovers(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     ns = "outage"
-    await admin_secret(cluster, ns)
-    with spawn_server(
-        tmp_path=tmp_path, max_batch_size=1, batch_timeout_ms=0, max_queue_size=4096,
-        admin_token=TOKEN,
-    ) as server, run_prometheus(
-        tmp_path, [f"127.0.0.1:{server.port}"], labels={"namespace": ns, "policy": "llm"}
-    ) as prometheus:
-        prometheus.wait_for_targets_up()
-        await cluster.add_server_pod(ns, "llm", "llm-0", "127.0.0.1", server.port)
-        async with background_load(server.url):
-            with run_operator(cluster):
-                await cluster.create(kube.POLICIES, policy(ns, prometheusUrl=prometheus.url))
-                await cluster.wait_for_condition(
-                    ns, "llm", "MetricsAvailable", "True", "MetricsRead", TUNE_DEADLINE_S
-                )
-                prometheus.stop()
-                down = await cluster.wait_for_condition(
-                    ns, "llm", "MetricsAvailable", "False", "MetricsUnavailable",
-                    TUNE_DEADLINE_S,
-                )
-                during = await cluster.get(kube.POLICIES, ns, "llm")
-                prometheus.start()
-                await cluster.wait_for_condition(
-                    ns, "llm", "MetricsAvailable", "True", "MetricsRead", TUNE_DEADLINE_S
-                )
+    async with server_pod(cluster, tmp_path, ns) as server:
+        with run_prometheus(
+            tmp_path, [f"127.0.0.1:{server.port}"], labels={"namespace": ns, "policy": "llm"}
+        ) as prometheus:
+            prometheus.wait_for_targets_up()
+            async with background_load(server.url):
+                with run_operator(cluster):
+                    await cluster.create(kube.POLICIES, policy(ns, prometheusUrl=prometheus.url))
+                    await cluster.wait_for_condition(
+                        ns, "llm", "MetricsAvailable", "True", "MetricsRead", TUNE_DEADLINE_S
+                    )
+                    prometheus.stop()
+                    down = await cluster.wait_for_condition(
+                        ns, "llm", "MetricsAvailable", "False", "MetricsUnavailable",
+                        TUNE_DEADLINE_S,
+                    )
+                    during = await cluster.get(kube.POLICIES, ns, "llm")
+                    prometheus.start()
+                    await cluster.wait_for_condition(
+                        ns, "llm", "MetricsAvailable", "True", "MetricsRead", TUNE_DEADLINE_S
+                    )
     assert f"Prometheus at {prometheus.url} is unreachable" in down["message"]
     assert during is not None
     assert during["status"]["lastDecision"]["action"] == "hold"
