@@ -282,6 +282,9 @@ class Generation:
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self._matcher = StopMatcher(parsed.stop)
+        # Decodes each new token once, instead of the whole completion per token.
+        self._decoder = state.engine.tokenizer.incremental_decoder()
+        self._decoded = ""
         self._last_token_at = arrival
         self._stream = self._submit()
         state.metrics.prompt_tokens.inc(len(parsed.prompt_ids))
@@ -365,11 +368,13 @@ class Generation:
         self._last_token_at = now
         self.token_ids.append(event.token_id)
         metrics.generation_tokens.inc()
-        delta = self._matcher.feed(self.state.engine.tokenizer.decode(self.token_ids))
+        final = event.finish_reason is not None
+        self._decoded += self._decoder.decode([event.token_id], final=final)
+        delta = self._matcher.feed(self._decoded)
         if self._matcher.stopped:
             self.finish_reason = "stop"
             self._stream.cancel()
-        elif event.finish_reason is not None:
+        elif final:
             self.finish_reason = event.finish_reason
             delta += self._matcher.flush()
         return delta

@@ -36,11 +36,15 @@ ALLOWED_FIELDS = frozenset(
 )
 
 
+class IncrementalDecoder(Protocol):
+    def decode(self, ids: list[int], final: bool = False) -> str: ...
+
+
 class Tokenizer(Protocol):
     vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
+    def incremental_decoder(self) -> IncrementalDecoder: ...
 
 
 @dataclass(frozen=True)
