@@ -150,9 +150,6 @@ class Decision:
     reason: str
     state: TunerState = field(default_factory=TunerState)
 
-    def changed(self, current: BatchingConfig) -> bool:
-        return self.config != current
-
 
 def decide(
     signals: Signals,
