@@ -279,7 +279,7 @@ class Generation:
         self.arrival = arrival
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.token_ids: list[int] = []
+        self.completion_tokens = 0
         self.finish_reason: str | None = None
         self._matcher = StopMatcher(parsed.stop)
         # Decodes each new token once, instead of the whole completion per token.
@@ -327,11 +327,10 @@ class Generation:
         return self._matcher.text
 
     def usage(self) -> dict[str, int]:
-        completion = len(self.token_ids)
         return {
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
 
     async def next_delta(self) -> str | None:
@@ -361,12 +360,12 @@ class Generation:
     def _record(self, event: TokenEvent) -> str:
         now = time.monotonic()
         metrics = self.state.metrics
-        if self.token_ids:
+        if self.completion_tokens:
             metrics.inter_token.observe(now - self._last_token_at)
         else:
             metrics.ttft.observe(now - self.arrival)
         self._last_token_at = now
-        self.token_ids.append(event.token_id)
+        self.completion_tokens += 1
         metrics.generation_tokens.inc()
         final = event.finish_reason is not None
         self._decoded += self._decoder.decode([event.token_id], final=final)
