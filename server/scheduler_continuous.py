@@ -12,7 +12,7 @@ from collections import deque
 
 from batchpilot_server.batching import BatchingConfig
 from batchpilot_server.kv_cache import BlockPool
-from batchpilot_server.scheduling import StepPlan
+from batchpilot_server.scheduling import StepPlan, timeout_at
 from batchpilot_server.sequence import Sequence, Status
 
 
@@ -47,10 +47,7 @@ class ContinuousScheduler:
         return plan if plan.size else None
 
     def _due(self, now: float, config: BatchingConfig) -> bool:
-        return (
-            len(self.waiting) >= config.max_batch_size
-            or now >= self.waiting[0].arrival + config.batch_timeout_s
-        )
+        return len(self.waiting) >= config.max_batch_size or now >= timeout_at(self.waiting, config)
 
     def _make_room_for_decode(self) -> list[Sequence]:
         """Grow each running sequence by the token it decodes next, oldest first,
@@ -77,7 +74,7 @@ class ContinuousScheduler:
         """When an idle engine stops waiting for more arrivals (None: nothing waits)."""
         if self.running or not self.waiting:
             return None
-        return self.waiting[0].arrival + config.batch_timeout_s
+        return timeout_at(self.waiting, config)
 
     def finish(self, finished: list[Sequence]) -> list[Sequence]:
         """Finished sequences leave at once and their blocks return to the pool."""

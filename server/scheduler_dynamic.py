@@ -11,7 +11,7 @@ from collections import deque
 
 from batchpilot_server.batching import BatchingConfig
 from batchpilot_server.kv_cache import BlockPool
-from batchpilot_server.scheduling import StepPlan
+from batchpilot_server.scheduling import StepPlan, timeout_at
 from batchpilot_server.sequence import Sequence, Status
 
 
@@ -49,7 +49,7 @@ class DynamicScheduler:
         return (
             self.cut_off > 0
             or len(self.waiting) >= config.max_batch_size
-            or now >= self.waiting[0].arrival + config.batch_timeout_s
+            or now >= timeout_at(self.waiting, config)
         )
 
     def wake_at(self, config: BatchingConfig) -> float | None:
@@ -58,7 +58,7 @@ class DynamicScheduler:
             return None
         if self.cut_off:
             return 0.0
-        return self.waiting[0].arrival + config.batch_timeout_s
+        return timeout_at(self.waiting, config)
 
     def finish(self, finished: list[Sequence]) -> list[Sequence]:
         """Members whose responses may complete now: all of them once the batch is done."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,6 +20,11 @@ class StepPlan:
     @property
     def size(self) -> int:
         return len(self.prefill) + len(self.decode)
+
+
+def timeout_at(waiting: deque[Sequence], config: BatchingConfig) -> float:
+    """When the oldest waiting request has waited `batch_timeout_ms` (both policies fire then)."""
+    return waiting[0].arrival + config.batch_timeout_s
 
 
 class Scheduler(Protocol):
