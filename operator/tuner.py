@@ -250,7 +250,7 @@ def _kv_guard(
     batch = current.max_batch_size
     if batch <= bounds.min_batch:
         return Decision(current, "hold", f"{cause} at the minimum batch {batch}", state)
-    new_batch = max(bounds.min_batch, min(batch - 1, math.floor(batch * p.kv_cut_factor)))
+    new_batch = _cut_batch(batch, p.kv_cut_factor, bounds)
     return Decision(
         replace(current, max_batch_size=new_batch),
         "kv_guard",
@@ -285,7 +285,7 @@ def _on_breach(
             )
         # Running alone takes too long: a smaller batch makes every step shorter.
         if batch > bounds.min_batch:
-            new_batch = max(bounds.min_batch, min(batch - 1, math.floor(batch * p.backoff_factor)))
+            new_batch = _cut_batch(batch, p.backoff_factor, bounds)
             return Decision(
                 replace(current, max_batch_size=new_batch),
                 "backoff_batch",
@@ -386,6 +386,11 @@ def _full(signals: Signals, batch: int, p: TunerParams) -> bool:
 def _queueing(signals: Signals, slo: Slo, p: TunerParams) -> bool:
     queue_wait = signals.queue_wait_p99_s or 0.0
     return queue_wait >= p.queueing_share * slo.p99_latency_s
+
+
+def _cut_batch(batch: int, factor: float, bounds: Bounds) -> int:
+    # At least one smaller, so a factor that rounds back to `batch` still moves.
+    return max(bounds.min_batch, min(batch - 1, math.floor(batch * factor)))
 
 
 def _cut_timeout(timeout: float, bounds: Bounds, p: TunerParams) -> float:
