@@ -31,7 +31,7 @@ from batchpilot_operator import builders, kube
 from batchpilot_operator.actuators import ActuationReport, KubernetesActuator
 from batchpilot_operator.handlers import client_of
 from batchpilot_operator.reconcile import now_iso, read_config, write_status
-from batchpilot_operator.signals import Signals
+from batchpilot_operator.signals import Signals, no_data
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_policy
 from batchpilot_operator.signals_scrape import ScrapeSource
 from batchpilot_operator.spec import PolicySpec, SpecError, parse_spec
@@ -304,14 +304,11 @@ async def read_signals(
         return await PrometheusSource(prometheus_url, selector, session).read(window_s)
     urls = [url for _, url in await actuator.ready_pods()]
     if not urls:
-        return Signals(status="no_data", window_s=window_s, detail="no ready pod to scrape")
+        return no_data("no ready pod to scrape", window_s)
     if tuner.scrape is None:
         tuner.scrape = ScrapeSource(urls, session)
         await tuner.scrape.scrape()
-        return Signals(
-            status="no_data", window_s=window_s,
-            detail="first scrape of the pods: the next round opens the window",
-        )
+        return no_data("first scrape of the pods: the next round opens the window", window_s)
     tuner.scrape.urls = urls  # pods come and go; deltas only count pods seen at both ends
     return await tuner.scrape.read(window_s)
 
