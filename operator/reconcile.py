@@ -110,10 +110,8 @@ async def _ensure_config_map(
     client: Client, policy: Mapping[str, Any], spec: PolicySpec, outcome: Outcome
 ) -> BatchingConfig:
     """The config in force, kept inside the spec's bounds (tuned values survive otherwise)."""
-    name = builders.config_map_name(policy["metadata"]["name"])
-    namespace = policy["metadata"]["namespace"]
-    actual = await client.get(CONFIGMAPS, namespace, name)
-    in_force = builders.parse_config_data((actual or {}).get("data"))
+    metadata = policy["metadata"]
+    in_force = await read_config(client, metadata["namespace"], metadata["name"])
     config = spec.clamp(in_force) if in_force is not None else spec.initial_config()
     await _ensure(client, CONFIGMAPS, builders.build_config_map(policy, config), outcome)
     if in_force is not None and config != in_force:
