@@ -118,7 +118,7 @@ SINCE_CHANGE_CAP = 1000
 
 @dataclass(frozen=True)
 class TunerState:
-    """What the tuner remembers between intervals; round-trips through status."""
+    """What the tuner remembers between intervals, kept in memory by each tuning loop."""
 
     cooldown: int = 0
     # Intervals decided since the last change; a fresh tuner has made none, so its
