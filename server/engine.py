@@ -150,6 +150,11 @@ class Engine:
     def config(self) -> BatchingConfig:
         return self._config
 
+    @property
+    def attention(self) -> str | None:
+        """The decode attention in use (native or torch); None before `start`."""
+        return self._runner.attention if self._runner else None
+
     def stats(self) -> EngineStats:
         with self._cond:
             pool = self._cache.pool if self._cache else None
@@ -171,6 +176,13 @@ class Engine:
         if self._options.threads is not None:
             torch.set_num_threads(self._options.threads)
         self._cache, self._runner = await asyncio.to_thread(self._build)
+        log.info(
+            "engine ready: %s on %s, %d KV blocks, %s decode attention",
+            self._spec.name,
+            self._device,
+            self._cache.pool.num_blocks,
+            self._runner.attention,
+        )
         pool, waiting = self._cache.pool, self._waiting
         self._scheduler = (
             DynamicScheduler(pool, waiting)
@@ -189,7 +201,7 @@ class Engine:
             free, _ = torch.cuda.mem_get_info()
             budget = free * options.gpu_memory_fraction
         cache = KVCache.sized(self._spec, budget, options.block_size, self._device)
-        return cache, ModelRunner(model, cache)
+        return cache, ModelRunner(model, cache, options.attention)
 
     async def shutdown(self, drain: bool = False) -> None:
         """Stop; see the module docstring for what happens to admitted requests."""

@@ -26,6 +26,10 @@ from typing import Literal, Protocol
 from batchpilot_server.batching import BatchingConfig, Mode
 
 FinishReason = Literal["stop", "length"]
+# decode attention: native (the C kernel, CPU float32), torch, or auto (native
+# where it applies and builds, else torch); see model_runner
+AttentionBackend = Literal["auto", "native", "torch"]
+ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = ("auto", "native", "torch")
 
 
 class EngineError(Exception):
@@ -89,6 +93,7 @@ class EngineOptions:
     seed: int = 0  # model weights
     block_size: int = 16  # tokens per KV block
     prefill_token_budget: int = 2048  # continuous: prompt tokens admitted per step
+    attention: AttentionBackend = "auto"
     # CUDA only: size the KV pool as this fraction of free device memory
     # instead of kv_cache_mb (None: kv_cache_mb on every device)
     gpu_memory_fraction: float | None = None

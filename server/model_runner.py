@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import ctypes
+import logging
 from itertools import chain
+from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from batchpilot_server.engine_api import ATTENTION_BACKENDS, AttentionBackend
 from batchpilot_server.kv_cache import KVCache
 from batchpilot_server.models import Decoder
+from batchpilot_server.paged_kernel import KernelUnavailableError, paged_decode_kernel
 from batchpilot_server.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class PagedPrefillAttention:
@@ -117,11 +124,94 @@ class PagedDecodeAttention:
         return out[:batch, None]
 
 
+class NativeKernel:
+    """The C function and where each layer's K and V pools start (they never move)."""
+
+    def __init__(self, function: ctypes._CFuncPtr, cache: KVCache) -> None:
+        self.function = function
+        self.block_size = cache.block_size
+        self.layers = [(k.data_ptr(), v.data_ptr()) for k, v in zip(cache.k, cache.v, strict=True)]
+
+
+class NativeDecodeAttention:
+    """The same step as `PagedDecodeAttention` in one C call per layer (paged_kernel):
+    store the new K/V, then each row's query reads its own blocks in place."""
+
+    def __init__(self, kernel: NativeKernel, seqs: list[Sequence]) -> None:
+        batch = len(seqs)
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = np.zeros((batch, width), np.int64)
+        for row, seq in enumerate(seqs):
+            tables[row, : len(seq.block_table)] = seq.block_table
+        self.tables = tables
+        self.lengths = np.fromiter((seq.num_tokens for seq in seqs), np.int64, batch)
+        self.kernel = kernel
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        batch, _, heads, head_dim = q.shape
+        if not q.stride() == k.stride() == v.stride() or q.stride()[2:] != (head_dim, 1):
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = q.new_empty(batch, 1, heads, head_dim)
+        kernel = self.kernel
+        k_pool, v_pool = kernel.layers[layer]
+        kernel.function(
+            q.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            q.stride(0),
+            k_pool,
+            v_pool,
+            self.tables.ctypes.data,
+            self.tables.shape[1],
+            self.lengths.ctypes.data,
+            batch,
+            heads,
+            head_dim,
+            kernel.block_size,
+            head_dim**-0.5,
+            out.data_ptr(),
+        )
+        return out
+
+
+def native_kernel_for(backend: AttentionBackend, cache: KVCache) -> NativeKernel | None:
+    """The kernel decode attention should use; None means the torch path."""
+    if backend not in ATTENTION_BACKENDS:
+        choices = ", ".join(ATTENTION_BACKENDS)
+        raise ValueError(f"attention must be one of {choices}, got {backend!r}")
+    if backend == "torch":
+        return None
+    if cache.k.device.type != "cpu" or cache.k.dtype != torch.float32:
+        if backend == "native":
+            raise ValueError(
+                f"the native attention kernel runs on the CPU in float32; this cache is "
+                f"{cache.k.device.type} {cache.k.dtype} (use attention auto or torch)"
+            )
+        return None
+    try:
+        return NativeKernel(paged_decode_kernel(), cache)
+    except KernelUnavailableError as exc:
+        if backend == "native":
+            raise
+        log.warning("native attention kernel unavailable, using the slower torch path: %s", exc)
+        return None
+
+
 class ModelRunner:
-    def __init__(self, model: Decoder, cache: KVCache) -> None:
+    def __init__(
+        self, model: Decoder, cache: KVCache, attention: AttentionBackend = "auto"
+    ) -> None:
         self.model = model
         self.cache = cache
         self.device = model.lm_head.weight.device
+        self.kernel = native_kernel_for(attention, cache)
+
+    @property
+    def attention(self) -> Literal["native", "torch"]:
+        """The decode attention in use."""
+        return "torch" if self.kernel is None else "native"
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -155,7 +245,11 @@ class ModelRunner:
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed each sequence's newest token; logits [len(seqs), vocab]."""
         device = self.device
-        attention = PagedDecodeAttention(self.cache, seqs)
+        attention = (
+            PagedDecodeAttention(self.cache, seqs)
+            if self.kernel is None
+            else NativeDecodeAttention(self.kernel, seqs)
+        )
         ids = torch.tensor([[seq.token_ids[-1]] for seq in seqs], device=device)
         positions = torch.tensor([[seq.num_tokens - 1] for seq in seqs], device=device)
         hidden = self.model.hidden(ids, positions, attention)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from batchpilot_server.batching import BatchingConfig, Mode
 from batchpilot_server.engine import Engine, RequestStream
-from batchpilot_server.engine_api import EngineOptions, TokenEvent
+from batchpilot_server.engine_api import AttentionBackend, EngineOptions, TokenEvent
 
 
 @dataclass
@@ -50,6 +50,7 @@ async def started(
     observer: RecordingObserver | None = None,
     kv_cache_mb: float = 16.0,
     prefill_token_budget: int = 2048,
+    attention: AttentionBackend = "auto",
     **config: float,
 ) -> Engine:
     defaults = {"max_batch_size": 8, "batch_timeout_ms": 20.0, "max_queue_size": 256}
@@ -60,6 +61,7 @@ async def started(
         kv_cache_mb=kv_cache_mb,
         threads=1,  # two torch threads thrash when the 2-core machine is busy with other tests
         prefill_token_budget=prefill_token_budget,
+        attention=attention,
     )
     engine = Engine(options, observer)
     await engine.start()

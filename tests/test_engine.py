@@ -25,12 +25,14 @@ MODES = ("dynamic", "continuous")
 GREEDY_16 = SamplingParams(max_tokens=16, ignore_eos=True)
 
 
+@pytest.mark.parametrize("attention", ["native", "torch"])
 @pytest.mark.parametrize("mode", MODES)
-async def test_paged_decoding_matches_full_recompute(mode: str) -> None:
+async def test_paged_decoding_matches_full_recompute(mode: str, attention: str) -> None:
     """Every token's log-probability, computed through the paged cache in a
     ragged batch, equals the one from recomputing the whole sequence."""
-    engine = await started(mode, max_batch_size=4)
+    engine = await started(mode, max_batch_size=4, attention=attention)  # type: ignore[arg-type]
     try:
+        assert engine.attention == attention
         prompts = [prompt(engine, n) + [7] * (13 * n) for n in range(4)]  # 4 lengths
         streams = [
             engine.submit(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts

@@ -40,8 +40,10 @@ def test_weights_come_from_the_seed() -> None:
     assert not torch.allclose(build_model("tiny", "cpu", seed=1).full_logits(ids), same)
 
 
-def test_paged_forwards_match_full_recompute_with_scattered_blocks() -> None:
-    """A ragged batch whose blocks are interleaved in the pool (as after churn)."""
+@pytest.mark.parametrize("attention", ["native", "torch"])
+def test_paged_forwards_match_full_recompute_with_scattered_blocks(attention: str) -> None:
+    """A ragged batch whose blocks are interleaved in the pool (as after churn),
+    through the C kernel and through the torch fallback."""
     model = build_model("tiny", "cpu")
     cache = KVCache(get_spec("tiny"), num_blocks=64, block_size=16, device="cpu")
     rng = random.Random(1)
@@ -49,7 +51,8 @@ def test_paged_forwards_match_full_recompute_with_scattered_blocks() -> None:
     scattered: list[int] = []
     cache.pool.grow(scattered, 64 * 16)
     cache.pool.release(rng.sample(scattered, len(scattered)))
-    runner = ModelRunner(model, cache)
+    runner = ModelRunner(model, cache, attention)  # type: ignore[arg-type]
+    assert runner.attention == attention
     seqs = [
         Sequence(
             str(n), [256, *range(1, 3 + 11 * n)], SamplingParams(max_tokens=30), 0.0, None, None

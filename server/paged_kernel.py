@@ -1,0 +1,104 @@
+"""The native CPU kernel for paged decode attention: built once, loaded with ctypes.
+
+`csrc/paged_attention.c` has no Python or torch headers, so the system C
+compiler (`$CC`, else `cc`) builds it in well under a second; the shared
+library is kept in `$XDG_CACHE_HOME/batchpilot` (else `~/.cache/batchpilot`)
+under a name that hashes the source and the flags, so a changed kernel is
+rebuilt and an unchanged one is never rebuilt. A machine without a compiler
+(or a read-only cache with no prebuilt library) gets `KernelUnavailableError`
+with the reason; the engine then uses the torch path.
+
+ctypes releases the GIL for the call, so the event loop runs during it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+# -fopenmp-simd honours the source's `omp simd` reductions without -ffast-math
+FLAGS = ("-O3", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11")
+BUILD_TIMEOUT_S = 120.0
+
+
+class KernelUnavailableError(RuntimeError):
+    """The native kernel cannot be built or loaded here; the message says why."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "batchpilot"
+
+
+def library_path() -> Path:
+    """Where the library for this source, these flags and this architecture lives."""
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(" ".join((*FLAGS, platform.machine())).encode())
+    return cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+
+
+def build(target: Path) -> None:
+    """Compile to a temporary name, then rename: concurrent builders never see half a file."""
+    compiler = os.environ.get("CC", "cc")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, scratch = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+        os.close(fd)
+    except OSError as exc:
+        raise KernelUnavailableError(f"cannot write the kernel to {target.parent}: {exc}") from exc
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, "-o", scratch, str(SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
+        if done.returncode != 0:
+            raise KernelUnavailableError(
+                f"{compiler} failed to build {SOURCE.name} (exit {done.returncode}): "
+                f"{done.stderr.strip()[-500:]}"
+            )
+        os.replace(scratch, target)
+    except FileNotFoundError as exc:
+        raise KernelUnavailableError(
+            f"no C compiler to build {SOURCE.name}: {compiler!r} not found (set CC)"
+        ) from exc
+    except subprocess.TimeoutExpired as exc:
+        raise KernelUnavailableError(
+            f"{compiler} took over {BUILD_TIMEOUT_S:.0f}s on {SOURCE.name}"
+        ) from exc
+    finally:
+        Path(scratch).unlink(missing_ok=True)
+
+
+@cache
+def paged_decode_kernel() -> ctypes._CFuncPtr:
+    """The kernel's C function, built on first use; raises `KernelUnavailableError`."""
+    target = library_path()
+    if not target.exists():
+        build(target)
+    try:
+        library = ctypes.CDLL(str(target))
+    except OSError as exc:
+        raise KernelUnavailableError(f"cannot load {target}: {exc}") from exc
+    function = library.paged_decode_attention
+    pointer, integer = ctypes.c_void_p, ctypes.c_int64
+    function.argtypes = [
+        *(pointer,) * 3,  # q, k_new, v_new
+        integer,  # row_stride
+        *(pointer,) * 3,  # k_pool, v_pool, tables
+        integer,  # width
+        pointer,  # lengths
+        *(integer,) * 4,  # batch, heads, head_dim, block_size
+        ctypes.c_float,  # scale
+        pointer,  # out
+    ]
+    function.restype = None
+    return function
