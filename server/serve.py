@@ -12,8 +12,9 @@ from pathlib import Path
 from aiohttp import web
 from batchpilot_server.app import begin_drain, build_app, wait_drained
 from batchpilot_server.batching import MODES, BatchingConfig, ConfigError
-from batchpilot_server.engine_api import EngineOptions
+from batchpilot_server.engine_api import ATTENTION_BACKENDS, EngineOptions
 from batchpilot_server.model_presets import PRESET_NAMES
+from batchpilot_server.paged_kernel import KernelUnavailableError
 from batchpilot_server.protocol import Limits
 
 log = logging.getLogger("batchpilot.serve")
@@ -50,6 +51,13 @@ def parser() -> argparse.ArgumentParser:
         help="JSON batching config; its values win over the batching flags",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--attention",
+        default="auto",
+        choices=ATTENTION_BACKENDS,
+        help="decode attention: native C kernel (CPU), torch, or auto: native where it "
+        "builds, else torch (default: auto)",
+    )
     p.add_argument("--seed", type=int, default=0, help="model weights seed")
     p.add_argument(
         "--queue-timeout-s",
@@ -107,6 +115,7 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
         gpu_memory_fraction=None if args.kv_cache_mb else GPU_MEMORY_FRACTION,
         threads=args.threads,
         seed=args.seed,
+        attention=args.attention,
     )
 
 
@@ -157,4 +166,7 @@ def main(argv: list[str]) -> int:
         return asyncio.run(serve(args, options, token))
     except OSError as exc:  # e.g. the port is taken
         print(f"batchpilot serve: error: {exc}", file=sys.stderr)
+        return 1
+    except (ValueError, KernelUnavailableError) as exc:  # no CUDA, no native kernel
+        print(f"batchpilot serve: error: cannot start the engine: {exc}", file=sys.stderr)
         return 1

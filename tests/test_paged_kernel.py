@@ -1,0 +1,102 @@
+"""The native paged-attention kernel: built with the system compiler into the
+user's cache, reused when unchanged, and a clear error or the torch fallback
+where it cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from batchpilot_server.kv_cache import KVCache
+from batchpilot_server.model_runner import ModelRunner
+from batchpilot_server.models import build_model, get_spec
+from batchpilot_server.paged_kernel import (
+    KernelUnavailableError,
+    library_path,
+    paged_decode_kernel,
+)
+from batchpilot_server.serve import main as serve_main
+
+LOAD = "from batchpilot_server.paged_kernel import paged_decode_kernel; paged_decode_kernel()"
+
+
+@pytest.fixture
+def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty kernel cache, and no kernel loaded in this process yet."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    paged_decode_kernel.cache_clear()
+    yield tmp_path / "batchpilot"
+    paged_decode_kernel.cache_clear()
+
+
+def runner(attention: str, dtype: torch.dtype = torch.float32) -> ModelRunner:
+    cache = KVCache(get_spec("tiny"), num_blocks=8, block_size=16, device="cpu", dtype=dtype)
+    return ModelRunner(build_model("tiny", "cpu"), cache, attention)  # type: ignore[arg-type]
+
+
+def test_built_once_into_the_cache_then_reused(fresh_cache: Path) -> None:
+    env = {**os.environ, "XDG_CACHE_HOME": str(fresh_cache.parent)}
+    subprocess.run([sys.executable, "-c", LOAD], env=env, check=True, timeout=120)
+    built = library_path()
+    assert built.parent == fresh_cache and built.exists()
+    first = built.stat().st_mtime_ns
+    # a second process must load the same file, not rebuild it: with no compiler at
+    # all it still succeeds
+    env["CC"] = "/nonexistent/cc"
+    subprocess.run([sys.executable, "-c", LOAD], env=env, check=True, timeout=120)
+    assert built.stat().st_mtime_ns == first
+    assert [p.name for p in fresh_cache.iterdir()] == [built.name]  # no temporary left
+
+
+def test_native_without_a_compiler_is_a_clear_error(
+    fresh_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(KernelUnavailableError, match=r"no C compiler .*'/nonexistent/cc' not"):
+        runner("native")
+
+
+def test_a_failing_compiler_shows_its_message(
+    fresh_cache: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'fatal: no space left on device' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    with pytest.raises(KernelUnavailableError, match=r"failed .*exit 3.*no space left on device"):
+        runner("native")
+    assert [p.name for p in fresh_cache.iterdir()] == []  # no half-built library
+
+
+def test_auto_falls_back_to_torch_and_says_why(
+    fresh_cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING):
+        assert runner("auto").attention == "torch"
+    assert "using the slower torch path: no C compiler" in caplog.text
+
+
+def test_backend_choice_and_its_errors(fresh_cache: Path) -> None:
+    assert runner("auto").attention == "native"
+    assert runner("torch").attention == "torch"
+    with pytest.raises(ValueError, match="attention must be one of auto, native, torch"):
+        runner("fast")
+    with pytest.raises(ValueError, match="runs on the CPU in float32; this cache is cpu"):
+        runner("native", torch.float64)
+    assert runner("auto", torch.float64).attention == "torch"
+
+
+def test_serve_without_the_kernel_exits_1_with_the_reason(
+    fresh_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    code = serve_main(["--device", "cpu", "--threads", "1", "--attention", "native", "--port", "0"])
+    assert code == 1
+    assert "cannot start the engine: no C compiler" in capsys.readouterr().err
