@@ -19,16 +19,24 @@ COPY pyproject.toml README.md ./
 COPY server ./server
 COPY operator ./operator
 RUN pip install . && python -c "import batchpilot_server, batchpilot_operator, torch"
+# The native paged-attention kernel (batchpilot_server/csrc), built here because
+# the runtime image has no compiler. Its x86-64 build carries AVX-512, AVX2 and
+# baseline versions and picks one at load time, so the image runs on any node.
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && XDG_CACHE_HOME=/opt/venv/cache python -c \
+    "from batchpilot_server.paged_kernel import paged_decode_kernel; paged_decode_kernel()"
 
 FROM python:${PYTHON_VERSION}-slim
 RUN groupadd --gid 10001 batchpilot \
  && useradd --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin batchpilot
 COPY --from=build /opt/venv /opt/venv
 # HOME=/tmp: the pods run with a read-only root filesystem and an emptyDir on /tmp.
+# XDG_CACHE_HOME: where the kernel built above lies (read-only is enough).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    HOME=/tmp
+    HOME=/tmp \
+    XDG_CACHE_HOME=/opt/venv/cache
 USER 10001:10001
 # 8000: `batchpilot serve`; 8080: the operator's liveness endpoint.
 EXPOSE 8000 8080
