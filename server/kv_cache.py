@@ -2,9 +2,9 @@
 
 `BlockPool` does the accounting (which block belongs to whom); `KVCache`
 holds the tensors, one [num_blocks, heads, block_size, head_dim] pool per
-layer for K and for V. Attention reads the blocks where they lie (see
-`model_runner.PagedDecodeAttention`): nothing copies a sequence's cache into
-a contiguous tensor per step.
+layer for K and for V. Decode attention reads the blocks where they lie (the C
+kernel `csrc/paged_attention.c`, or `model_runner.PagedDecodeAttention` with
+torch ops): nothing copies a sequence's cache into a contiguous tensor per step.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ class BlockPool:
         self.block_size = block_size
         # a min-heap: the lowest free id goes first, so the blocks in use stay packed at
         # the start of the pool even after a batch frees blocks all over it; decode
-        # attention scores every block below the highest in use (model_runner)
+        # attention with torch ops scores every block below the highest in use
+        # (model_runner.PagedDecodeAttention)
         self._free = list(range(num_blocks))
         self._is_free = [True] * num_blocks
 

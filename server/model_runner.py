@@ -11,7 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from batchpilot_server.engine_api import ATTENTION_BACKENDS, AttentionBackend
-from batchpilot_server.kv_cache import KVCache
+from batchpilot_server.kv_cache import KVAccountingError, KVCache
 from batchpilot_server.models import Decoder
 from batchpilot_server.paged_kernel import KernelUnavailableError, paged_decode_kernel
 from batchpilot_server.sequence import Sequence
@@ -51,7 +51,8 @@ class PagedPrefillAttention:
 
 
 class PagedDecodeAttention:
-    """One new token per row attends to its cached context, read in place.
+    """One new token per row attends to its cached context, read in place, with
+    torch ops: for CUDA, and for a CPU where the C kernel cannot be built.
 
     Copying every sequence's blocks into a contiguous tensor each step costs
     more than the attention itself at long contexts (DESIGN: +35-60% at 512).
@@ -139,12 +140,14 @@ class NativeDecodeAttention:
 
     def __init__(self, kernel: NativeKernel, seqs: list[Sequence]) -> None:
         batch = len(seqs)
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = np.zeros((batch, width), np.int64)
-        for row, seq in enumerate(seqs):
-            tables[row, : len(seq.block_table)] = seq.block_table
-        self.tables = tables
+        blocks = np.fromiter((len(seq.block_table) for seq in seqs), np.int64, batch)
         self.lengths = np.fromiter((seq.num_tokens for seq in seqs), np.int64, batch)
+        # C trusts its indices: a short table would read outside the pool
+        if (blocks * kernel.block_size < self.lengths).any():
+            raise KVAccountingError("a decoding sequence holds fewer blocks than its tokens need")
+        self.tables = np.zeros((batch, int(blocks.max())), np.int64)
+        for row, seq in enumerate(seqs):
+            self.tables[row, : len(seq.block_table)] = seq.block_table
         self.kernel = kernel
 
     def __call__(

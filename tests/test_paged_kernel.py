@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from batchpilot_server.kv_cache import KVCache
+from batchpilot_server.engine_api import SamplingParams
+from batchpilot_server.kv_cache import KVAccountingError, KVCache
 from batchpilot_server.model_runner import ModelRunner
 from batchpilot_server.models import build_model, get_spec
 from batchpilot_server.paged_kernel import (
@@ -21,6 +22,7 @@ from batchpilot_server.paged_kernel import (
     library_path,
     paged_decode_kernel,
 )
+from batchpilot_server.sequence import Sequence
 from batchpilot_server.serve import main as serve_main
 
 LOAD = "from batchpilot_server.paged_kernel import paged_decode_kernel; paged_decode_kernel()"
@@ -100,3 +102,11 @@ def test_serve_without_the_kernel_exits_1_with_the_reason(
     code = serve_main(["--device", "cpu", "--threads", "1", "--attention", "native", "--port", "0"])
     assert code == 1
     assert "cannot start the engine: no C compiler" in capsys.readouterr().err
+
+
+def test_a_table_too_short_for_its_tokens_is_refused_before_c_reads_it() -> None:
+    native = runner("native")
+    seq = Sequence("short", [256, *range(1, 20)], SamplingParams(max_tokens=4), 0.0, None, None)
+    assert native.cache.pool.grow(seq.block_table, 16)  # one block for 20 tokens
+    with pytest.raises(KVAccountingError, match="fewer blocks than its tokens need"):
+        native.decode([seq])
