@@ -57,12 +57,17 @@ Delivery = list[tuple["RequestStream", StreamItem]]
 
 
 class RequestStream:
-    """Async iterator of one request's `TokenEvent`s; raises the `EngineError` it ends with."""
+    """Async iterator of one request's `TokenEvent`s; raises the `EngineError` it ends with.
+
+    A deque and one waiter future rather than an asyncio.Queue: the event loop
+    hands out every token of every step, and its time there is time the engine
+    thread may wait for the GIL."""
 
     def __init__(self, request_id: str, on_cancel: Callable[[], None]) -> None:
         self.request_id = request_id
         self._on_cancel = on_cancel
-        self._items: asyncio.Queue[StreamItem] = asyncio.Queue()
+        self._items: deque[StreamItem] = deque()
+        self._waiter: asyncio.Future[None] | None = None
         self._closed = False  # no more items will be yielded
 
     def __aiter__(self) -> RequestStream:
@@ -71,7 +76,13 @@ class RequestStream:
     async def __anext__(self) -> TokenEvent:
         if self._closed:
             raise StopAsyncIteration
-        item = await self._items.get()
+        if not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
         if item is _END or self._closed:
             self._closed = True
             raise StopAsyncIteration
@@ -86,12 +97,17 @@ class RequestStream:
         if self._closed:
             return
         self._closed = True
-        self._items.put_nowait(_END)  # wakes a reader blocked in __anext__
+        self._put(_END)  # wakes a reader blocked in __anext__
         self._on_cancel()
 
     def _push(self, item: StreamItem) -> None:
         if not self._closed:
-            self._items.put_nowait(item)
+            self._put(item)
+
+    def _put(self, item: StreamItem) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
 
 class Engine:
