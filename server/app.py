@@ -60,6 +60,8 @@ class EngineLike(Protocol):
     def tokenizer(self) -> Tokenizer: ...
     @property
     def max_model_len(self) -> int: ...
+    @property
+    def failure(self) -> str | None: ...
 
     async def start(self) -> None: ...
     async def shutdown(self) -> None: ...
@@ -316,7 +318,7 @@ class Generation:
         except InvalidRequestError as exc:  # what the engine checks beyond protocol.py
             raise invalid(str(exc)) from exc
         except EngineStoppedError as exc:
-            raise _engine_stopped(limits, "rejected") from exc
+            raise _engine_stopped(self.state, "rejected") from exc
 
     @property
     def prompt_tokens(self) -> int:
@@ -354,7 +356,7 @@ class Generation:
                 headers={"Retry-After": str(self.state.limits.retry_after_s)},
             ) from exc
         except EngineStoppedError as exc:
-            raise _engine_stopped(self.state.limits, "error") from exc
+            raise _engine_stopped(self.state, "error") from exc
         return self._record(event)
 
     def _record(self, event: TokenEvent) -> str:
@@ -384,13 +386,14 @@ class Generation:
         self._stream.cancel()
 
 
-def _engine_stopped(limits: Limits, outcome: str) -> ApiError:
+def _engine_stopped(state: ServerState, outcome: str) -> ApiError:
+    failure = state.engine.failure
     return ApiError(
         503,
-        "the engine is shutting down; retry on another replica",
+        f"{failure or 'the engine is shutting down'}; retry on another replica",
         type_="service_unavailable_error",
-        code="shutting_down",
-        headers={"Retry-After": str(limits.retry_after_s)},
+        code="engine_failed" if failure else "shutting_down",
+        headers={"Retry-After": str(state.limits.retry_after_s)},
         outcome=outcome,
     )
 
@@ -493,14 +496,19 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
+    """Alive unless the engine thread died: then only a restart helps."""
+    failure = request.app[STATE].engine.failure
+    if failure:
+        return web.json_response({"status": "failed", "reason": failure}, status=503)
     return web.json_response({"status": "ok"})
 
 
 async def readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    if state.ready:
+    failure = state.engine.failure
+    if state.ready and not failure:
         return web.json_response({"ready": True})
-    reason = "shutting down" if state.draining else "engine not started"
+    reason = failure or ("shutting down" if state.draining else "engine not started")
     return web.json_response({"ready": False, "reason": reason}, status=503)
 
 

@@ -167,6 +167,11 @@ class Engine:
         return self._config
 
     @property
+    def failure(self) -> str | None:
+        """Why the engine thread died, if it did: it serves nothing more."""
+        return self._stopped_message() if self._failure else None
+
+    @property
     def attention(self) -> str | None:
         """The decode attention in use (native or torch); None before `start`."""
         return self._runner.attention if self._runner else None

@@ -213,7 +213,15 @@ def openapi_document() -> dict[str, Any]:
         "paths": {
             "/v1/completions": completions,
             "/v1/models": _get("The served model.", _json(status, "Model list.")),
-            "/healthz": _get("Liveness.", _json(status, "The process is alive.")),
+            "/healthz": {
+                "get": {
+                    "summary": "Liveness: fails once the engine thread has died.",
+                    "responses": {
+                        "200": _json(status, "Alive."),
+                        "503": _json(status, "The engine failed; the reason says why."),
+                    },
+                }
+            },
             "/readyz": {
                 "get": {
                     "summary": "Readiness: false while starting and while shutting down.",

@@ -12,6 +12,7 @@ import pytest
 from batchpilot_server import metric_names as names
 from batchpilot_server.app import STATE
 from batchpilot_server.engine_api import EngineOptions
+from batchpilot_server.model_runner import ModelRunner
 from openapi_spec_validator import validate
 
 from tests.servers import complete, scrape, serve_in_process, stream_events
@@ -262,6 +263,34 @@ async def test_openapi_document_is_valid_and_covers_every_route() -> None:
     assert documented == routes
     completion_errors = document["paths"]["/v1/completions"]["post"]["responses"]
     assert {"400", "404", "413", "429", "503", "504"} <= set(completion_errors)
+
+
+async def test_a_dead_engine_fails_liveness_and_readiness_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fault in the model step kills the engine thread; the probes must say so,
+    or Kubernetes would keep a pod that can never answer again."""
+
+    def broken_decode(self: ModelRunner, seqs: list[Any]) -> None:
+        raise RuntimeError("injected fault in the model step")
+
+    monkeypatch.setattr(ModelRunner, "decode", broken_decode)
+    async with serve_in_process() as server, aiohttp.ClientSession() as session:
+        async with session.get(f"{server.url}/healthz") as health:
+            assert health.status == 200  # nothing has run yet
+        status, body, _ = await complete(session, server.url, prompt="hi", max_tokens=4)
+        assert status == 503 and body["error"]["code"] == "engine_failed"
+        assert "internal error: RuntimeError: injected fault" in body["error"]["message"]
+        async with session.get(f"{server.url}/healthz") as health:
+            assert health.status == 503
+            assert (await health.json()) == {
+                "status": "failed",
+                "reason": "engine stopped after an internal error: "
+                "RuntimeError: injected fault in the model step",
+            }
+        async with session.get(f"{server.url}/readyz") as ready:
+            assert ready.status == 503
+            assert "injected fault" in (await ready.json())["reason"]
 
 
 async def test_probes_and_models() -> None:
