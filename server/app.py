@@ -44,6 +44,9 @@ from batchpilot_server.protocol import (
 
 log = logging.getLogger("batchpilot.server")
 
+# a fixed token, or where to get the one in force (TokenFile.current); None: admin API off
+AdminToken = str | Callable[[], str] | None
+
 
 class RequestStream(Protocol):
     def __aiter__(self) -> RequestStream: ...
@@ -103,7 +106,7 @@ class ServerState:
     engine: EngineLike
     metrics: ServerMetrics
     limits: Limits
-    admin_token: str | None
+    admin_token: Callable[[], str] | None  # the token in force now (TokenFile.current)
     config: BatchingConfig
     config_version: int = 1
     ready: bool = False
@@ -122,7 +125,7 @@ def create_app(
     engine: EngineLike,
     *,
     metrics: ServerMetrics,
-    admin_token: str | None,
+    admin_token: AdminToken,
     limits: Limits,
 ) -> web.Application:
     """The HTTP app around a not yet started engine built with `metrics` as its observer."""
@@ -130,7 +133,7 @@ def create_app(
         engine=engine,
         metrics=metrics,
         limits=limits,
-        admin_token=admin_token,
+        admin_token=(lambda: admin_token) if isinstance(admin_token, str) else admin_token,
         config=engine.config,
     )
     metrics.set_config(state.config)
@@ -555,8 +558,8 @@ async def put_batching(request: web.Request) -> web.Response:
     return web.json_response(_config_body(state))
 
 
-def _authorize(request: web.Request, token: str | None) -> None:
-    if token is None:
+def _authorize(request: web.Request, current_token: Callable[[], str] | None) -> None:
+    if current_token is None:
         raise ApiError(
             403,
             "the admin API is disabled: this server was started without --admin-token-file",
@@ -573,14 +576,14 @@ def _authorize(request: web.Request, token: str | None) -> None:
             code="missing_token",
             headers={"WWW-Authenticate": 'Bearer realm="batchpilot-admin"'},
         )
-    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+    if not hmac.compare_digest(given.strip().encode(), current_token().encode()):
         raise ApiError(
             403, "the admin token is not valid", type_="permission_error", code="invalid_token"
         )
 
 
 def build_app(
-    options: EngineOptions, *, admin_token: str | None = None, limits: Limits | None = None
+    options: EngineOptions, *, admin_token: AdminToken = None, limits: Limits | None = None
 ) -> web.Application:
     """A server app with its own engine and metrics registry (used by the CLI, tests, benches)."""
     from batchpilot_server.engine import Engine  # torch: imported only where a model runs

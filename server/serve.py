@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from aiohttp import web
+from batchpilot_server.admin_token import TokenFile, TokenFileError
 from batchpilot_server.app import begin_drain, build_app, wait_drained
 from batchpilot_server.batching import MODES, BatchingConfig, ConfigError
 from batchpilot_server.engine_api import ATTENTION_BACKENDS, EngineOptions
@@ -44,7 +45,11 @@ def parser() -> argparse.ArgumentParser:
         help=f"KV cache size (default: {EngineOptions.kv_cache_mb:g} on CPU, "
         f"{GPU_MEMORY_FRACTION * 100:.0f}%% of free memory on a GPU)",
     )
-    p.add_argument("--admin-token-file", type=Path, help="enables PUT /admin/batching")
+    p.add_argument(
+        "--admin-token-file",
+        type=Path,
+        help="enables PUT /admin/batching; read again whenever the file changes",
+    )
     p.add_argument(
         "--config-file",
         type=Path,
@@ -88,16 +93,13 @@ def batching_config(args: argparse.Namespace) -> BatchingConfig:
         raise UsageError(str(exc)) from exc
 
 
-def admin_token(path: Path | None) -> str | None:
+def admin_token(path: Path | None) -> TokenFile | None:
     if path is None:
         return None
     try:
-        token = path.read_text().strip()
-    except OSError as exc:
-        raise UsageError(f"cannot read admin token file {path}: {exc.strerror}") from exc
-    if not token:
-        raise UsageError(f"admin token file {path} is empty")
-    return token
+        return TokenFile(path)
+    except TokenFileError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOptions:
@@ -119,9 +121,9 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
     )
 
 
-async def serve(args: argparse.Namespace, options: EngineOptions, token: str | None) -> int:
+async def serve(args: argparse.Namespace, options: EngineOptions, token: TokenFile | None) -> int:
     limits = Limits(queue_timeout_s=args.queue_timeout_s)
-    app = build_app(options, admin_token=token, limits=limits)
+    app = build_app(options, admin_token=None if token is None else token.current, limits=limits)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
     await runner.setup()  # starts the engine
     try:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from batchpilot_server import metric_names as names
 
-from tests.servers import complete, scrape, serve_in_process
+from tests.servers import complete, scrape, serve_in_process, spawn_server
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -92,3 +94,38 @@ async def _until_running(session: aiohttp.ClientSession, url: str, deadline_s: f
     async with asyncio.timeout(deadline_s):
         while (await scrape(session, url))[(names.REQUESTS_RUNNING, "")] == 0:
             await asyncio.sleep(0.01)
+
+
+def mount_secret(directory: Path, version: str, token: str) -> Path:
+    """Write `token` the way the kubelet updates a mounted Secret: a new timestamped
+    folder, then one atomic rename of the `..data` link; `token` links through it."""
+    (directory / version).mkdir(parents=True)
+    (directory / version / "token").write_text(token)
+    (directory / "..data_tmp").symlink_to(version)
+    os.replace(directory / "..data_tmp", directory / "..data")
+    link = directory / "token"
+    if not link.is_symlink():
+        link.symlink_to("..data/token")
+    return link
+
+
+async def test_a_rotated_token_file_takes_effect_without_a_restart(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    token_file = mount_secret(secret, "..2026_11_29_a", "first-token")
+    with spawn_server(
+        tmp_path=tmp_path, admin_token=None, extra_args=["--admin-token-file", str(token_file)]
+    ) as server:
+        async with aiohttp.ClientSession() as session:
+            assert (await put(session, server.url, {"max_batch_size": 4}, "first-token"))[0] == 200
+            mount_secret(secret, "..2026_11_29_b", "second-token\n")
+            status, answer = await put(session, server.url, {"max_batch_size": 5}, "first-token")
+            assert (status, answer["error"]["code"]) == (403, "invalid_token")
+            assert (await put(session, server.url, {"max_batch_size": 6}, "second-token"))[0] == 200
+            # an emptied file locks nobody out: the last good token stays
+            mount_secret(secret, "..2026_11_29_c", "")
+            status, answer = await put(session, server.url, {"max_batch_size": 7}, "second-token")
+    assert status == 200 and answer["max_batch_size"] == 7
+    log = server.stderr_path.read_text()
+    assert "changed: using the new token" in log
+    assert "is empty; keeping the previous token" in log
+    assert "first-token" not in log and "second-token" not in log
