@@ -3,7 +3,9 @@
 - `LocalActuator`: `PUT /admin/batching` to a list of server URLs with a token.
 - `KubernetesActuator`: the policy's ConfigMap first (pods that start later
   read it), then the same PUT to every ready pod of the policy, with the
-  token from the policy's Secret.
+  token from the policy's Secret. `resync` pushes the config in force again
+  to the pods that hold other values (one refused a push, or started from
+  an older ConfigMap).
 
 Only the tuned knobs are sent (`max_batch_size`, `batch_timeout_ms`); the
 queue size stays whatever the server was started with. A refusal never
@@ -62,6 +64,10 @@ def tuned_body(config: BatchingConfig) -> dict[str, Any]:
     return {key: config.to_dict()[key] for key in TUNED_FIELDS}
 
 
+def same_tuned(a: BatchingConfig, b: BatchingConfig) -> bool:
+    return tuned_body(a) == tuned_body(b)
+
+
 async def put_batching(
     session: aiohttp.ClientSession, url: str, token: str | None, config: BatchingConfig, name: str
 ) -> Applied | Refused:
@@ -90,6 +96,14 @@ async def get_batching(session: aiohttp.ClientSession, url: str) -> BatchingConf
         response.raise_for_status()
         body = await response.json()
     return BatchingConfig.from_dict({k: body[k] for k in BatchingConfig().to_dict()})
+
+
+async def held_config(session: aiohttp.ClientSession, url: str) -> BatchingConfig | None:
+    """What a server holds; None when it cannot tell (down, or not answering yet)."""
+    try:
+        return await get_batching(session, url)
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
+        return None
 
 
 def _error_message(body: Any) -> str:
@@ -146,6 +160,24 @@ class KubernetesActuator:
                 0, Refused(builders.secret_name(self.policy_name), "admin token Secret missing")
             )
         return report
+
+    async def resync(self, config: BatchingConfig) -> ActuationReport:
+        """PUT `config` to the ready pods whose tuned knobs differ from it; a pod that
+        cannot say what it holds is left for the next round."""
+        pods = await self.ready_pods()
+        held = await asyncio.gather(*(held_config(self.session, url) for _, url in pods))
+        drifted = [
+            (name, url)
+            for (name, url), config_held in zip(pods, held, strict=True)
+            if config_held is not None and not same_tuned(config_held, config)
+        ]
+        if not drifted:
+            return ActuationReport()
+        token = await read_admin_token(self.client, self.namespace, self.policy_name)
+        results = await asyncio.gather(
+            *(put_batching(self.session, url, token, config, name) for name, url in drifted)
+        )
+        return _report(results)
 
     async def ready_pods(self) -> list[tuple[str, str]]:
         """(pod name, base URL) of every ready pod of the policy that has an IP."""

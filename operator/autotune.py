@@ -57,6 +57,7 @@ class PolicyTuner:
 
     state: TunerState = field(default_factory=TunerState)
     scrape: ScrapeSource | None = None
+    resync_refused: str | None = None  # the last resync refusal reported, not to repeat it
 
 
 # -- pure parts: what a round writes ------------------------------------------------------
@@ -279,7 +280,9 @@ async def tune_once(
     in_force = current
     if decision.config != current:
         report = await actuator.apply(decision.config)
-        in_force = decision.config  # the ConfigMap holds it now; pods that refused re-read it
+        in_force = decision.config  # the ConfigMap holds it; pods that refused get it resynced
+    else:
+        await resync_pods(client, policy, actuator, current, tuner)
     tuner.state = decision.state
     at = now_iso()
     history = list((policy.get("status") or {}).get("history") or [])
@@ -311,6 +314,30 @@ async def read_signals(
         return no_data("first scrape of the pods: the next round opens the window", window_s)
     tuner.scrape.urls = urls  # pods come and go; deltas only count pods seen at both ends
     return await tuner.scrape.read(window_s)
+
+
+async def resync_pods(
+    client: kube.Client,
+    policy: Mapping[str, Any],
+    actuator: KubernetesActuator,
+    in_force: BatchingConfig,
+    tuner: PolicyTuner,
+) -> None:
+    """Bring pods that hold other values back to the config in force. A refusal is
+    reported once, not every round, until it changes or clears."""
+    report = await actuator.resync(in_force)
+    if report.applied:
+        pods = ", ".join(a.target for a in report.applied)
+        await client.create_event(
+            policy,
+            "Resynced",
+            f"maxBatchSize {in_force.max_batch_size}, batchTimeoutMs "
+            f"{in_force.batch_timeout_ms:g} pushed again to {pods}: they held other values",
+        )
+    refused = "; ".join(f"{r.target}: {r.reason}" for r in report.refused) or None
+    if refused is not None and refused != tuner.resync_refused:
+        await client.create_event(policy, "PushRefused", f"resync refused by {refused}", "Warning")
+    tuner.resync_refused = refused
 
 
 async def _post_events(

@@ -212,3 +212,47 @@ async def test_prometheus_outage_holds_with_metrics_unavailable_and_recovers(
     assert f"Prometheus at {prometheus.url} is unreachable" in down["message"]
     assert during is not None
     assert during["status"]["lastDecision"]["action"] == "hold"
+
+
+async def test_pods_holding_other_values_get_the_config_in_force_again(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """llm-0 runs other knobs than the ConfigMap (as after a refused push); llm-1 too,
+    but it knows an older token: one is brought back in line, the other reported once."""
+    ns = "resync"
+    await admin_secret(cluster, ns)
+    with (
+        spawn_server(
+            tmp_path=tmp_path, max_batch_size=3, batch_timeout_ms=7, admin_token=TOKEN
+        ) as drifted,
+        spawn_server(tmp_path=tmp_path, max_batch_size=2, admin_token="stale-token") as locked,
+    ):
+        await cluster.add_server_pod(ns, "llm", "llm-0", "127.0.0.1", drifted.port)
+        await cluster.add_server_pod(ns, "llm", "llm-1", "127.0.0.1", locked.port)
+        with run_operator(cluster):
+            await cluster.create(kube.POLICIES, policy(ns))
+            last = ""
+            for round_ in range(3):  # three rounds: the refusal must not repeat
+
+                def decided_again(obj: dict[str, Any], after: str = last) -> bool:
+                    decision = (obj.get("status") or {}).get("lastDecision") or {}
+                    return decision.get("time", "") > after
+
+                found = await cluster.wait_for(
+                    kube.POLICIES, ns, "llm", decided_again, f"round {round_ + 1}",
+                    TUNE_DEADLINE_S,
+                )
+                last = found["status"]["lastDecision"]["time"]
+                assert found["status"]["lastDecision"]["action"] == "hold"
+        async with aiohttp.ClientSession() as session:
+            brought_back = await get_batching(session, drifted.url)
+            still = await get_batching(session, locked.url)
+    assert (brought_back.max_batch_size, brought_back.batch_timeout_ms) == (1, 0)
+    assert still.max_batch_size == 2
+    events = await cluster.events_for(ns, "llm")
+    resynced = [e["message"] for e in events if e["reason"] == "Resynced"]
+    assert resynced == ["maxBatchSize 1, batchTimeoutMs 0 pushed again to llm-0: they held "
+                        "other values"]
+    refused = [e for e in events if e["reason"] == "PushRefused"]
+    assert len(refused) == 1 and refused[0]["type"] == "Warning"
+    assert refused[0]["message"].startswith("resync refused by llm-1: HTTP 403")
