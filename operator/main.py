@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+import sys
 from urllib.parse import urlparse
 
 import kopf
 from batchpilot_operator.registry import load_handlers
+from kopf._core.engines.activities import ActivityError  # kopf.run raises it; not exported
 
 DEFAULT_LIVENESS_PORT = 8080
 DEFAULT_METRICS_PORT = 8081
@@ -89,11 +91,16 @@ def main(argv: list[str]) -> int:
     liveness = (
         f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
     )
-    kopf.run(
-        clusterwide=args.all_namespaces,
-        namespaces=args.namespaces or (),
-        standalone=True,  # one replica; no peering objects (and no RBAC for them)
-        liveness_endpoint=liveness,
-        memo=kopf.Memo(prometheus_url=args.prometheus_url, metrics_port=args.metrics_port),
-    )
+    try:
+        kopf.run(
+            clusterwide=args.all_namespaces,
+            namespaces=args.namespaces or (),
+            standalone=True,  # one replica; no peering objects (and no RBAC for them)
+            liveness_endpoint=liveness,
+            memo=kopf.Memo(prometheus_url=args.prometheus_url, metrics_port=args.metrics_port),
+        )
+    except ActivityError as exc:  # a startup handler failed for good, e.g. a taken port
+        causes = [str(o.exception) for o in exc.outcomes.values() if o.exception is not None]
+        print(f"batchpilot operator: error: {'; '.join(causes) or exc}", file=sys.stderr)
+        return 1
     return 0
