@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import pytest
 from batchpilot_server.batching import BatchingConfig, Mode
 from batchpilot_server.engine import Engine, RequestStream
 from batchpilot_server.engine_api import AttentionBackend, EngineOptions, TokenEvent
+
+requires_c_compiler = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC", "cc")) is None,
+    reason="no C compiler ($CC, else cc) to build the native attention kernel",
+)
+# both decode attention paths, the native one only where it can be built
+ATTENTIONS = [pytest.param("native", marks=requires_c_compiler), "torch"]
 
 
 @dataclass

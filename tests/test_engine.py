@@ -19,13 +19,13 @@ from batchpilot_server.engine_api import (
     SamplingParams,
 )
 from batchpilot_server.models import build_model
-from engine_helpers import RecordingObserver, collect, prompt, started
+from engine_helpers import ATTENTIONS, RecordingObserver, collect, prompt, started
 
 MODES = ("dynamic", "continuous")
 GREEDY_16 = SamplingParams(max_tokens=16, ignore_eos=True)
 
 
-@pytest.mark.parametrize("attention", ["native", "torch"])
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("mode", MODES)
 async def test_paged_decoding_matches_full_recompute(mode: str, attention: str) -> None:
     """Every token's log-probability, computed through the paged cache in a

@@ -12,6 +12,7 @@ from batchpilot_server.kv_cache import KVCache
 from batchpilot_server.model_runner import ModelRunner
 from batchpilot_server.models import PRESETS, build_model, get_spec, resolve_device
 from batchpilot_server.sequence import Sequence
+from engine_helpers import ATTENTIONS
 
 
 @pytest.fixture(autouse=True)
@@ -40,7 +41,7 @@ def test_weights_come_from_the_seed() -> None:
     assert not torch.allclose(build_model("tiny", "cpu", seed=1).full_logits(ids), same)
 
 
-@pytest.mark.parametrize("attention", ["native", "torch"])
+@pytest.mark.parametrize("attention", ATTENTIONS)
 def test_paged_forwards_match_full_recompute_with_scattered_blocks(attention: str) -> None:
     """A ragged batch whose blocks are interleaved in the pool (as after churn),
     through the C kernel and through the torch fallback."""

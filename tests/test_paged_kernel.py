@@ -24,6 +24,7 @@ from batchpilot_server.paged_kernel import (
 )
 from batchpilot_server.sequence import Sequence
 from batchpilot_server.serve import main as serve_main
+from engine_helpers import requires_c_compiler
 
 LOAD = "from batchpilot_server.paged_kernel import paged_decode_kernel; paged_decode_kernel()"
 
@@ -42,6 +43,7 @@ def runner(attention: str, dtype: torch.dtype = torch.float32) -> ModelRunner:
     return ModelRunner(build_model("tiny", "cpu"), cache, attention)  # type: ignore[arg-type]
 
 
+@requires_c_compiler
 def test_built_once_into_the_cache_then_reused(fresh_cache: Path) -> None:
     env = {**os.environ, "XDG_CACHE_HOME": str(fresh_cache.parent)}
     subprocess.run([sys.executable, "-c", LOAD], env=env, check=True, timeout=120)
@@ -85,6 +87,7 @@ def test_auto_falls_back_to_torch_and_says_why(
     assert "using the slower torch path: no C compiler" in caplog.text
 
 
+@requires_c_compiler
 def test_backend_choice_and_its_errors(fresh_cache: Path) -> None:
     assert runner("auto").attention == "native"
     assert runner("torch").attention == "torch"
@@ -104,6 +107,7 @@ def test_serve_without_the_kernel_exits_1_with_the_reason(
     assert "cannot start the engine: no C compiler" in capsys.readouterr().err
 
 
+@requires_c_compiler
 def test_a_table_too_short_for_its_tokens_is_refused_before_c_reads_it() -> None:
     native = runner("native")
     seq = Sequence("short", [256, *range(1, 20)], SamplingParams(max_tokens=4), 0.0, None, None)
