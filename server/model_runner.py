@@ -253,7 +253,8 @@ class ModelRunner:
             if self.kernel is None
             else NativeDecodeAttention(self.kernel, seqs)
         )
-        ids = torch.tensor([[seq.token_ids[-1]] for seq in seqs], device=device)
-        positions = torch.tensor([[seq.num_tokens - 1] for seq in seqs], device=device)
+        # flat lists: torch.tensor reads them several times faster than nested ones
+        ids = torch.tensor([seq.token_ids[-1] for seq in seqs], device=device)[:, None]
+        positions = torch.tensor([seq.num_tokens - 1 for seq in seqs], device=device)[:, None]
         hidden = self.model.hidden(ids, positions, attention)
         return self.model.logits(hidden[:, 0])
