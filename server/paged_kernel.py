@@ -6,7 +6,9 @@ library is kept in `$XDG_CACHE_HOME/batchpilot` (else `~/.cache/batchpilot`)
 under a name that hashes the source and the flags, so a changed kernel is
 rebuilt and an unchanged one is never rebuilt. A machine without a compiler
 (or a read-only cache with no prebuilt library) gets `KernelUnavailableError`
-with the reason; the engine then uses the torch path.
+with the reason; the engine then uses the torch path. A library that another
+user could have replaced (its file or folder writable by others, or owned by
+someone other than this user or root) is refused, not loaded.
 
 ctypes releases the GIL for the call, so the event loop runs during it.
 """
@@ -17,6 +19,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import stat
 import subprocess
 import tempfile
 from functools import cache
@@ -48,7 +51,7 @@ def build(target: Path) -> None:
     """Compile to a temporary name, then rename: concurrent builders never see half a file."""
     compiler = os.environ.get("CC", "cc")
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         fd, scratch = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
         os.close(fd)
     except OSError as exc:
@@ -65,6 +68,7 @@ def build(target: Path) -> None:
                 f"{compiler} failed to build {SOURCE.name} (exit {done.returncode}): "
                 f"{done.stderr.strip()[-500:]}"
             )
+        os.chmod(scratch, 0o755)  # the linker leaves 0711: another user could not load it
         os.replace(scratch, target)
     except FileNotFoundError as exc:
         raise KernelUnavailableError(
@@ -78,12 +82,25 @@ def build(target: Path) -> None:
         Path(scratch).unlink(missing_ok=True)
 
 
+def refuse_if_others_can_replace(path: Path) -> None:
+    """Loading a library runs its code: it must be ours (or root's) and writable by no one else."""
+    info = path.stat()
+    if info.st_uid not in (os.getuid(), 0) or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise KernelUnavailableError(
+            f"refusing to load the kernel: {path} is owned by uid {info.st_uid} with mode "
+            f"{stat.S_IMODE(info.st_mode):o}; it must belong to you or root and be writable "
+            "by no one else"
+        )
+
+
 @cache
 def paged_decode_kernel() -> ctypes._CFuncPtr:
     """The kernel's C function, built on first use; raises `KernelUnavailableError`."""
     target = library_path()
     if not target.exists():
         build(target)
+    for path in (target.parent, target):
+        refuse_if_others_can_replace(path)
     try:
         library = ctypes.CDLL(str(target))
     except OSError as exc:

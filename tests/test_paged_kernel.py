@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -56,6 +57,23 @@ def test_built_once_into_the_cache_then_reused(fresh_cache: Path) -> None:
     subprocess.run([sys.executable, "-c", LOAD], env=env, check=True, timeout=120)
     assert built.stat().st_mtime_ns == first
     assert [p.name for p in fresh_cache.iterdir()] == [built.name]  # no temporary left
+
+
+@requires_c_compiler
+def test_a_library_others_could_replace_is_refused(fresh_cache: Path) -> None:
+    runner("native")  # builds it
+    library = library_path()
+    assert stat.S_IMODE(library.stat().st_mode) == 0o755  # other users may load it
+    fresh_cache.chmod(0o777)
+    paged_decode_kernel.cache_clear()
+    with pytest.raises(KernelUnavailableError, match=r"refusing to load the kernel: .* mode 777"):
+        runner("native")
+    assert runner("auto").attention == "torch"
+    fresh_cache.chmod(0o755)
+    library.chmod(0o766)
+    paged_decode_kernel.cache_clear()
+    with pytest.raises(KernelUnavailableError, match=r"paged_attention-.*\.so is owned by"):
+        runner("native")
 
 
 def test_native_without_a_compiler_is_a_clear_error(
