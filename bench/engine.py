@@ -323,7 +323,7 @@ async def mixed_run(mode: Mode, trace: list[Arrival], threads: int) -> dict[str,
 
 
 @torch.inference_mode()
-def gather_cost(model: Decoder, steps: int) -> dict[str, float]:
+def gather_cost(model: Decoder, steps: int, threads: int) -> dict[str, float]:
     """Seconds per decode step at context 512: contiguous, paged in place, index_select."""
     spec, batch, context = model.spec, GATHER_BATCH, GATHER_CONTEXT
     cache = KVCache(spec, num_blocks=batch * context // 16 + 8, block_size=16, device="cpu")
@@ -337,7 +337,7 @@ def gather_cost(model: Decoder, steps: int) -> dict[str, float]:
     for block in range(context // 16):
         for seq in seqs:
             cache.pool.grow(seq.block_table, (block + 1) * 16)
-    runner = ModelRunner(model, cache)
+    runner = ModelRunner(model, cache, threads=threads)  # as the engine builds it
     fallback = ModelRunner(model, cache, "torch")
     contiguous = ContiguousKV(spec, batch, context)
     contiguous.k.normal_()
@@ -368,6 +368,7 @@ def gather_cost(model: Decoder, steps: int) -> dict[str, float]:
             for _ in range(steps):
                 step()
             best[name] = min(best[name], (time.perf_counter() - start) / steps)
+    runner.close()
     return {
         "contiguous_step_s": best["contiguous"],
         "paged_step_s": best["paged"],
@@ -500,7 +501,7 @@ async def run(plan: Plan, threads: int) -> dict[str, Any]:
     for mode in MODES:
         mixed[mode] = await mixed_run(mode, trace, threads)
     print("paged K/V read cost at context 512", file=sys.stderr)
-    gather = gather_cost(model, plan.gather_steps)
+    gather = gather_cost(model, plan.gather_steps, threads)
     results: dict[str, Any] = {
         "setup": {
             "threads": threads,

@@ -196,7 +196,9 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         if self._options.threads is not None:
             torch.set_num_threads(self._options.threads)
-        self._cache, self._runner = await asyncio.to_thread(self._build)
+        # read here: torch's thread count may differ in the helper thread that builds
+        threads = torch.get_num_threads()
+        self._cache, self._runner = await asyncio.to_thread(self._build, threads)
         log.info(
             "engine ready: %s on %s, %d KV blocks, %s decode attention",
             self._spec.name,
@@ -214,7 +216,7 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="batchpilot-engine", daemon=True)
         self._thread.start()
 
-    def _build(self) -> tuple[KVCache, ModelRunner]:
+    def _build(self, threads: int) -> tuple[KVCache, ModelRunner]:
         options = self._options
         model = build_model(options.model, self._device, options.seed)
         budget = options.kv_cache_mb * 2**20
@@ -222,7 +224,7 @@ class Engine:
             free, _ = torch.cuda.mem_get_info()
             budget = free * options.gpu_memory_fraction
         cache = KVCache.sized(self._spec, budget, options.block_size, self._device)
-        return cache, ModelRunner(model, cache, options.attention)
+        return cache, ModelRunner(model, cache, options.attention, threads)
 
     async def shutdown(self, drain: bool = False) -> None:
         """Stop; see the module docstring for what happens to admitted requests."""
@@ -496,6 +498,8 @@ class Engine:
 
     def _stop(self) -> None:
         """Thread exit: every stream still open ends with an error."""
+        if self._runner is not None:
+            self._runner.close()
         with self._cond:
             self._state = "stopped"
             error = EngineStoppedError(self._stopped_message())

@@ -10,13 +10,15 @@ import stat
 import subprocess
 import sys
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from batchpilot_server.engine_api import SamplingParams
 from batchpilot_server.kv_cache import KVAccountingError, KVCache
-from batchpilot_server.model_runner import ModelRunner
+from batchpilot_server.model_runner import ModelRunner, NativeDecodeAttention, row_parts
 from batchpilot_server.models import build_model, get_spec
 from batchpilot_server.paged_kernel import (
     KernelUnavailableError,
@@ -132,3 +134,43 @@ def test_a_table_too_short_for_its_tokens_is_refused_before_c_reads_it() -> None
     assert native.cache.pool.grow(seq.block_table, 16)  # one block for 20 tokens
     with pytest.raises(KVAccountingError, match="fewer blocks than its tokens need"):
         native.decode([seq])
+
+
+def test_row_parts_cover_every_row_once_with_balanced_tokens() -> None:
+    lengths = np.array([500, 20, 20, 20, 400, 100, 300, 40])  # 1400 tokens
+    parts = row_parts(lengths, most=3, min_tokens=100)
+    assert parts[0][0] == 0 and parts[-1][1] == len(lengths)
+    assert all(a[1] == b[0] for a, b in pairwise(parts))  # contiguous, no gap or overlap
+    tokens = [int(lengths[start:stop].sum()) for start, stop in parts]
+    assert len(parts) == 3 and max(tokens) <= 2 * min(tokens), tokens
+    assert row_parts(lengths, most=3, min_tokens=1000) == [(0, 8)]  # too few tokens to split
+    assert row_parts(lengths, most=1, min_tokens=1) == [(0, 8)]
+    assert len(row_parts(np.array([5, 5]), most=8, min_tokens=1)) == 2  # never an empty part
+
+
+@requires_c_compiler
+def test_rows_split_across_threads_decode_exactly_as_one_thread() -> None:
+    model = build_model("tiny", "cpu")
+    outputs = []
+    for threads in (1, 3):
+        cache = KVCache(get_spec("tiny"), num_blocks=32, block_size=16, device="cpu")
+        runner = ModelRunner(model, cache, "native", threads)
+        assert runner.kernel is not None
+        runner.kernel.min_tokens_per_part = 1  # split even this small batch
+        params = SamplingParams(max_tokens=8)
+        seqs = [
+            Sequence(str(n), [256, *range(1, 5 + 9 * n)], params, 0.0, None, None)
+            for n in range(5)
+        ]
+        for seq in seqs:
+            assert cache.pool.grow(seq.block_table, seq.max_total_tokens)
+        logits = [runner.prefill(seqs)]
+        for _ in range(6):
+            for seq, row in zip(seqs, logits[-1], strict=True):
+                seq.token_ids.append(int(row.argmax()))
+            logits.append(runner.decode(seqs))
+        parts = NativeDecodeAttention(runner.kernel, seqs).parts
+        assert len(parts) == threads
+        runner.close()
+        outputs.append(torch.stack(logits))
+    assert torch.equal(outputs[0], outputs[1])
