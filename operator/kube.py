@@ -85,11 +85,14 @@ class UndeclaredCall(RuntimeError):
 def connection_info(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
     """Credentials as Kopf's built-in logins find them: the pod's service account, else
     $KUBECONFIG or ~/.kube/config. Kopf and `Client` both use this, read at login time."""
-    info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
-        settings=settings
-    )
+    try:
+        info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
+            settings=settings
+        )
+    except OSError as exc:  # a $KUBECONFIG that names no readable file
+        raise kopf.PermanentError(f"cannot read kubeconfig {exc.filename}: {exc.strerror}") from exc
     if info is None:
-        raise kopf.LoginError(
+        raise kopf.PermanentError(
             "no Kubernetes credentials: not in a pod, and neither $KUBECONFIG nor ~/.kube/config"
         )
     return info

@@ -42,6 +42,30 @@ def test_bad_arguments_exit_2_with_a_clear_message(
     assert words in refused_usage(main, argv, capsys)
 
 
+@pytest.mark.parametrize(
+    ("kubeconfig", "words"),
+    [
+        ("/nonexistent/kubeconfig", "cannot read kubeconfig /nonexistent/kubeconfig: No such file"),
+        (None, "no Kubernetes credentials: not in a pod, and neither $KUBECONFIG nor"),
+    ],
+)
+def test_missing_credentials_exit_1_at_once_with_the_reason(
+    tmp_path: Path, kubeconfig: str | None, words: str
+) -> None:
+    """Kopf would retry the startup every minute for ever; nothing here can change."""
+    env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+    env["HOME"] = str(tmp_path)  # no ~/.kube/config
+    if kubeconfig is not None:
+        env["KUBECONFIG"] = kubeconfig
+    argv = ["operator", "-A", "--liveness-port", "0", "--metrics-port", "0"]
+    exited = subprocess.run(
+        [str(BATCHPILOT), *argv], env=env, capture_output=True, text=True, timeout=DEADLINE_S
+    )
+    assert exited.returncode == 1
+    last = exited.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"batchpilot operator: error: {words}"), exited.stderr
+
+
 def test_the_operator_never_imports_torch() -> None:
     code = (
         "import sys\n"
