@@ -27,7 +27,7 @@ from batchpilot_server.batching import BatchingConfig, Mode
 
 FinishReason = Literal["stop", "length"]
 # decode attention: native (the C kernel, CPU float32), torch, or auto (native
-# where it applies and builds, else torch); see model_runner
+# where it applies and builds, else torch); see native_attention
 AttentionBackend = Literal["auto", "native", "torch"]
 ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = ("auto", "native", "torch")
 

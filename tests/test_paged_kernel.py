@@ -18,8 +18,9 @@ import pytest
 import torch
 from batchpilot_server.engine_api import SamplingParams
 from batchpilot_server.kv_cache import KVAccountingError, KVCache
-from batchpilot_server.model_runner import ModelRunner, NativeDecodeAttention, row_parts
+from batchpilot_server.model_runner import ModelRunner
 from batchpilot_server.models import build_model, get_spec
+from batchpilot_server.native_attention import NativeDecodeAttention, row_parts
 from batchpilot_server.paged_kernel import (
     KernelUnavailableError,
     library_path,
