@@ -87,12 +87,11 @@ class NativeDecodeAttention:
         if not q.stride() == k.stride() == v.stride() or q.stride()[2:] != (head_dim, 1):
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = q.new_empty(batch, 1, heads, head_dim)
-        kernel = self.kernel
-        first, *rest = self.parts
-        workers = kernel.workers
-        pending = [
-            workers.submit(self._rows, layer, q, k, v, out, start, stop) for start, stop in rest
-        ] if workers is not None else []
+        first, *rest = self.parts  # rest is empty without workers (row_parts' `most`)
+        workers = self.kernel.workers
+        pending = []
+        if workers is not None:
+            pending = [workers.submit(self._rows, layer, q, k, v, out, *part) for part in rest]
         self._rows(layer, q, k, v, out, *first)
         for part in pending:
             part.result()
