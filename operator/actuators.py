@@ -54,10 +54,12 @@ class ActuationReport:
     def summary(self) -> str:
         parts = [f"applied on {len(self.applied)}"]
         if self.refused:
-            parts.append(
-                "refused by " + "; ".join(f"{r.target}: {r.reason}" for r in self.refused)
-            )
+            parts.append(f"refused by {self.refusals()}")
         return ", ".join(parts)
+
+    def refusals(self) -> str:
+        """Each refusing target with its reason; empty when none refused."""
+        return "; ".join(f"{r.target}: {r.reason}" for r in self.refused)
 
 
 def tuned_body(config: BatchingConfig) -> dict[str, Any]:

@@ -334,7 +334,7 @@ async def resync_pods(
             f"maxBatchSize {in_force.max_batch_size}, batchTimeoutMs "
             f"{in_force.batch_timeout_ms:g} pushed again to {pods}: they held other values",
         )
-    refused = "; ".join(f"{r.target}: {r.reason}" for r in report.refused) or None
+    refused = report.refusals() or None
     if refused is not None and refused != tuner.resync_refused:
         await client.create_event(policy, "PushRefused", f"resync refused by {refused}", "Warning")
     tuner.resync_refused = refused
