@@ -79,6 +79,8 @@ class NativeDecodeAttention:
             self.tables[row, : len(seq.block_table)] = seq.block_table
         self.kernel = kernel
         self.parts = row_parts(self.lengths, kernel.threads, kernel.min_tokens_per_part)
+        # addresses read once per step, not once per layer and part
+        self.tables_at, self.lengths_at = self.tables.ctypes.data, self.lengths.ctypes.data
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -120,9 +122,9 @@ class NativeDecodeAttention:
             q.stride(0),
             k_pool,
             v_pool,
-            tables.ctypes.data + start * tables.strides[0],
+            self.tables_at + start * tables.strides[0],
             tables.shape[1],
-            self.lengths.ctypes.data + start * self.lengths.strides[0],
+            self.lengths_at + start * self.lengths.strides[0],
             stop - start,
             heads,
             head_dim,
