@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from batchpilot_operator.spec import PolicySpec
+from batchpilot_operator.spec import ModelReference, PolicySpec, ServerSpec
 from batchpilot_server.batching import BatchingConfig
 
 GROUP = "batchpilot.io"
@@ -32,6 +33,10 @@ CONFIG_KEY = "batching.json"
 TOKEN_KEY = "token"
 CONFIG_DIR = "/etc/batchpilot/batching"
 TOKEN_DIR = "/etc/batchpilot/admin"
+# A model reference's volume (or its subPath) is mounted here, read-only.
+MODEL_DIR = "/models"
+MODEL_VOLUME = "model"
+STARTUP_PROBE_PERIOD_SECONDS = 5
 GPU_RESOURCE = "nvidia.com/gpu"
 # The server drains in-flight requests on SIGTERM; the preStop pause lets the
 # endpoints controller take the pod out of the Service before that starts.
@@ -170,7 +175,7 @@ def server_args(spec: PolicySpec) -> list[str]:
     """`batchpilot serve` flags; the batching knobs come from the mounted config file."""
     return [
         "serve",
-        "--model", spec.server.model,
+        "--model", model_argument(spec.server),
         "--mode", spec.batching.mode,
         "--port", str(SERVER_PORT),
         "--host", "0.0.0.0",
@@ -178,7 +183,57 @@ def server_args(spec: PolicySpec) -> list[str]:
         "--kv-cache-mb", str(spec.server.kv_cache_mb),
         "--admin-token-file", f"{TOKEN_DIR}/{TOKEN_KEY}",
         "--config-file", f"{CONFIG_DIR}/{CONFIG_KEY}",
+        *_model_flags(spec.server),
     ]
+
+
+def model_argument(server: ServerSpec) -> str:
+    """`--model`: the preset's name, or the reference's path under the mounted volume."""
+    if isinstance(server.model, ModelReference):
+        return f"{MODEL_DIR}/{server.model.path}"
+    return server.model
+
+
+def _model_flags(server: ServerSpec) -> list[str]:
+    # Only flags that differ from the server's defaults: a policy that sets none
+    # keeps the pod template it had, so an operator upgrade restarts no pods for them.
+    flags = []
+    if server.dtype != "auto":
+        flags += ["--dtype", server.dtype]
+    if server.max_model_len is not None:
+        flags += ["--max-model-len", str(server.max_model_len)]
+    if server.served_model_name is not None:
+        flags += ["--served-model-name", server.served_model_name]
+    return flags
+
+
+def startup_probe(server: ServerSpec) -> dict[str, Any]:
+    """Holds off liveness and readiness until the model is loaded and the server answers.
+
+    Without it a model that loads for minutes would be killed by the liveness probe
+    and restarted for ever.
+    """
+    period = STARTUP_PROBE_PERIOD_SECONDS
+    return {
+        "httpGet": {"path": "/readyz", "port": "http"},
+        "periodSeconds": period,
+        "failureThreshold": math.ceil(server.startup_timeout_seconds / period),
+    }
+
+
+def _model_volume(server: ServerSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, volume mounts) that bring a model reference's weights in, read-only."""
+    reference = server.model
+    if not isinstance(reference, ModelReference):
+        return [], []
+    volume = {
+        "name": MODEL_VOLUME,
+        "persistentVolumeClaim": {"claimName": reference.claim_name, "readOnly": True},
+    }
+    mount: dict[str, Any] = {"name": MODEL_VOLUME, "mountPath": MODEL_DIR, "readOnly": True}
+    if reference.sub_path:
+        mount["subPath"] = reference.sub_path
+    return [volume], [mount]
 
 
 def _resources(spec: PolicySpec) -> dict[str, Any]:
@@ -199,6 +254,7 @@ def _quantity(amount: Any) -> Any:
 
 
 def _pod_spec(name: str, spec: PolicySpec) -> dict[str, Any]:
+    model_volumes, model_mounts = _model_volume(spec.server)
     container: dict[str, Any] = {
         "name": "server",
         "image": spec.server.image,
@@ -206,6 +262,7 @@ def _pod_spec(name: str, spec: PolicySpec) -> dict[str, Any]:
         "args": server_args(spec),
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}],
+        "startupProbe": startup_probe(spec.server),
         "readinessProbe": {
             "httpGet": {"path": "/readyz", "port": "http"},
             "periodSeconds": 5,
@@ -229,6 +286,7 @@ def _pod_spec(name: str, spec: PolicySpec) -> dict[str, Any]:
             {"name": "batching", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "admin-token", "mountPath": TOKEN_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
+            *model_mounts,
         ],
     }
     pod: dict[str, Any] = {
@@ -248,6 +306,7 @@ def _pod_spec(name: str, spec: PolicySpec) -> dict[str, Any]:
                 "secret": {"secretName": secret_name(name), "defaultMode": 0o440},
             },
             {"name": "tmp", "emptyDir": {}},
+            *model_volumes,
         ],
     }
     if spec.server.gpus > 0:

@@ -3,13 +3,16 @@
 The CRD schema (crds/batchingpolicy.yaml) refuses most bad specs at the API
 server. This module repeats its defaults (the test emulator applies none, and
 a test keeps both in step) and adds the checks a schema cannot make: bounds
-that cannot hold together and model presets that do not exist.
+that cannot hold together, model presets that do not exist, and model
+references the schema cannot type (`server.model` is a string or an object,
+which Kubernetes cannot give a type or CEL rules).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any, cast
 
 from batchpilot_server.batching import (
@@ -23,10 +26,20 @@ from batchpilot_server.batching import (
 from batchpilot_server.model_presets import PRESET_NAMES
 
 DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_IMAGE = "batchpilot:0.1.0"
 MAX_REPLICAS = 100
 MAX_GPUS = 16
 MAX_KV_CACHE_MB = 1_048_576
+MAX_MODEL_LEN = 1_048_576
+MAX_NAME_LENGTH = 253
+# How long a pod may take from start to its first ready answer before the kubelet
+# restarts it. A preset is built in memory in seconds; weights read from a volume
+# (16 GB for an 8B model in bfloat16, often over the network) take minutes.
+PRESET_STARTUP_TIMEOUT_S = 60
+REFERENCE_STARTUP_TIMEOUT_S = 600
+MAX_STARTUP_TIMEOUT_S = 7200
+MODEL_REFERENCE_KEYS = ("persistentVolumeClaim", "path", "subPath")
 
 
 class SpecError(ValueError):
@@ -51,13 +64,27 @@ class Knob:
 
 
 @dataclass(frozen=True)
+class ModelReference:
+    """Weights in a PersistentVolumeClaim: `path` (an HF directory or a .gguf file)
+    inside the claim's volume, or inside its `sub_path` directory when one is given."""
+
+    claim_name: str
+    path: str
+    sub_path: str | None = None
+
+
+@dataclass(frozen=True)
 class ServerSpec:
     image: str
-    model: str
+    model: str | ModelReference  # a preset name, or weights in a volume
     device: str
     gpus: int
     resources: dict[str, Any]
     kv_cache_mb: int
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    served_model_name: str | None = None
+    startup_timeout_seconds: int = PRESET_STARTUP_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -103,18 +130,10 @@ class PolicySpec:
 
 def parse_spec(raw: Mapping[str, Any]) -> PolicySpec:
     """The typed spec of a BatchingPolicy, with CRD defaults; raises SpecError with the cause."""
-    server = _section(raw, "server")
     batching = _section(raw, "batching")
     spec = PolicySpec(
         replicas=_int(raw, "replicas", 1, "replicas", 0, MAX_REPLICAS),
-        server=ServerSpec(
-            image=_str(server, "image", DEFAULT_IMAGE, "server.image"),
-            model=_str(server, "model", "tiny", "server.model"),
-            device=_choice(server, "device", "auto", "server.device", DEVICES),
-            gpus=_int(server, "gpus", 0, "server.gpus", 0, MAX_GPUS),
-            resources=dict(_section(server, "resources", "server.resources")),
-            kv_cache_mb=_int(server, "kvCacheMB", 256, "server.kvCacheMB", 1, MAX_KV_CACHE_MB),
-        ),
+        server=_server(_section(raw, "server")),
         batching=BatchingSpec(
             mode=cast(Mode, _choice(batching, "mode", "continuous", "batching.mode", MODES)),
             max_batch_size=_knob(
@@ -134,6 +153,94 @@ def parse_spec(raw: Mapping[str, Any]) -> PolicySpec:
     return spec
 
 
+def _server(raw: Mapping[str, Any]) -> ServerSpec:
+    model = _model(raw.get("model", "tiny"))
+    default_timeout = (
+        REFERENCE_STARTUP_TIMEOUT_S
+        if isinstance(model, ModelReference)
+        else PRESET_STARTUP_TIMEOUT_S
+    )
+    return ServerSpec(
+        image=_str(raw, "image", DEFAULT_IMAGE, "server.image"),
+        model=model,
+        device=_choice(raw, "device", "auto", "server.device", DEVICES),
+        gpus=_int(raw, "gpus", 0, "server.gpus", 0, MAX_GPUS),
+        resources=dict(_section(raw, "resources", "server.resources")),
+        kv_cache_mb=_int(raw, "kvCacheMB", 256, "server.kvCacheMB", 1, MAX_KV_CACHE_MB),
+        dtype=_choice(raw, "dtype", "auto", "server.dtype", DTYPES),
+        max_model_len=(
+            None
+            if raw.get("maxModelLen") is None
+            else _int(raw, "maxModelLen", 0, "server.maxModelLen", 1, MAX_MODEL_LEN)
+        ),
+        served_model_name=_optional_name(raw, "servedModelName", "server.servedModelName"),
+        startup_timeout_seconds=_int(
+            raw, "startupTimeoutSeconds", default_timeout, "server.startupTimeoutSeconds",
+            10, MAX_STARTUP_TIMEOUT_S,
+        ),
+    )
+
+
+def _model(value: Any) -> str | ModelReference:
+    """A preset name (checked against the presets later) or a model reference."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, Mapping):
+        raise SpecError(
+            "InvalidSpec",
+            "server.model must be a preset name or a model reference "
+            f"{{persistentVolumeClaim: {{claimName}}, path}}, got {value!r}",
+        )
+    unknown = sorted(set(value) - set(MODEL_REFERENCE_KEYS))
+    if unknown:
+        raise _bad_reference(
+            f"unknown field(s) {', '.join(unknown)}; "
+            f"a reference has {', '.join(MODEL_REFERENCE_KEYS)}"
+        )
+    claim = value.get("persistentVolumeClaim")
+    claim_name = claim.get("claimName") if isinstance(claim, Mapping) else None
+    if not isinstance(claim_name, str) or not claim_name:
+        raise _bad_reference(
+            "needs persistentVolumeClaim.claimName: the claim that holds the weights"
+        )
+    path = value.get("path")
+    if not isinstance(path, str) or not path:
+        raise _bad_reference(
+            "needs path: the model directory or .gguf file inside the volume"
+        )
+    sub_path = value.get("subPath")
+    if sub_path is not None and not isinstance(sub_path, str):
+        raise _bad_reference(f"subPath must be a string, got {sub_path!r}")
+    for field, relative in (("path", path), ("subPath", sub_path)):
+        if relative:
+            _check_relative(field, relative)
+    return ModelReference(claim_name=claim_name, path=path, sub_path=sub_path or None)
+
+
+def _check_relative(field: str, value: str) -> None:
+    # The volume is mounted at a fixed directory: a path must stay inside it.
+    parts = PurePosixPath(value).parts
+    if value.startswith("/"):
+        raise _bad_reference(f"{field} {value!r} must be relative to the volume, not absolute")
+    if ".." in parts:
+        raise _bad_reference(f"{field} {value!r} must not contain '..': it would leave the volume")
+
+
+def _bad_reference(detail: str) -> SpecError:
+    return SpecError("InvalidModelReference", f"server.model reference {detail}")
+
+
+def _optional_name(raw: Mapping[str, Any], key: str, path: str) -> str | None:
+    if raw.get(key) is None:
+        return None
+    value = _str(raw, key, "", path)
+    if not 1 <= len(value) <= MAX_NAME_LENGTH:
+        raise SpecError(
+            "InvalidSpec", f"{path} must have 1 to {MAX_NAME_LENGTH} characters, got {value!r}"
+        )
+    return value
+
+
 def _autotune(raw: Mapping[str, Any]) -> AutotuneSpec:
     return AutotuneSpec(
         enabled=_bool(raw, "enabled", True, "autotune.enabled"),
@@ -148,11 +255,12 @@ def _autotune(raw: Mapping[str, Any]) -> AutotuneSpec:
 
 def _check_servable(spec: PolicySpec) -> None:
     """Cross-field checks: each names the fields and why they cannot be served together."""
-    if spec.server.model not in PRESET_NAMES:
+    model = spec.server.model
+    if isinstance(model, str) and model not in PRESET_NAMES:
         raise SpecError(
             "UnknownModel",
-            f"server.model {spec.server.model!r} is not a model preset; "
-            f"known: {', '.join(PRESET_NAMES)}",
+            f"server.model {model!r} is not a model preset; known: {', '.join(PRESET_NAMES)} "
+            "(weights of your own: a reference {persistentVolumeClaim: {claimName}, path})",
         )
     for name, knob in (
         ("maxBatchSize", spec.batching.max_batch_size),

@@ -7,7 +7,11 @@ from typing import Any
 
 from batchpilot_operator import builders
 from batchpilot_operator.reconcile import is_subset, set_conditions
-from batchpilot_operator.spec import parse_spec
+from batchpilot_operator.spec import (
+    PRESET_STARTUP_TIMEOUT_S,
+    REFERENCE_STARTUP_TIMEOUT_S,
+    parse_spec,
+)
 from batchpilot_server.batching import FIELDS, BatchingConfig
 
 from tests.policies import policy_object
@@ -39,9 +43,8 @@ def test_server_flags_follow_the_spec_and_mount_config_and_token() -> None:
     template = pod_template(server={"model": "tiny", "device": "cpu", "kvCacheMB": 64},
                             batching={"mode": "dynamic"})
     (container,) = template["spec"]["containers"]
-    args = container["args"]
-    flags = dict(zip(args[1::2], args[2::2], strict=True))
-    assert args[0] == "serve"
+    flags = flags_of(container)
+    assert container["args"][0] == "serve"
     assert flags == {
         "--model": "tiny", "--mode": "dynamic", "--port": str(builders.SERVER_PORT),
         "--host": "0.0.0.0", "--device": "cpu", "--kv-cache-mb": "64",
@@ -51,6 +54,65 @@ def test_server_flags_follow_the_spec_and_mount_config_and_token() -> None:
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert flags["--config-file"].startswith(mounts["batching"])
     assert flags["--admin-token-file"].startswith(mounts["admin-token"])
+
+
+def flags_of(container: dict[str, Any]) -> dict[str, str]:
+    args = container["args"]
+    return dict(zip(args[1::2], args[2::2], strict=True))
+
+
+MODEL_REFERENCE = {
+    "persistentVolumeClaim": {"claimName": "weights"},
+    "path": "SmolLM2-135M-Instruct",
+    "subPath": "team-a",
+}
+
+
+def test_a_model_reference_mounts_its_claim_read_only_and_passes_the_path() -> None:
+    pod = pod_template(server={
+        "model": MODEL_REFERENCE, "dtype": "bfloat16", "maxModelLen": 8192,
+        "servedModelName": "smol",
+    })["spec"]
+    (container,) = pod["containers"]
+    (volume,) = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert volume["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"] and mount["subPath"] == "team-a"
+    flags = flags_of(container)
+    assert flags["--model"] == f"{mount['mountPath']}/SmolLM2-135M-Instruct"
+    assert (flags["--dtype"], flags["--max-model-len"], flags["--served-model-name"]) == (
+        "bfloat16", "8192", "smol",
+    )
+
+
+def test_a_preset_mounts_no_model_and_sets_no_model_flags() -> None:
+    pod = pod_template(server={"model": "tiny"})["spec"]
+    (container,) = pod["containers"]
+    assert not [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert not {"--dtype", "--max-model-len", "--served-model-name"} & set(container["args"])
+    without_sub_path = pod_template(server={"model": {**MODEL_REFERENCE, "subPath": None}})
+    mounts = without_sub_path["spec"]["containers"][0]["volumeMounts"]
+    assert not any("subPath" in m for m in mounts)
+
+
+def startup_budget_s(container: dict[str, Any]) -> int:
+    probe = container["startupProbe"]
+    return int(probe["periodSeconds"] * probe["failureThreshold"])
+
+
+def test_the_startup_probe_waits_as_long_as_the_model_needs_to_load() -> None:
+    def container(**server: Any) -> dict[str, Any]:
+        return pod_template(server=server)["spec"]["containers"][0]
+
+    preset = container(model="tiny")
+    reference = container(model=MODEL_REFERENCE)
+    assert preset["startupProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert startup_budget_s(preset) >= PRESET_STARTUP_TIMEOUT_S
+    assert startup_budget_s(reference) >= REFERENCE_STARTUP_TIMEOUT_S
+    assert startup_budget_s(container(model=MODEL_REFERENCE, startupTimeoutSeconds=1801)) >= 1801
+    # liveness and readiness are the same for every model: the startup probe holds them off
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert preset[probe] == reference[probe]
 
 
 def test_pod_is_locked_down_probed_and_drains() -> None:

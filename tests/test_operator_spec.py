@@ -5,7 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from batchpilot_operator.spec import SpecError, parse_spec
+from batchpilot_operator.spec import (
+    PRESET_STARTUP_TIMEOUT_S,
+    REFERENCE_STARTUP_TIMEOUT_S,
+    ModelReference,
+    SpecError,
+    parse_spec,
+)
 from batchpilot_server.batching import BatchingConfig
 from batchpilot_server.model_presets import PRESET_NAMES
 
@@ -22,6 +28,42 @@ def test_empty_spec_takes_the_documented_defaults() -> None:
     assert spec.batching.mode == "continuous"
     assert spec.initial_config() == BatchingConfig(8, 10.0, 256)
     assert spec.autotune.enabled and spec.p99_latency_ms == 500
+    assert (spec.server.dtype, spec.server.max_model_len, spec.server.served_model_name) == (
+        "auto", None, None,
+    )
+    assert spec.server.startup_timeout_seconds == PRESET_STARTUP_TIMEOUT_S
+
+
+def reference(**fields: Any) -> dict[str, Any]:
+    return {"persistentVolumeClaim": {"claimName": "weights"}, "path": "SmolLM2", **fields}
+
+
+def test_a_model_reference_names_the_claim_and_the_path_inside_it() -> None:
+    spec = parse_spec({"server": {
+        "model": reference(path="team/SmolLM2-135M.Q4_1.gguf", subPath="models"),
+        "dtype": "bfloat16", "maxModelLen": 4096, "servedModelName": "smol",
+    }})
+    assert spec.server.model == ModelReference("weights", "team/SmolLM2-135M.Q4_1.gguf", "models")
+    assert (spec.server.dtype, spec.server.max_model_len, spec.server.served_model_name) == (
+        "bfloat16", 4096, "smol",
+    )
+
+
+def test_a_reference_waits_longer_for_its_model_to_load() -> None:
+    assert parse_spec({"server": {"model": reference()}}).server.startup_timeout_seconds == (
+        REFERENCE_STARTUP_TIMEOUT_S
+    )
+    assert REFERENCE_STARTUP_TIMEOUT_S > PRESET_STARTUP_TIMEOUT_S
+    chosen = parse_spec({"server": {"model": reference(), "startupTimeoutSeconds": 1800}})
+    assert chosen.server.startup_timeout_seconds == 1800
+
+
+def test_an_unknown_preset_names_the_known_ones() -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec({"server": {"model": "/models/llama"}})
+    assert caught.value.reason == "UnknownModel"
+    assert all(name in caught.value.message for name in PRESET_NAMES)
+    assert "persistentVolumeClaim" in caught.value.message  # how to name weights instead
 
 
 @pytest.mark.parametrize(
@@ -47,6 +89,31 @@ def test_empty_spec_takes_the_documented_defaults() -> None:
         ({"batching": []}, "InvalidSpec", "batching must be an object"),
         ({"autotune": {"enabled": "yes"}}, "InvalidSpec", "true or false"),
         ({"batching": {"maxBatchSize": {"max": 5000}}}, "InvalidSpec", "between 1 and 1024"),
+        ({"server": {"model": 7}}, "InvalidSpec", "a preset name or a model reference"),
+        (
+            {"server": {"model": {"path": "SmolLM2"}}},
+            "InvalidModelReference", "needs persistentVolumeClaim.claimName",
+        ),
+        (
+            {"server": {"model": {"persistentVolumeClaim": {"claimName": ""}, "path": "m"}}},
+            "InvalidModelReference", "needs persistentVolumeClaim.claimName",
+        ),
+        (
+            {"server": {"model": {"persistentVolumeClaim": {"claimName": "w"}}}},
+            "InvalidModelReference", "needs path",
+        ),
+        ({"server": {"model": reference(path="/etc/passwd")}}, "InvalidModelReference",
+         "'/etc/passwd' must be relative"),
+        ({"server": {"model": reference(path="a/../../b")}}, "InvalidModelReference",
+         "must not contain '..'"),
+        ({"server": {"model": reference(subPath="..")}}, "InvalidModelReference",
+         "subPath '..' must not contain '..'"),
+        ({"server": {"model": reference(pth="x")}}, "InvalidModelReference",
+         "unknown field(s) pth"),
+        ({"server": {"dtype": "int4"}}, "InvalidSpec", "must be one of auto, float32"),
+        ({"server": {"maxModelLen": 0}}, "InvalidSpec", "server.maxModelLen must be between"),
+        ({"server": {"servedModelName": ""}}, "InvalidSpec", "1 to 253 characters"),
+        ({"server": {"startupTimeoutSeconds": 1}}, "InvalidSpec", "between 10 and 7200"),
     ],
 )
 def test_unservable_specs_name_their_reason(raw: dict[str, Any], reason: str, words: str) -> None:
