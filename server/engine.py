@@ -223,7 +223,9 @@ class Engine:
         if self._device == "cuda" and options.gpu_memory_fraction is not None:
             free, _ = torch.cuda.mem_get_info()
             budget = free * options.gpu_memory_fraction
-        cache = KVCache.sized(self._spec, budget, options.block_size, self._device)
+        # float32 on the CPU whatever the weights (the native kernel reads float32)
+        dtype = model.lm_head.weight.dtype if self._device == "cuda" else torch.float32
+        cache = KVCache.sized(self._spec, budget, options.block_size, self._device, dtype)
         return cache, ModelRunner(model, cache, options.attention, threads)
 
     async def shutdown(self, drain: bool = False) -> None:

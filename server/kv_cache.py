@@ -1,8 +1,11 @@
 """Paged KV cache: a fixed pool of blocks, block tables per sequence.
 
 `BlockPool` does the accounting (which block belongs to whom); `KVCache`
-holds the tensors, one [num_blocks, heads, block_size, head_dim] pool per
-layer for K and for V. Decode attention reads the blocks where they lie (the C
+holds the tensors, one [num_blocks, kv_heads, block_size, head_dim] pool per
+layer for K and for V (grouped-query attention stores only the KV heads). The
+engine picks the cache dtype: float32 on the CPU whatever the weights' dtype
+(the native kernel is float32), the model's dtype on CUDA; attention casts q/k/v
+to it at its boundary. Decode attention reads the blocks where they lie (the C
 kernel `csrc/paged_attention.c`, or `model_runner.PagedDecodeAttention` with
 torch ops): nothing copies a sequence's cache into a contiguous tensor per step.
 """
@@ -76,7 +79,7 @@ class BlockPool:
 
 def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.n_layers * block_size * spec.d_model * element
+    return 2 * spec.n_layers * spec.n_kv_heads * block_size * spec.head_dim * element
 
 
 class KVCache:
@@ -89,7 +92,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
     ) -> None:
         self.pool = BlockPool(num_blocks, block_size)
-        shape = (spec.n_layers, num_blocks, spec.n_heads, block_size, spec.head_dim)
+        shape = (spec.n_layers, num_blocks, spec.n_kv_heads, block_size, spec.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
 
@@ -123,6 +126,12 @@ class KVCache:
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> None:
-        """Store k, v [tokens, heads, head_dim] at (`blocks`, `offsets`) [tokens]."""
+        """Store k, v [tokens, kv_heads, head_dim] at (`blocks`, `offsets`) [tokens]."""
         self.k[layer][blocks, :, offsets] = k
         self.v[layer][blocks, :, offsets] = v
+
+    def gather(
+        self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [tokens, kv_heads, head_dim] stored at (`blocks`, `offsets`) [tokens]."""
+        return self.k[layer][blocks, :, offsets], self.v[layer][blocks, :, offsets]

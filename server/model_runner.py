@@ -16,34 +16,56 @@ from batchpilot_server.sequence import Sequence
 
 
 class PagedPrefillAttention:
-    """Causal attention among each row's own (padded) tokens; stores their K/V."""
+    """Each row computes a chunk of its tokens, positions [start, end): the chunk's K/V
+    are stored, and its queries attend causally to the row's K/V before `start` (read
+    back from the cache) and to the chunk's own. A batch whose rows all start at 0
+    attends to the fresh K/V only. Computes in the cache's dtype; returns q's."""
 
     def __init__(
-        self, cache: KVCache, blocks: torch.Tensor, offsets: torch.Tensor, valid: torch.Tensor
+        self,
+        cache: KVCache,
+        stored: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        context: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None,
     ) -> None:
+        """`stored`: flat [batch * tokens] indices of the real (not padding) tokens and
+        the (blocks, offsets) they are stored at; `context`: (blocks, offsets)
+        [batch * keys] of every row's keys, None when no row starts past 0; `mask`:
+        [batch, 1, tokens, keys] which keys each query sees, None for plain causal."""
         self.cache = cache
-        self.blocks = blocks
-        self.offsets = offsets
-        # flat [batch * tokens] positions of the real tokens, found once per step: a
-        # boolean index on k and v would search the mask again in every layer
-        self.stored = valid.reshape(-1).nonzero().squeeze(1)
-        tokens = valid.shape[1]
-        causal = torch.ones(tokens, tokens, dtype=torch.bool, device=valid.device).tril()
-        # ragged rows also mask the padding keys; equal rows take the fast causal path
-        self.mask = None if bool(valid.all()) else causal & valid[:, None, None, :]
+        self.stored, self.blocks, self.offsets = stored
+        self.context = context
+        self.mask = mask
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        k_stored = k.flatten(0, 1).index_select(0, self.stored)
-        v_stored = v.flatten(0, 1).index_select(0, self.stored)
-        self.cache.write(layer, self.blocks, self.offsets, k_stored, v_stored)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
-        return out.transpose(1, 2)
+        dtype = self.cache.k.dtype
+        query, key, value = (t.to(dtype) for t in (q, k, v))
+        batch, _, kv_heads, head_dim = key.shape
+        self.cache.write(
+            layer,
+            self.blocks,
+            self.offsets,
+            key.flatten(0, 1).index_select(0, self.stored),
+            value.flatten(0, 1).index_select(0, self.stored),
+        )
+        if self.context is not None:
+            # a later chunk reads its row's earlier K/V back: prefill is bound by
+            # compute, and this copy is small beside the chunk's matmuls
+            key, value = (
+                t.view(batch, -1, kv_heads, head_dim)
+                for t in self.cache.gather(layer, *self.context)
+            )
+        out = F.scaled_dot_product_attention(
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            attn_mask=self.mask,
+            is_causal=self.mask is None,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2).to(q.dtype)
 
 
 class PagedDecodeAttention:
@@ -101,24 +123,30 @@ class PagedDecodeAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         batch, _, heads, head_dim = q.shape
-        size = self.cache.block_size
-        self.cache.write(layer, self.write_blocks, self.write_offsets, k[:, 0], v[:, 0])
-        # 3-d views for bmm: one (1 x hd) @ (hd x bs) product per block and head
-        pieces = self.span * heads
+        kv_heads = k.shape[2]
+        group = heads // kv_heads  # query head h reads KV head h // group
+        size, dtype = self.cache.block_size, self.cache.k.dtype
+        query = q[:, 0].to(dtype)
+        self.cache.write(
+            layer, self.write_blocks, self.write_offsets, k[:, 0].to(dtype), v[:, 0].to(dtype)
+        )
+        # 3-d views for bmm: one (group x hd) @ (hd x bs) product per block and KV
+        # head, so each KV head's block is read once for its whole group
+        pieces = self.span * kv_heads
         keys = self.cache.k[layer, : self.span].view(pieces, size, head_dim)
         values = self.cache.v[layer, : self.span].view(pieces, size, head_dim)
-        query = q[:, 0].index_select(0, self.row).view(pieces, 1, head_dim)
-        scores = torch.bmm(query, keys.transpose(1, 2)).view(self.span, heads, size)
+        queries = query.index_select(0, self.row).view(pieces, group, head_dim)
+        scores = torch.bmm(queries, keys.transpose(1, 2)).view(self.span, heads, size)
         per_seq = scores.index_select(0, self.tables).view(batch, self.width, heads, size)
         logits = torch.add(self.bias, per_seq.transpose(1, 2), alpha=head_dim**-0.5)
         weights = torch.softmax(logits.reshape(batch, heads, -1), -1)
         block_major = weights.view(batch, heads, self.width, size).transpose(1, 2)
         rows = block_major.reshape(batch * self.width, heads, size)
         by_block = rows.index_select(0, self.weight_row)
-        mixed = torch.bmm(by_block.view(pieces, 1, size), values)
-        out = q.new_zeros(batch + 1, heads, head_dim)
+        mixed = torch.bmm(by_block.view(pieces, group, size), values)
+        out = query.new_zeros(batch + 1, heads, head_dim)
         out.index_add_(0, self.out_row, mixed.view(self.span, heads, head_dim))
-        return out[:batch, None]
+        return out[:batch, None].to(q.dtype)
 
 
 class ModelRunner:
@@ -146,32 +174,76 @@ class ModelRunner:
         return "torch" if self.kernel is None else "native"
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Compute every token of each sequence; logits [len(seqs), vocab] of the last."""
-        size = self.cache.block_size
-        lengths = [seq.num_tokens for seq in seqs]
-        width = max(lengths)
-        ids = [seq.token_ids + [0] * (width - seq.num_tokens) for seq in seqs]
-        # numpy per sequence, not a Python loop per prompt token
-        slots = [np.arange(seq.num_tokens) for seq in seqs]
-        blocks = np.concatenate(
-            [np.asarray(seq.block_table)[pos // size] for seq, pos in zip(seqs, slots, strict=True)]
+    def prefill(self, seqs: list[Sequence], chunks: list[int] | None = None) -> torch.Tensor:
+        """Compute the next `chunks[i]` tokens of each sequence from its `num_computed`
+        on (all it has left when None) and advance `num_computed`; logits
+        [rows, vocab] of the last token of each row this completes (now
+        `ready_to_sample`), in order."""
+        batch = len(seqs)
+        starts = np.fromiter((seq.num_computed for seq in seqs), np.int64, batch)
+        counts = (
+            np.fromiter((seq.num_tokens for seq in seqs), np.int64, batch) - starts
+            if chunks is None
+            else np.asarray(chunks, np.int64)
         )
-        offsets = np.concatenate(slots) % size
+        ends = starts + counts
+        if (counts < 1).any() or (ends > [seq.num_tokens for seq in seqs]).any():
+            raise ValueError("each prefill chunk must hold 1 to the tokens a sequence has left")
+        width = int(counts.max())
+        ids = [
+            seq.token_ids[start:end] + [0] * (width - (end - start))
+            for seq, start, end in zip(seqs, starts.tolist(), ends.tolist(), strict=True)
+        ]
+        # padding repeats its row's last position: it stays inside the model's context
+        positions = np.minimum(starts[:, None] + np.arange(width), ends[:, None] - 1)
+        attention = self._prefill_attention(seqs, starts, counts, positions)
         device = self.device
-        length_t = torch.tensor(lengths, device=device)
-        positions = torch.arange(width, device=device)
-        attention = PagedPrefillAttention(
-            self.cache,
-            torch.from_numpy(blocks).to(device),
-            torch.from_numpy(offsets).to(device),
-            positions[None, :] < length_t[:, None],
-        )
         hidden = self.model.hidden(
-            torch.tensor(ids, device=device), positions.expand(len(seqs), width), attention
+            torch.tensor(ids, device=device), torch.from_numpy(positions).to(device), attention
         )
-        last = hidden[torch.arange(len(seqs), device=device), length_t - 1]
-        return self.model.logits(last)
+        for seq, end in zip(seqs, ends.tolist(), strict=True):
+            seq.num_computed = end
+        done = [row for row, seq in enumerate(seqs) if seq.ready_to_sample]
+        rows = torch.tensor(done, dtype=torch.int64, device=device)
+        return self.model.logits(hidden[rows, torch.from_numpy(counts[done] - 1).to(device)])
+
+    def _prefill_attention(
+        self, seqs: list[Sequence], starts: np.ndarray, counts: np.ndarray, positions: np.ndarray
+    ) -> PagedPrefillAttention:
+        """Where each chunk's K/V go, which cached K/V its queries read, and the mask."""
+        size, device = self.cache.block_size, self.device
+        tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), np.int64)
+        for row, seq in enumerate(seqs):
+            tables[row, : len(seq.block_table)] = seq.block_table
+        width = positions.shape[1]
+        valid = np.arange(width) < counts[:, None]
+        rows, columns = np.nonzero(valid)
+        slots = positions[rows, columns]
+        # flat [batch * tokens] indices of the real tokens, found once per step: a
+        # boolean index on k and v would search the mask again in every layer
+        stored = (
+            torch.from_numpy(rows * width + columns).to(device),
+            torch.from_numpy(tables[rows, slots // size]).to(device),
+            torch.from_numpy(slots % size).to(device),
+        )
+        ends = starts + counts
+        keys = np.arange(int(ends.max()))
+        context = None
+        if starts.any():
+            key_slots = np.minimum(keys, ends[:, None] - 1)  # padding keys: any slot, masked
+            key_blocks = np.take_along_axis(tables, key_slots // size, 1)
+            context = (
+                torch.from_numpy(key_blocks.reshape(-1)).to(device),
+                torch.from_numpy((key_slots % size).reshape(-1)).to(device),
+            )
+        mask = None  # rows of equal length that start at 0 take SDPA's fast causal path
+        if starts.any() or not valid.all():
+            # query i of a row sees keys up to its own position, and none of the padding
+            seen = (keys <= (starts[:, None] + np.arange(width))[:, :, None]) & (
+                keys < ends[:, None, None]
+            )
+            mask = torch.from_numpy(seen[:, None]).to(device)
+        return PagedPrefillAttention(self.cache, stored, context, mask)
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -186,4 +258,6 @@ class ModelRunner:
         ids = torch.tensor([seq.token_ids[-1] for seq in seqs], device=device)[:, None]
         positions = torch.tensor([seq.num_tokens - 1 for seq in seqs], device=device)[:, None]
         hidden = self.model.hidden(ids, positions, attention)
+        for seq in seqs:
+            seq.num_computed = seq.num_tokens
         return self.model.logits(hidden[:, 0])

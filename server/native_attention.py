@@ -65,7 +65,8 @@ def row_parts(lengths: np.ndarray, most: int, min_tokens: int) -> list[tuple[int
 
 class NativeDecodeAttention:
     """The same step as `PagedDecodeAttention` in one C call per layer (paged_kernel):
-    store the new K/V, then each row's query reads its own blocks in place."""
+    store the new K/V, then each row's queries read its own blocks in place, each KV
+    head once for the query heads that share it."""
 
     def __init__(self, kernel: NativeKernel, seqs: list[Sequence]) -> None:
         batch = len(seqs)
@@ -85,19 +86,30 @@ class NativeDecodeAttention:
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
+        """q [batch, 1, heads, head_dim], k and v [batch, 1, kv_heads, head_dim] in the
+        model's dtype; the kernel reads and writes float32 (the cache's dtype)."""
         batch, _, heads, head_dim = q.shape
-        if not q.stride() == k.stride() == v.stride() or q.stride()[2:] != (head_dim, 1):
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = q.new_empty(batch, 1, heads, head_dim)
+        kv_heads = k.shape[2]
+        if heads % kv_heads:
+            raise ValueError(f"{heads} query heads do not split into {kv_heads} KV groups")
+        query, key, value = (t.to(torch.float32) for t in (q, k, v))
+        # C reads rows `stride(0)` apart, heads and dims packed; k and v share a stride
+        if query.stride()[2:] != (head_dim, 1):
+            query = query.contiguous()
+        if key.stride() != value.stride() or key.stride()[2:] != (head_dim, 1):
+            key, value = key.contiguous(), value.contiguous()
+        out = query.new_empty(batch, 1, heads, head_dim)
         first, *rest = self.parts  # rest is empty without workers (row_parts' `most`)
         workers = self.kernel.workers
         pending = []
         if workers is not None:
-            pending = [workers.submit(self._rows, layer, q, k, v, out, *part) for part in rest]
-        self._rows(layer, q, k, v, out, *first)
+            pending = [
+                workers.submit(self._rows, layer, query, key, value, out, *part) for part in rest
+            ]
+        self._rows(layer, query, key, value, out, *first)
         for part in pending:
             part.result()
-        return out
+        return out.to(q.dtype)
 
     def _rows(
         self,
@@ -112,14 +124,15 @@ class NativeDecodeAttention:
         """The kernel over rows [start, stop): every pointer moved to row `start`."""
         _, _, heads, head_dim = q.shape
         kernel, tables = self.kernel, self.tables
-        row_bytes = q.stride(0) * q.element_size()
-        out_row_bytes = out.stride(0) * out.element_size()
+        q_row, kv_row = q.stride(0), k.stride(0)
+        size = q.element_size()
         k_pool, v_pool = kernel.layers[layer]
-        kernel.function(
-            q.data_ptr() + start * row_bytes,
-            k.data_ptr() + start * row_bytes,
-            v.data_ptr() + start * row_bytes,
-            q.stride(0),
+        status = kernel.function(
+            q.data_ptr() + start * q_row * size,
+            k.data_ptr() + start * kv_row * size,
+            v.data_ptr() + start * kv_row * size,
+            q_row,
+            kv_row,
             k_pool,
             v_pool,
             self.tables_at + start * tables.strides[0],
@@ -127,11 +140,14 @@ class NativeDecodeAttention:
             self.lengths_at + start * self.lengths.strides[0],
             stop - start,
             heads,
+            k.shape[2],
             head_dim,
             kernel.block_size,
             head_dim**-0.5,
-            out.data_ptr() + start * out_row_bytes,
+            out.data_ptr() + start * out.stride(0) * size,
         )
+        if status != 0:
+            raise MemoryError("the attention kernel could not allocate its scratch weights")
 
 
 def native_kernel_for(

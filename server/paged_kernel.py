@@ -109,13 +109,13 @@ def paged_decode_kernel() -> ctypes._CFuncPtr:
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     function.argtypes = [
         *(pointer,) * 3,  # q, k_new, v_new
-        integer,  # row_stride
+        *(integer,) * 2,  # q_stride, kv_stride
         *(pointer,) * 3,  # k_pool, v_pool, tables
         integer,  # width
         pointer,  # lengths
-        *(integer,) * 4,  # batch, heads, head_dim, block_size
+        *(integer,) * 5,  # batch, heads, kv_heads, head_dim, block_size
         ctypes.c_float,  # scale
         pointer,  # out
     ]
-    function.restype = None
+    function.restype = integer  # 0, or -1: no memory for the attention weights
     return function

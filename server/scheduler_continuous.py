@@ -67,6 +67,7 @@ class ContinuousScheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.pool.release(seq.block_table)
+        seq.num_computed = 0  # its K/V are gone: recomputed from the first token
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)  # victims go newest first: the oldest ends up in front
 

@@ -28,6 +28,9 @@ class Sequence:
     generator: torch.Generator | None  # None: greedy
     token_ids: list[int] = field(init=False)
     block_table: list[int] = field(default_factory=list)
+    # tokens whose K/V the cache holds: a chunked prefill advances it chunk by chunk,
+    # each decode by one; preemption frees the blocks and sets it back to 0
+    num_computed: int = 0
     status: Status = Status.WAITING
     first_scheduled: float | None = None
     finish_reason: FinishReason | None = None
@@ -39,6 +42,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def ready_to_sample(self) -> bool:
+        """Every token is computed: the last forward's logits give the next token."""
+        return self.num_computed == len(self.token_ids)
 
     @property
     def num_prompt(self) -> int:
