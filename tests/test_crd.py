@@ -21,7 +21,13 @@ ROOT = Path(__file__).resolve().parent.parent
 CRD = yaml.safe_load((ROOT / "crds" / "batchingpolicy.yaml").read_text())
 (VERSION,) = CRD["spec"]["versions"]
 SCHEMA = VERSION["schema"]["openAPIV3Schema"]
-EXAMPLES = sorted((ROOT / "manifests" / "examples").glob("*.yaml"))
+# A preset policy is one file; a policy of weights in a volume is a kustomize
+# directory with the claim that holds them (tests/test_manifests.py renders those).
+EXAMPLES_DIR = ROOT / "manifests" / "examples"
+EXAMPLES = sorted(
+    [*EXAMPLES_DIR.glob("*.yaml"), *EXAMPLES_DIR.glob("*/policy.yaml")],
+    key=lambda p: p.relative_to(EXAMPLES_DIR).as_posix(),
+)
 
 
 def with_defaults(schema: dict[str, Any], value: Any) -> Any:
@@ -92,10 +98,21 @@ def example(path: Path) -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
 
 
-def test_there_are_cpu_and_gpu_examples() -> None:
-    assert [p.name for p in EXAMPLES] == ["cpu-policy.yaml", "gpu-policy.yaml"]
-    gpu = example(EXAMPLES[1])["spec"]["server"]
-    assert gpu["gpus"] >= 1 and gpu["device"] == "cuda"
+def test_there_are_cpu_and_gpu_examples_of_a_preset_and_of_real_models() -> None:
+    names = [p.relative_to(EXAMPLES_DIR).as_posix() for p in EXAMPLES]
+    assert names == [
+        "cpu-policy.yaml", "gpu-policy.yaml",
+        "llama3-8b-gpu/policy.yaml", "smollm2-cpu/policy.yaml",
+    ]
+    for gpu_example in ("gpu-policy.yaml", "llama3-8b-gpu/policy.yaml"):
+        gpu = example(EXAMPLES_DIR / gpu_example)["spec"]["server"]
+        assert gpu["gpus"] >= 1 and gpu["device"] == "cuda"
+    llama = example(EXAMPLES_DIR / "llama3-8b-gpu/policy.yaml")["spec"]["server"]
+    assert (llama["dtype"], llama["maxModelLen"]) == ("bfloat16", 8192)
+    smollm2 = example(EXAMPLES_DIR / "smollm2-cpu/policy.yaml")["spec"]
+    assert smollm2["server"]["device"] == "cpu" and smollm2["batching"]["mode"] == "continuous"
+    for spec in (llama, smollm2["server"]):
+        assert spec["model"]["persistentVolumeClaim"]["claimName"]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -161,6 +178,35 @@ INVALID = [
         {"autotune": {"intervalSeconds": 60, "windowSeconds": 30}},
         "windowSeconds must be at least intervalSeconds",
     ),
+    ("unknown dtype", {"server": {"dtype": "int4"}}, "'int4' is not one of"),
+    ("zero model length", {"server": {"maxModelLen": 0}}, "less than the minimum"),
+    ("instant startup timeout", {"server": {"startupTimeoutSeconds": 1}}, "less than the minimum"),
+    (
+        "reference without claim",
+        {"server": {"model": {"persistentVolumeClaim": {}, "path": "m"}}},
+        "'claimName' is a required property",
+    ),
+    (
+        "reference without path",
+        {"server": {"model": {"persistentVolumeClaim": {"claimName": "w"}}}},
+        "'path' is a required property",
+    ),
+    (
+        "absolute model path",
+        {"server": {"model": {"persistentVolumeClaim": {"claimName": "w"}, "path": "/etc/x"}}},
+        "path must be relative to the volume",
+    ),
+    (
+        "model path that leaves the volume",
+        {"server": {"model": {"persistentVolumeClaim": {"claimName": "w"}, "path": "a/../../x"}}},
+        "path must be relative to the volume and must not contain '..'",
+    ),
+    (
+        "subPath that leaves the volume",
+        {"server": {"model": {"persistentVolumeClaim": {"claimName": "w"}, "path": "m",
+                              "subPath": ".."}}},
+        "subPath must be relative to the volume",
+    ),
 ]
 
 
@@ -193,9 +239,72 @@ def test_mode_rule_refuses_unknown_modes_on_its_own() -> None:
         assert bool(verdict) is accepted
 
 
+def test_both_model_forms_are_accepted_by_the_crd_and_the_operator() -> None:
+    reference = {"persistentVolumeClaim": {"claimName": "w"}, "path": "models/x.gguf",
+                 "subPath": "team-a"}
+    for model in ("tiny", reference):
+        obj = policy(server={"model": model})
+        assert refusals(obj) == []
+        assert parse_spec(with_defaults(SCHEMA, obj)["spec"]).server.model is not None
+
+
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        (7, "InvalidSpec"),
+        ("gpt-9", "UnknownModel"),
+        ({"persistentVolumeClaim": {"claimName": "w"}, "path": "m", "pth": "n"},
+         "InvalidModelReference"),
+    ],
+    ids=["number", "unknown preset", "unknown field"],
+)
+def test_what_the_schema_cannot_type_the_operator_refuses(model: Any, reason: str) -> None:
+    # server.model is a string or an object: an untyped node, so the API server lets
+    # these through (and keeps unknown fields) and the operator says why with Ready=False.
+    obj = policy(server={"model": model})
+    assert refusals(obj) == []
+    with pytest.raises(SpecError) as caught:
+        parse_spec(with_defaults(SCHEMA, obj)["spec"])
+    assert caught.value.reason == reason
+
+
+JUNCTORS = ("allOf", "anyOf", "oneOf", "not")
+# What Kubernetes forbids inside a junctor (the int-or-string patterns aside, unused here).
+FORBIDDEN_IN_JUNCTORS = ("type", "default", "description", "additionalProperties", "nullable")
+
+
+def junctor_violations(schema: Any, path: str) -> Iterator[str]:
+    """Keywords inside allOf/anyOf/oneOf/not that make a schema non-structural."""
+    branches = schema if isinstance(schema, list) else [schema]
+    for branch in branches:
+        if not isinstance(branch, dict):
+            continue
+        for key in FORBIDDEN_IN_JUNCTORS:
+            if key in branch:
+                yield f"{path} sets {key} inside a junctor"
+        for key, sub in branch.get("properties", {}).items():
+            yield from junctor_violations(sub, f"{path}.{key}")
+        for junctor in JUNCTORS:
+            if junctor in branch:
+                yield from junctor_violations(branch[junctor], path)
+
+
 def structural_violations(schema: dict[str, Any], path: str = "") -> Iterator[str]:
-    if "type" not in schema and not schema.get("x-kubernetes-int-or-string"):
+    """Kubernetes' structural-schema rules: a type on every node unless it is
+    int-or-string or preserves unknown fields, nothing typed inside junctors, and
+    properties never next to additionalProperties."""
+    untyped_ok = schema.get("x-kubernetes-int-or-string") or schema.get(
+        "x-kubernetes-preserve-unknown-fields"
+    )
+    if "type" not in schema and not untyped_ok:
         yield f"{path or '<root>'} has no type"
+    if "type" not in schema and schema.get("x-kubernetes-validations"):
+        yield f"{path} has CEL rules but no type: Kubernetes cannot compile them"
+    if "properties" in schema and "additionalProperties" in schema:
+        yield f"{path} has both properties and additionalProperties"
+    for junctor in JUNCTORS:
+        if junctor in schema:
+            yield from junctor_violations(schema[junctor], path)
     for key, sub in schema.get("properties", {}).items():
         yield from structural_violations(sub, f"{path}.{key}")
     if isinstance(schema.get("items"), dict):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from batchpilot_operator.spec import ModelReference, parse_spec
 
+from tests.test_crd import SCHEMA, refusals, with_defaults
 from tests.test_rbac import operator_object, render_manifests
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,3 +81,43 @@ def test_operator_reads_signals_from_the_prometheus_the_base_ships(
     meta = service["metadata"]
     port = service["spec"]["ports"][0]["port"]
     assert url == f"http://{meta['name']}.{meta['namespace']}.svc:{port}"
+
+
+# Policies of weights in a volume: kustomize directories with the claim and a Job that fills it.
+MODEL_EXAMPLES = sorted(
+    p.parent for p in (ROOT / "manifests" / "examples").glob("*/kustomization.yaml")
+)
+
+
+def render(directory: Path) -> list[dict[str, Any]]:
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(directory)],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def test_there_are_real_model_examples() -> None:
+    assert [d.name for d in MODEL_EXAMPLES] == ["llama3-8b-gpu", "smollm2-cpu"]
+
+
+@pytest.mark.parametrize("directory", MODEL_EXAMPLES, ids=lambda d: d.name)
+def test_a_real_model_example_brings_the_claim_its_policy_reads(directory: Path) -> None:
+    docs = render(directory)
+    policy = one(docs, "BatchingPolicy")
+    assert refusals(policy) == []
+    spec = parse_spec(with_defaults(SCHEMA, policy)["spec"])
+    reference = spec.server.model
+    assert isinstance(reference, ModelReference)
+    claim = one(docs, "PersistentVolumeClaim")
+    assert claim["metadata"]["name"] == reference.claim_name
+    assert claim["metadata"]["namespace"] == policy["metadata"]["namespace"]
+    # The Job that fills the claim writes where the server will read.
+    pod = one(docs, "Job")["spec"]["template"]["spec"]
+    (volume,) = pod["volumes"]
+    assert volume["persistentVolumeClaim"]["claimName"] == reference.claim_name
+    (container,) = pod["containers"]
+    (mount,) = container["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["TARGET"] == f"{mount['mountPath']}/{reference.path}"
+    assert reference.sub_path is None  # the Job fills the volume's root
