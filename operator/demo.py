@@ -6,6 +6,9 @@ binary is installed (otherwise the tuner scrapes `/metrics` itself); the load
 generator offers a steady rate that steps up midway; the local tuning loop
 moves both knobs. A live view shows what happens; at the end the run is
 plotted to `docs/demo.png` and summarised.
+
+`--model DIR|FILE.gguf` runs it on a real model instead of `tiny`, with a load
+scaled down to what a real model serves on a few CPU cores.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from batchpilot_operator.tune_local import TuneError, TuneOptions, TuneStep, tun
 from batchpilot_operator.tuner import Bounds, Slo
 from batchpilot_server.batching import BatchingConfig
 from batchpilot_server.loadgen import LengthDist, LoadReport, LoadSpec, run_load
+from batchpilot_server.model_presets import PRESET_NAMES
 
 NAMESPACE = "local"
 POLICY = "demo"
@@ -45,7 +49,6 @@ SERVERS = 2
 # the tuner has visible work to do before the load even steps up.
 INITIAL = BatchingConfig(max_batch_size=1, batch_timeout_ms=100.0, max_queue_size=512)
 ADMIN_TOKEN = "batchpilot-demo"
-SERVER_READY_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 15.0
 SHUTDOWN_GRACE_S = 3.0
 VIEW_REFRESH_S = 1.0
@@ -60,6 +63,35 @@ MIN_REQUESTS = 30
 
 
 @dataclass(frozen=True)
+class LoadProfile:
+    """Defaults that fit a model: the offered load, its SLO and how long a server may load."""
+
+    rate: float
+    step_factor: float
+    slo_p99_ms: float
+    output_len: LengthDist
+    ready_timeout_s: float
+
+
+TINY_PROFILE = LoadProfile(
+    rate=8.0, step_factor=6.0, slo_p99_ms=1000.0,
+    output_len=LengthDist("uniform", 32, 96), ready_timeout_s=90.0,
+)
+# A 135M-parameter model decodes some 50x slower than tiny on one core per server:
+# a fraction of a request per second, shorter answers and a SLO of seconds keep the
+# step near capacity, so the tuner still has a visible decision to make. These are
+# starting points, not measurements of every model: --rate and --slo-p99-ms override.
+REAL_MODEL_PROFILE = LoadProfile(
+    rate=0.5, step_factor=4.0, slo_p99_ms=10000.0,
+    output_len=LengthDist("uniform", 16, 48), ready_timeout_s=600.0,
+)
+
+
+def profile_for(model: str) -> LoadProfile:
+    return TINY_PROFILE if model in PRESET_NAMES else REAL_MODEL_PROFILE
+
+
+@dataclass(frozen=True)
 class DemoOptions:
     duration_s: float
     slo_p99_ms: float
@@ -68,6 +100,11 @@ class DemoOptions:
     base_rate: float
     step_factor: float
     use_prometheus: bool
+    model: str = "tiny"
+
+    @property
+    def profile(self) -> LoadProfile:
+        return profile_for(self.model)
 
     @property
     def step_at_s(self) -> float:
@@ -83,11 +120,30 @@ class DemoOptions:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="batchpilot demo", description=__doc__.splitlines()[0])
     p.add_argument("--duration", type=float, default=180.0, help="seconds of load (default 180)")
-    p.add_argument("--slo-p99-ms", type=float, default=1000.0, help="p99 latency SLO (ms)")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="what the servers serve: a preset, a Hugging Face model directory or a .gguf "
+        "file (default tiny; a real model gets the smaller load and longer SLO below)",
+    )
+    tiny, real = TINY_PROFILE, REAL_MODEL_PROFILE
+    p.add_argument(
+        "--slo-p99-ms", type=float,
+        help=f"p99 latency SLO (ms; default {tiny.slo_p99_ms:g}, {real.slo_p99_ms:g} for a "
+        "real model)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("docs/demo.png"), help="plot to write")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between tuner decisions")
-    p.add_argument("--rate", type=float, default=8.0, help="requests/s before the load step")
-    p.add_argument("--step-factor", type=float, default=6.0, help="load multiplier at the step")
+    p.add_argument(
+        "--rate", type=float,
+        help=f"requests/s before the load step (default {tiny.rate:g}, {real.rate:g} for a "
+        "real model)",
+    )  # fmt: skip
+    p.add_argument(
+        "--step-factor", type=float,
+        help=f"load multiplier at the step (default {tiny.step_factor:g}, "
+        f"{real.step_factor:g} for a real model)",
+    )  # fmt: skip
     p.add_argument(
         "--no-prometheus",
         action="store_true",
@@ -99,12 +155,16 @@ def parser() -> argparse.ArgumentParser:
 def options_from(argv: list[str]) -> DemoOptions:
     p = parser()
     args = p.parse_args(argv)
+    profile = profile_for(args.model)
+    slo_p99_ms = profile.slo_p99_ms if args.slo_p99_ms is None else args.slo_p99_ms
+    rate = profile.rate if args.rate is None else args.rate
+    step_factor = profile.step_factor if args.step_factor is None else args.step_factor
     for flag, value in (
         ("--duration", args.duration),
-        ("--slo-p99-ms", args.slo_p99_ms),
+        ("--slo-p99-ms", slo_p99_ms),
         ("--interval", args.interval),
-        ("--rate", args.rate),
-        ("--step-factor", args.step_factor),
+        ("--rate", rate),
+        ("--step-factor", step_factor),
     ):
         if value <= 0:
             p.error(f"{flag} must be positive, got {value:g}")
@@ -115,12 +175,13 @@ def options_from(argv: list[str]) -> DemoOptions:
         )
     return DemoOptions(
         duration_s=args.duration,
-        slo_p99_ms=args.slo_p99_ms,
+        slo_p99_ms=slo_p99_ms,
         out=args.out,
         interval_s=args.interval,
-        base_rate=args.rate,
-        step_factor=args.step_factor,
+        base_rate=rate,
+        step_factor=step_factor,
         use_prometheus=not args.no_prometheus,
+        model=args.model,
     )
 
 
@@ -143,12 +204,12 @@ class ServerProcess:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def start_server(name: str, workdir: Path, token_file: Path) -> ServerProcess:
+def start_server(name: str, model: str, workdir: Path, token_file: Path) -> ServerProcess:
     port = free_port()
     log_path = workdir / f"{name}.log"
     command = [
         sys.executable, "-m", "batchpilot_server.cli", "serve",
-        "--model", "tiny", "--mode", "continuous", "--device", "cpu",
+        "--model", model, "--mode", "continuous", "--device", "cpu",
         "--host", "127.0.0.1", "--port", str(port),
         "--max-batch-size", str(INITIAL.max_batch_size),
         "--batch-timeout-ms", str(INITIAL.batch_timeout_ms),
@@ -178,8 +239,10 @@ def stop_process(process: subprocess.Popen[bytes]) -> None:
     process.wait()
 
 
-async def wait_ready(server: ServerProcess, session: aiohttp.ClientSession) -> None:
-    deadline = time.monotonic() + SERVER_READY_TIMEOUT_S
+async def wait_ready(
+    server: ServerProcess, session: aiohttp.ClientSession, timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
     while True:
         if server.process.poll() is not None:
             raise DemoError(
@@ -192,7 +255,7 @@ async def wait_ready(server: ServerProcess, session: aiohttp.ClientSession) -> N
                     return
         if time.monotonic() > deadline:
             raise DemoError(
-                f"{server.name} not ready after {SERVER_READY_TIMEOUT_S:.0f}s:\n"
+                f"{server.name} not ready after {timeout_s:.0f}s:\n"
                 f"{server.log_tail()}"
             )
         await asyncio.sleep(0.2)
@@ -203,13 +266,13 @@ class DemoError(RuntimeError):
 
 
 @contextlib.contextmanager
-def servers_running(workdir: Path) -> Iterator[list[ServerProcess]]:
+def servers_running(model: str, workdir: Path) -> Iterator[list[ServerProcess]]:
     token_file = workdir / "admin-token"
     token_file.write_text(ADMIN_TOKEN + "\n")
     servers: list[ServerProcess] = []
     try:
         for index in range(SERVERS):
-            servers.append(start_server(f"server-{index}", workdir, token_file))
+            servers.append(start_server(f"server-{index}", model, workdir, token_file))
         yield servers
     finally:
         for server in servers:
@@ -468,7 +531,7 @@ def load_spec(options: DemoOptions, servers: list[ServerProcess]) -> LoadSpec:
         rate_schedule=options.offered_rate,
         duration_s=options.duration_s,
         prompt_len=LengthDist("uniform", 16, 48),
-        output_len=LengthDist("uniform", 32, 96),
+        output_len=options.profile.output_len,
         timeout_s=60.0,
     )
 
@@ -540,11 +603,14 @@ async def run_demo(
         contextlib.ExitStack() as stack,
     ):
         workdir = Path(tmp)
-        say(stream, f"starting {SERVERS} servers (continuous batching, batch "
-            f"{INITIAL.max_batch_size}, timeout {INITIAL.batch_timeout_ms:g} ms)")
-        servers = stack.enter_context(servers_running(workdir))
+        say(stream, f"starting {SERVERS} servers of {options.model} (continuous batching, "
+            f"batch {INITIAL.max_batch_size}, timeout {INITIAL.batch_timeout_ms:g} ms)")
+        servers = stack.enter_context(servers_running(options.model, workdir))
+        ready_timeout_s = options.profile.ready_timeout_s
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-            await unless_stopped(asyncio.gather(*(wait_ready(s, session) for s in servers)), stop)
+            await unless_stopped(
+                asyncio.gather(*(wait_ready(s, session, ready_timeout_s) for s in servers)), stop
+            )
         exporter = stack.enter_context(policy_exporter(options))
         prometheus = None
         if options.use_prometheus:

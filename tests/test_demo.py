@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from batchpilot_operator.demo import SERVERS
+from batchpilot_operator.demo import SERVERS, options_from
 from batchpilot_operator.demo import main as demo_main
 from batchpilot_operator.prometheus_local import find_binary
 
@@ -169,6 +169,31 @@ def test_broken_prometheus_is_reported_and_servers_stopped(tmp_path: Path) -> No
     assert "batchpilot demo: prometheus exited during start" in output
     assert "Traceback" not in output
     assert_clean(run, expected_children=SERVERS)
+
+
+def test_the_servers_serve_the_model_the_demo_is_given(tmp_path: Path) -> None:
+    # A model path that does not exist: the servers get it and refuse it at once,
+    # which shows it reached them without loading a real model for minutes.
+    missing = tmp_path / "no-such-model.gguf"
+    run = DemoRun(tmp_path, "--model", str(missing), "--duration", "20", "--interval", "4",
+                  "--no-prometheus")
+    code = run.run_to_exit()
+    output = run.output()
+    assert code == 1, output
+    assert f"servers of {missing}" in output
+    assert "exited with" in output and str(missing) in output.split("exited with", 1)[1]
+    assert not run.out.exists()
+    assert_clean(run, expected_children=SERVERS)
+
+
+def test_a_real_model_gets_a_lighter_load_and_a_longer_slo_unless_told_otherwise() -> None:
+    tiny, real = options_from([]), options_from(["--model", "SmolLM2.gguf"])
+    assert tiny.model == "tiny" and real.model == "SmolLM2.gguf"
+    assert real.base_rate < tiny.base_rate
+    assert real.base_rate * real.step_factor < tiny.base_rate * tiny.step_factor
+    assert real.slo_p99_ms > tiny.slo_p99_ms
+    told = options_from(["--model", "SmolLM2.gguf", "--rate", "3", "--slo-p99-ms", "700"])
+    assert (told.base_rate, told.slo_p99_ms) == (3.0, 700.0)
 
 
 @pytest.mark.parametrize(
