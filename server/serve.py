@@ -13,6 +13,7 @@ from aiohttp import web
 from batchpilot_server.admin_token import TokenFile, TokenFileError
 from batchpilot_server.app import begin_drain, build_app, wait_drained
 from batchpilot_server.batching import MODES, BatchingConfig, ConfigError
+from batchpilot_server.connections import ConnectionGuard, ConnectionLimits
 from batchpilot_server.engine_api import ATTENTION_BACKENDS, EngineOptions
 from batchpilot_server.model_presets import PRESET_NAMES
 from batchpilot_server.paged_kernel import KernelUnavailableError
@@ -76,7 +77,42 @@ def parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM, how long in-flight requests may take to finish",
     )
+    connections = ConnectionLimits()
+    p.add_argument(
+        "--http-read-timeout-s",
+        type=float,
+        default=connections.read_timeout_s,
+        help="a request's headers and body must arrive within this of its first byte: "
+        "else the connection is closed (a late body gets 408 first)",
+    )
+    p.add_argument(
+        "--http-keepalive-timeout-s",
+        type=float,
+        default=connections.keepalive_timeout_s,
+        help="an idle connection (no request in progress) is closed after this",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=connections.max_connections,
+        help="open connections at most; beyond it the longest idle one is closed, or the "
+        "new one when every connection has a request in progress",
+    )
     return p
+
+
+def connection_limits(args: argparse.Namespace) -> ConnectionLimits:
+    try:
+        limits = ConnectionLimits(
+            read_timeout_s=args.http_read_timeout_s,
+            keepalive_timeout_s=args.http_keepalive_timeout_s,
+            max_connections=args.max_connections,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if warning := limits.fd_warning():
+        log.warning("%s", warning)
+    return limits
 
 
 def batching_config(args: argparse.Namespace) -> BatchingConfig:
@@ -121,14 +157,27 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
     )
 
 
-async def serve(args: argparse.Namespace, options: EngineOptions, token: TokenFile | None) -> int:
+async def serve(
+    args: argparse.Namespace,
+    options: EngineOptions,
+    token: TokenFile | None,
+    connections: ConnectionLimits,
+) -> int:
     limits = Limits(queue_timeout_s=args.queue_timeout_s)
     app = build_app(options, admin_token=None if token is None else token.current, limits=limits)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
+    guard = ConnectionGuard(connections)
+    app.middlewares.append(guard.middleware)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=5,
+        keepalive_timeout=connections.keepalive_timeout_s,
+    )
     await runner.setup()  # starts the engine
+    listener: asyncio.Server | None = None
     try:
-        site = web.TCPSite(runner, args.host, args.port)
-        await site.start()
+        listener = await guard.listen(runner, args.host, args.port)
         log.info(
             "serving %s (%s mode) on http://%s:%d", args.model, args.mode, args.host, args.port
         )
@@ -138,6 +187,8 @@ async def serve(args: argparse.Namespace, options: EngineOptions, token: TokenFi
         if not await wait_drained(app, args.shutdown_grace_s):
             log.warning("grace period over with requests still in flight; stopping anyway")
     finally:
+        if listener is not None:
+            listener.close()  # no new connections while the open ones drain
         await runner.cleanup()  # stops the engine
     log.info("stopped")
     return 0
@@ -161,11 +212,12 @@ def main(argv: list[str]) -> int:
             raise UsageError("--shutdown-grace-s must be >= 0 and --queue-timeout-s > 0")
         options = engine_options(args, batching_config(args))
         token = admin_token(args.admin_token_file)
+        connections = connection_limits(args)
     except UsageError as exc:
         print(f"batchpilot serve: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(serve(args, options, token))
+        return asyncio.run(serve(args, options, token, connections))
     except OSError as exc:  # e.g. the port is taken
         print(f"batchpilot serve: error: {exc}", file=sys.stderr)
         return 1
