@@ -588,6 +588,6 @@ def build_app(
     """A server app with its own engine and metrics registry (used by the CLI, tests, benches)."""
     from batchpilot_server.engine import Engine  # torch: imported only where a model runs
 
-    metrics = ServerMetrics(model=options.model, mode=options.mode)
+    metrics = ServerMetrics(model=options.served_name, mode=options.mode)
     engine = Engine(options, metrics)
     return create_app(engine, metrics=metrics, admin_token=admin_token, limits=limits or Limits())

@@ -41,13 +41,14 @@ from batchpilot_server.engine_api import (
 )
 from batchpilot_server.kv_cache import KVCache
 from batchpilot_server.model_runner import ModelRunner
-from batchpilot_server.models import build_model, get_spec, resolve_device
+from batchpilot_server.models import ModelSpec, resolve_device
 from batchpilot_server.sampling import make_generator, sample
 from batchpilot_server.scheduler_continuous import ContinuousScheduler
 from batchpilot_server.scheduler_dynamic import DynamicScheduler
 from batchpilot_server.scheduling import Scheduler, StepPlan
 from batchpilot_server.sequence import Sequence, Status
-from batchpilot_server.tokenizer import ByteTokenizer
+from batchpilot_server.tokenizer import Tokenizer
+from batchpilot_server.weights import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +117,8 @@ class Engine:
             raise ValueError(f"mode must be dynamic or continuous, got {options.mode!r}")
         self._options = options
         self._observer: EngineObserver = observer or NullObserver()
-        self._spec = get_spec(options.model)
         self._device = resolve_device(options.device)
-        self._tokenizer = ByteTokenizer()
+        self._loaded: LoadedModel | None = None  # by `start`: loading may take minutes
         self._config = options.config
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
@@ -143,8 +143,18 @@ class Engine:
     # ---- properties -------------------------------------------------------
 
     @property
-    def tokenizer(self) -> ByteTokenizer:
-        return self._tokenizer
+    def _spec(self) -> ModelSpec:
+        return self._model.spec
+
+    @property
+    def _model(self) -> LoadedModel:
+        if self._loaded is None:
+            raise RuntimeError("the engine loads its model in start(); not started yet")
+        return self._loaded
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._model.tokenizer
 
     @property
     def max_model_len(self) -> int:
@@ -152,7 +162,8 @@ class Engine:
 
     @property
     def model_name(self) -> str:
-        return self._spec.name
+        """The name the model is served as."""
+        return self._options.served_name
 
     @property
     def device(self) -> str:
@@ -200,8 +211,9 @@ class Engine:
         threads = torch.get_num_threads()
         self._cache, self._runner = await asyncio.to_thread(self._build, threads)
         log.info(
-            "engine ready: %s on %s, %d KV blocks, %s decode attention",
-            self._spec.name,
+            "engine ready: %s (%s) on %s, %d KV blocks, %s decode attention",
+            self.model_name,
+            self._model.dtype,
             self._device,
             self._cache.pool.num_blocks,
             self._runner.attention,
@@ -218,7 +230,14 @@ class Engine:
 
     def _build(self, threads: int) -> tuple[KVCache, ModelRunner]:
         options = self._options
-        model = build_model(options.model, self._device, options.seed)
+        self._loaded = load_model(
+            options.model,
+            device=self._device,
+            dtype=options.dtype,
+            seed=options.seed,
+            max_model_len=options.max_model_len,
+        )
+        model = self._loaded.model
         budget = options.kv_cache_mb * 2**20
         if self._device == "cuda" and options.gpu_memory_fraction is not None:
             free, _ = torch.cuda.mem_get_info()
@@ -289,6 +308,8 @@ class Engine:
     def _check_request(
         self, prompt: list[int], params: SamplingParams, deadline_s: float | None
     ) -> None:
+        if self._loaded is None:
+            raise EngineStoppedError(self._stopped_message())
         vocab = self._spec.vocab_size
         if not prompt:
             raise InvalidRequestError("prompt must hold at least one token")
@@ -436,7 +457,7 @@ class Engine:
         self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]
     ) -> list[tuple[Sequence, TokenEvent]]:
         events = []
-        eos, step = self._tokenizer.eos_id, self._steps
+        eos, step = self.tokenizer.eos_ids, self._steps
         for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
             seq.token_ids.append(token)
             reason = seq.finish_reason_after(token, eos)

@@ -24,12 +24,16 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from batchpilot_server.batching import BatchingConfig, Mode
+from batchpilot_server.model_presets import default_served_name
 
 FinishReason = Literal["stop", "length"]
 # decode attention: native (the C kernel, CPU float32), torch, or auto (native
 # where it applies and builds, else torch); see native_attention
 AttentionBackend = Literal["auto", "native", "torch"]
 ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = ("auto", "native", "torch")
+# the weights' dtype; auto: float32 on the CPU, bfloat16 (else float16) on a GPU
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+DTYPES: tuple[DTypeName, ...] = ("auto", "float32", "bfloat16", "float16")
 
 
 class EngineError(Exception):
@@ -86,7 +90,7 @@ class TokenEvent:
 class EngineOptions:
     mode: Mode
     config: BatchingConfig
-    model: str = "tiny"
+    model: str = "tiny"  # a preset name, a model directory or a .gguf file
     device: str = "auto"  # auto | cpu | cuda
     kv_cache_mb: float = 64.0
     threads: int | None = None  # torch intra-op threads; None = torch default
@@ -97,6 +101,15 @@ class EngineOptions:
     # CUDA only: size the KV pool as this fraction of free device memory
     # instead of kv_cache_mb (None: kv_cache_mb on every device)
     gpu_memory_fraction: float | None = None
+    dtype: DTypeName = "auto"
+    max_model_len: int | None = None  # None: the model's context
+    served_model_name: str | None = None  # None: see `served_name`
+
+    @property
+    def served_name(self) -> str:
+        """The model's name in the API and the metrics: served_model_name, else the
+        preset's name, the directory's basename or the GGUF file's stem."""
+        return self.served_model_name or default_served_name(self.model)
 
 
 @dataclass(frozen=True)

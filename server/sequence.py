@@ -60,11 +60,11 @@ class Sequence:
     def max_total_tokens(self) -> int:
         return self.num_prompt + self.params.max_tokens
 
-    def finish_reason_after(self, token_id: int, eos_id: int) -> FinishReason | None:
+    def finish_reason_after(self, token_id: int, eos_ids: frozenset[int]) -> FinishReason | None:
         """Why the sequence ends with `token_id` just appended, if it does."""
         if token_id in self.params.stop_token_ids:
             return "stop"
-        if token_id == eos_id and not self.params.ignore_eos:
+        if token_id in eos_ids and not self.params.ignore_eos:
             return "stop"
         if self.num_output >= self.params.max_tokens:
             return "length"

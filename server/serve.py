@@ -14,7 +14,7 @@ from batchpilot_server.admin_token import TokenFile, TokenFileError
 from batchpilot_server.app import begin_drain, build_app, wait_drained
 from batchpilot_server.batching import MODES, BatchingConfig, ConfigError
 from batchpilot_server.connections import ConnectionGuard, ConnectionLimits
-from batchpilot_server.engine_api import ATTENTION_BACKENDS, EngineOptions
+from batchpilot_server.engine_api import ATTENTION_BACKENDS, DTYPES, EngineOptions
 from batchpilot_server.model_presets import PRESET_NAMES
 from batchpilot_server.paged_kernel import KernelUnavailableError
 from batchpilot_server.protocol import Limits
@@ -32,7 +32,29 @@ class UsageError(Exception):
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="batchpilot serve", description=__doc__)
     defaults = BatchingConfig()
-    p.add_argument("--model", default="tiny", choices=PRESET_NAMES)
+    p.add_argument(
+        "--model",
+        default="tiny",
+        metavar="NAME|DIR|FILE.gguf",
+        help=f"a preset ({', '.join(PRESET_NAMES)}), a Hugging Face model directory or a "
+        "GGUF file (default: tiny)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="weights' dtype; auto: float32 on the CPU, bfloat16 on a GPU (default: auto)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context in tokens, prompt + output (default: the model's)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        help="the model's name in the API and the metrics (default: the preset's name, "
+        "the directory's basename or the GGUF file's stem)",
+    )
     p.add_argument("--mode", default="continuous", choices=MODES)
     p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
     p.add_argument("--batch-timeout-ms", type=float, default=defaults.batch_timeout_ms)
@@ -143,10 +165,16 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
         raise UsageError(f"--kv-cache-mb must be positive, got {args.kv_cache_mb:g}")
     if args.threads is not None and args.threads < 1:
         raise UsageError(f"--threads must be at least 1, got {args.threads}")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise UsageError(f"--max-model-len must be at least 1, got {args.max_model_len}")
+    check_model_reference(args.model)
     return EngineOptions(
         mode=args.mode,
         config=config,
         model=args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        served_model_name=args.served_model_name,
         device=args.device,
         kv_cache_mb=args.kv_cache_mb or EngineOptions.kv_cache_mb,
         # Only a GPU uses it, and only when no explicit size was given.
@@ -154,6 +182,18 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
         threads=args.threads,
         seed=args.seed,
         attention=args.attention,
+    )
+
+
+def check_model_reference(model: str) -> None:
+    """A preset name or an existing path; what the files hold is checked at load."""
+    path = Path(model)
+    if model in PRESET_NAMES or path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return
+    what = "no such file or directory" if not path.exists() else "not a directory or a .gguf file"
+    raise UsageError(
+        f"--model {model!r}: {what}; give a preset ({', '.join(PRESET_NAMES)}), a Hugging "
+        "Face model directory or a .gguf file"
     )
 
 
@@ -179,7 +219,11 @@ async def serve(
     try:
         listener = await guard.listen(runner, args.host, args.port)
         log.info(
-            "serving %s (%s mode) on http://%s:%d", args.model, args.mode, args.host, args.port
+            "serving %s (%s mode) on http://%s:%d",
+            options.served_name,
+            args.mode,
+            args.host,
+            args.port,
         )
         await _wait_for_signal()
         begin_drain(app)

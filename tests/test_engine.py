@@ -128,7 +128,7 @@ async def test_a_request_waiting_past_its_deadline_fails(mode: str) -> None:
 
 
 async def test_requests_that_can_never_run_are_refused_with_a_reason() -> None:
-    engine = await started("continuous", kv_cache_mb=1.0)  # 8 blocks of 16 tokens
+    engine = await started("continuous", kv_cache_mb=0.5)  # 8 blocks of 16 tokens
     try:
         with pytest.raises(PromptTooLongError, match="model context of 1024"):
             engine.submit([1] * 1000, SamplingParams(max_tokens=25))
@@ -204,16 +204,20 @@ async def test_engine_reports_what_the_server_needs() -> None:
         observer,
     )
     assert engine.device in ("cpu", "cuda") and engine.model_name == "tiny"
-    assert engine.max_model_len == 1024 and engine.mode == "continuous"
+    assert engine.mode == "continuous"
+    with pytest.raises(RuntimeError, match="loads its model in start"):
+        engine.tokenizer  # noqa: B018
     with pytest.raises(EngineStoppedError):
         engine.submit([1], GREEDY_16)
     await engine.start()
+    assert engine.max_model_len == 1024 and engine.tokenizer.eos_ids == {257}
     try:
         events = await collect(engine.submit(prompt(engine, 4), GREEDY_16))
         stats = engine.stats()
     finally:
         await engine.shutdown()
-    assert stats.kv_blocks_total == 4 * 2**20 // (2 * 4 * 16 * 256 * 4)
+    # K and V x 4 layers x 2 KV heads x 16 tokens x head_dim 64 x float32
+    assert stats.kv_blocks_total == 4 * 2**20 // (2 * 4 * 2 * 16 * 64 * 4)
     assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.steps == 16
     assert [e.index for e in events] == list(range(16))
     assert len(observer.scheduled) == 1 and len(observer.steps) == 16

@@ -78,7 +78,7 @@ async def test_dynamic_fires_a_partial_batch_at_the_timeout() -> None:
 async def test_dynamic_cuts_a_batch_that_would_overflow_the_kv_pool() -> None:
     observer = RecordingObserver()
     engine = await started(
-        "dynamic", observer, kv_cache_mb=1.0, max_batch_size=4, batch_timeout_ms=60_000
+        "dynamic", observer, kv_cache_mb=0.5, max_batch_size=4, batch_timeout_ms=60_000
     )
     try:
         prompts = [prompt(engine, n) for n in range(4)]

@@ -28,7 +28,7 @@ async def test_kv_exhaustion_preempts_and_every_request_still_completes() -> Non
     finally:
         await roomy.shutdown()
     observer = RecordingObserver()
-    tight = await started("continuous", observer, kv_cache_mb=1.0, max_batch_size=8)
+    tight = await started("continuous", observer, kv_cache_mb=0.5, max_batch_size=8)
     try:
         outputs = await asyncio.gather(*(collect(tight.submit(p, FORCED)) for p in prompts))
         stats = tight.stats()
@@ -49,7 +49,7 @@ async def test_kv_exhaustion_preempts_and_every_request_still_completes() -> Non
 @pytest.mark.parametrize("mode", ["dynamic", "continuous"])
 async def test_random_cancellations_free_every_block(mode: str) -> None:
     rng = random.Random(7)
-    engine = await started(mode, kv_cache_mb=1.0, max_batch_size=4, batch_timeout_ms=1)
+    engine = await started(mode, kv_cache_mb=0.5, max_batch_size=4, batch_timeout_ms=1)
     try:
         streams = [engine.submit(prompt(engine, n), FORCED) for n in range(12)]
         cancel_after = {n: rng.randrange(1, TOKENS) for n in rng.sample(range(12), 6)}

@@ -26,7 +26,8 @@ def one_torch_thread() -> Iterator[None]:
 
 def test_presets_and_their_errors() -> None:
     spec = get_spec("tiny")
-    assert (spec.d_model, spec.n_layers, spec.n_heads) == (256, 4, 4)
+    shape = (spec.d_model, spec.n_layers, spec.n_heads, spec.n_kv_heads, spec.head_dim)
+    assert shape == (256, 4, 4, 2, 64) and spec.architecture == "LlamaForCausalLM"
     with pytest.raises(ValueError, match="unknown model 'huge'; known: tiny"):
         get_spec("huge")
     with pytest.raises(ValueError, match="auto, cpu or cuda"):
