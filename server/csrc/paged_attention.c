@@ -25,6 +25,30 @@
 #include <string.h>
 
 enum { LANES = 16 }; /* partial sums per dot product: one vector register wide */
+_Static_assert(LANES == 16, "dot() halves its partial sums from 16 lanes");
+
+/* e^x for the scores less their maximum (x <= 0), in a form the compiler vectorizes
+ * (libm's expf is a call per element): x = n ln2 + r with |r| <= ln2 / 2, e^r by its
+ * Taylor polynomial to r^6, 2^n from the exponent bits. Relative error under 3e-7;
+ * below -87 the result (1.6e-38) stands for 0. */
+static inline float exp_nonpositive(float x)
+{
+    x = x > -87.0f ? x : -87.0f;
+    const float shift = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    const float n = (x * 1.44269504f + shift) - shift;
+    const float r = (x - n * 0.693145752f) - n * 1.42860677e-6f; /* ln2 in two parts */
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
 
 typedef struct {
     const float *k_pool, *v_pool;
@@ -41,10 +65,12 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
     for (; d + LANES <= n; d += LANES)
         for (int j = 0; j < LANES; j++) part[j] += a[d + j] * b[d + j];
     for (; d < n; d++) part[0] += a[d] * b[d];
-    /* pairwise, not lane after lane: vector shuffles, not a chain of 16 adds */
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int j = 0; j < width; j++) part[j] += part[j + width];
-    return part[0];
+    /* pairwise, not lane after lane: vector shuffles, not a chain of 16 adds; each
+     * halving spelled out, as GCC keeps a loop over the widths in memory */
+    for (int j = 0; j < 8; j++) part[j] += part[j + 8];
+    for (int j = 0; j < 4; j++) part[j] += part[j + 4];
+    for (int j = 0; j < 2; j++) part[j] += part[j + 2];
+    return part[0] + part[1];
 }
 
 /* The `group` query heads of KV head `kv` (consecutive in `queries` and `mixed`).
@@ -72,8 +98,9 @@ static inline __attribute__((always_inline)) void attend(const Context *c, const
     float norm[group];
     for (int64_t g = 0; g < group; g++) {
         float *row = weights + g * len, total = 0.0f;
+#pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < len; t++) {
-            row[t] = expf(row[t] - top[g]);
+            row[t] = exp_nonpositive(row[t] - top[g]);
             total += row[t];
         }
         norm[g] = 1.0f / total;
