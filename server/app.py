@@ -23,6 +23,7 @@ from batchpilot_server.engine_api import (
     EngineOptions,
     EngineStats,
     EngineStoppedError,
+    FinishReason,
     InvalidRequestError,
     PromptTooLongError,
     QueueFullError,
@@ -33,14 +34,31 @@ from batchpilot_server.metrics import CONTENT_TYPE, ServerMetrics
 from batchpilot_server.openapi import openapi_document
 from batchpilot_server.protocol import (
     ApiError,
-    CompletionRequest,
+    BatchingState,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    GenerationRequest,
     Limits,
+    ModelCard,
+    ModelList,
+    Served,
     StopMatcher,
-    Tokenizer,
+    Usage,
+    decode_body,
     invalid,
-    parse_completion,
     parse_json_body,
+    read_batching_update,
+    read_chat,
+    read_completion,
 )
+from batchpilot_server.tokenizer import Tokenizer
+from pydantic import BaseModel
 
 log = logging.getLogger("batchpilot.server")
 
@@ -137,9 +155,16 @@ def create_app(
         config=engine.config,
     )
     metrics.set_config(state.config)
-    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[error_middleware])
+    app = web.Application(
+        client_max_size=limits.max_body_bytes,
+        middlewares=[error_middleware],
+        # aiohttp would unpack a compressed body in its parser, where one that is not what
+        # its Content-Encoding says gets a plain-text 400 the app never sees: read_json does.
+        handler_args={"auto_decompress": False},
+    )
     app[STATE] = state
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
@@ -217,19 +242,50 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException) -> ApiErr
 
 
 def error_response(err: ApiError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers)
+    return _json_answer(err.answer(), status=err.status, headers=err.headers)
 
 
-# --- completions ---------------------------------------------------------------
+def _json_answer(
+    answer: BaseModel, *, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    body = answer.model_dump_json().encode()
+    return web.Response(body=body, status=status, headers=headers, content_type="application/json")
+
+
+async def read_json(request: web.Request) -> Any:
+    """The request's JSON body, its Content-Encoding undone."""
+    try:
+        raw = await request.read()
+    except web.RequestPayloadError as exc:  # e.g. a body shorter than its Content-Length
+        raise invalid(f"request body could not be read: {exc}", code="invalid_body") from exc
+    limit = request.app[STATE].limits.max_body_bytes
+    return parse_json_body(decode_body(raw, request.headers.get("Content-Encoding"), limit))
+
+
+# --- completions and chat ---------------------------------------------------------
+
+
+class RequestReader(Protocol):
+    def __call__(self, body: Any, served: Served) -> GenerationRequest: ...
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve_generation(request, read_completion, COMPLETION_FORMAT)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve_generation(request, read_chat, CHAT_FORMAT)
+
+
+async def _serve_generation(
+    request: web.Request, reader: RequestReader, answer_format: AnswerFormat
+) -> web.StreamResponse:
     state = request.app[STATE]
     arrival = time.monotonic()
     state.inflight.enter()
     outcome = "error"  # also when the client goes away and the handler is cancelled
     try:
-        response = await _serve_completion(request, state, arrival)
+        response = await _generate(request, state, arrival, reader, answer_format)
         outcome = "ok"
         state.metrics.request_duration.observe(time.monotonic() - arrival)
         return response
@@ -246,8 +302,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
         state.inflight.leave()
 
 
-async def _serve_completion(
-    request: web.Request, state: ServerState, arrival: float
+async def _generate(
+    request: web.Request,
+    state: ServerState,
+    arrival: float,
+    reader: RequestReader,
+    answer_format: AnswerFormat,
 ) -> web.StreamResponse:
     if state.draining:
         raise ApiError(
@@ -258,19 +318,16 @@ async def _serve_completion(
             headers={"Retry-After": str(state.limits.retry_after_s)},
             outcome="rejected",
         )
-    body = parse_json_body(await request.read())
-    parsed = parse_completion(
-        body,
-        tokenizer=state.engine.tokenizer,
-        model_name=state.model_name,
-        max_model_len=state.engine.max_model_len,
-        limits=state.limits,
-    )
-    generation = Generation(state, parsed, arrival)
+    engine = state.engine
+    served = Served(state.model_name, engine.max_model_len, engine.tokenizer, state.limits)
+    parsed = reader(await read_json(request), served)
+    generation = Generation(state, parsed, arrival, answer_format.id_prefix)
     try:
         if parsed.stream:
-            return await _stream_completion(request, state, generation)
-        return await _complete(state, generation)
+            return await _stream(request, generation, answer_format)
+        while await generation.next_delta() is not None:
+            pass
+        return _json_answer(answer_format.answer(generation))
     finally:
         generation.close()
 
@@ -278,14 +335,17 @@ async def _serve_completion(
 class Generation:
     """One admitted request: turns engine token events into text deltas and records metrics."""
 
-    def __init__(self, state: ServerState, parsed: CompletionRequest, arrival: float) -> None:
+    def __init__(
+        self, state: ServerState, parsed: GenerationRequest, arrival: float, id_prefix: str
+    ) -> None:
         self.state = state
         self.parsed = parsed
         self.arrival = arrival
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.model = state.model_name
         self.completion_tokens = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
         self._matcher = StopMatcher(parsed.stop)
         # Decodes each new token once, instead of the whole completion per token.
         self._decoder = state.engine.tokenizer.incremental_decoder()
@@ -331,12 +391,12 @@ class Generation:
     def text(self) -> str:
         return self._matcher.text
 
-    def usage(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+        )
 
     async def next_delta(self) -> str | None:
         """The next piece of text (possibly empty) per token; None once finished."""
@@ -401,27 +461,88 @@ def _engine_stopped(state: ServerState, outcome: str) -> ApiError:
     )
 
 
-async def _complete(state: ServerState, generation: Generation) -> web.Response:
-    while await generation.next_delta() is not None:
-        pass
-    return web.json_response(
-        {
-            "id": generation.id,
-            "object": "text_completion",
-            "created": generation.created,
-            "model": state.model_name,
-            "choices": [_choice(generation.text, generation.finish_reason)],
-            "usage": generation.usage(),
-        }
-    )
+class AnswerFormat(Protocol):
+    """How one endpoint writes a generation: the whole answer, or its stream of events."""
+
+    id_prefix: str
+
+    def answer(self, generation: Generation) -> BaseModel: ...
+    def opening(self, generation: Generation) -> list[BaseModel]:
+        """The events sent before the first text."""
+        ...
+
+    def event(
+        self,
+        generation: Generation,
+        text: str,
+        finish_reason: FinishReason | None,
+        usage: Usage | None = None,
+    ) -> BaseModel: ...
+    def usage_event(self, generation: Generation) -> BaseModel:
+        """stream_options.include_usage: the last event, with no choices."""
+        ...
 
 
-def _choice(text: str, finish_reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+class CompletionFormat:
+    id_prefix = "cmpl"
+
+    def answer(self, generation: Generation) -> Completion:
+        return self.event(generation, generation.text, generation.finish_reason, generation.usage())
+
+    def opening(self, generation: Generation) -> list[BaseModel]:
+        return []
+
+    def event(
+        self,
+        generation: Generation,
+        text: str,
+        finish_reason: FinishReason | None,
+        usage: Usage | None = None,
+    ) -> Completion:
+        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+        return Completion(**_identity(generation), choices=[choice], usage=usage)
+
+    def usage_event(self, generation: Generation) -> Completion:
+        return Completion(**_identity(generation), choices=[], usage=generation.usage())
 
 
-async def _stream_completion(
-    request: web.Request, state: ServerState, generation: Generation
+class ChatFormat:
+    id_prefix = "chatcmpl"
+
+    def answer(self, generation: Generation) -> ChatCompletion:
+        message = ChatCompletionMessage(content=generation.text)
+        choice = ChatChoice(message=message, finish_reason=generation.finish_reason)
+        return ChatCompletion(**_identity(generation), choices=[choice], usage=generation.usage())
+
+    def opening(self, generation: Generation) -> list[BaseModel]:
+        # As OpenAI: the first event names the role, the text follows.
+        choice = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""), finish_reason=None)
+        return [ChatCompletionChunk(**_identity(generation), choices=[choice])]
+
+    def event(
+        self,
+        generation: Generation,
+        text: str,
+        finish_reason: FinishReason | None,
+        usage: Usage | None = None,
+    ) -> ChatCompletionChunk:
+        choice = ChatChunkChoice(delta=ChatDelta(content=text), finish_reason=finish_reason)
+        return ChatCompletionChunk(**_identity(generation), choices=[choice], usage=usage)
+
+    def usage_event(self, generation: Generation) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**_identity(generation), choices=[], usage=generation.usage())
+
+
+COMPLETION_FORMAT = CompletionFormat()
+CHAT_FORMAT = ChatFormat()
+
+
+def _identity(generation: Generation) -> dict[str, Any]:
+    return {"id": generation.id, "created": generation.created, "model": generation.model}
+
+
+async def _stream(
+    request: web.Request, generation: Generation, answer_format: AnswerFormat
 ) -> web.StreamResponse:
     # Wait for the first token before sending headers, so that a full queue or
     # a missed deadline still gets its own status code.
@@ -430,36 +551,28 @@ async def _stream_completion(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
-
-    def chunk(text: str, finish_reason: str | None) -> dict[str, Any]:
-        return {
-            "id": generation.id,
-            "object": "text_completion",
-            "created": generation.created,
-            "model": state.model_name,
-            "choices": [_choice(text, finish_reason)],
-        }
-
     # Most events differ only in their text: serialize the rest once.
-    head, tail = json.dumps(chunk("\x00", None)).encode().split(b'"\\u0000"')
+    placeholder = answer_format.event(generation, "\x00", None).model_dump_json().encode()
+    head, tail = placeholder.split(b'"\\u0000"')
     try:
+        for event in answer_format.opening(generation):
+            await _send_event(response, event)
         while delta is not None:
             if generation.finish_reason is None:
                 await response.write(b"data: " + head + json.dumps(delta).encode() + tail + b"\n\n")
             else:
-                final = chunk(delta, generation.finish_reason)
-                await _send_event(response, {**final, "usage": generation.usage()})
+                finish, usage = generation.finish_reason, generation.usage()
+                await _send_event(response, answer_format.event(generation, delta, finish, usage))
             delta = await generation.next_delta()
     except ApiError as err:
         # Headers are gone: the error travels as an event and the request counts as failed.
-        await _send_event(response, err.body())
+        await _send_event(response, err.answer())
         await response.write(b"data: [DONE]\n\n")
         raise _StreamEnded(response) from err
     except ConnectionResetError as exc:
         raise _StreamEnded(response) from exc
     if generation.parsed.include_usage_chunk:
-        usage_event = {**chunk("", None), "choices": [], "usage": generation.usage()}
-        await _send_event(response, usage_event)
+        await _send_event(response, answer_format.usage_event(generation))
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
@@ -473,8 +586,8 @@ class _StreamEnded(Exception):
         self.response = response
 
 
-async def _send_event(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+async def _send_event(response: web.StreamResponse, event: BaseModel) -> None:
+    await response.write(b"data: " + event.model_dump_json().encode() + b"\n\n")
 
 
 # --- other endpoints ----------------------------------------------------------
@@ -482,20 +595,8 @@ async def _send_event(response: web.StreamResponse, payload: dict[str, Any]) -> 
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "batchpilot",
-                    "max_model_len": state.engine.max_model_len,
-                }
-            ],
-        }
-    )
+    card = ModelCard(id=state.model_name, max_model_len=state.engine.max_model_len)
+    return _json_answer(ModelList(data=[card]))
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -528,34 +629,30 @@ async def openapi(request: web.Request) -> web.Response:
 # --- admin ------------------------------------------------------------------
 
 
-def _config_body(state: ServerState) -> dict[str, Any]:
-    return {
-        **state.config.to_dict(),
-        "mode": state.metrics.mode,
-        "version": state.config_version,
-    }
+def _batching_state(state: ServerState) -> BatchingState:
+    return BatchingState(
+        **state.config.to_dict(), mode=state.metrics.mode, version=state.config_version
+    )
 
 
 async def get_batching(request: web.Request) -> web.Response:
-    return web.json_response(_config_body(request.app[STATE]))
+    return _json_answer(_batching_state(request.app[STATE]))
 
 
 async def put_batching(request: web.Request) -> web.Response:
     state = request.app[STATE]
     _authorize(request, state.admin_token)
-    changes = parse_json_body(await request.read())
+    changes = read_batching_update(await read_json(request))
     try:
-        config = state.config.merged(changes)
-        state.engine.reconfigure(config)
-    except ConfigError as exc:
+        config = state.config.merged(dict(changes))
+    except ConfigError as exc:  # BatchingConfig's own checks, were they stricter than the schema
         raise invalid(str(exc)) from exc
-    except TypeError as exc:  # dataclasses.replace with a non-field
-        raise invalid(str(exc)) from exc
+    state.engine.reconfigure(config)
     state.config = config
     state.config_version += 1
     state.metrics.set_config(config)
     log.info("batching config version %d: %s", state.config_version, config.to_dict())
-    return web.json_response(_config_body(state))
+    return _json_answer(_batching_state(state))
 
 
 def _authorize(request: web.Request, current_token: Callable[[], str] | None) -> None:
@@ -576,7 +673,9 @@ def _authorize(request: web.Request, current_token: Callable[[], str] | None) ->
             code="missing_token",
             headers={"WWW-Authenticate": 'Bearer realm="batchpilot-admin"'},
         )
-    if not hmac.compare_digest(given.strip().encode(), current_token().encode()):
+    # Header bytes that are not ASCII reach here as surrogate escapes: compare bytes.
+    given_bytes = given.strip().encode("utf-8", "surrogateescape")
+    if not hmac.compare_digest(given_bytes, current_token().encode("utf-8", "surrogateescape")):
         raise ApiError(
             403, "the admin token is not valid", type_="permission_error", code="invalid_token"
         )

@@ -1,18 +1,26 @@
-"""The OpenAPI 3.0 document served at /openapi.json."""
+"""The OpenAPI 3.1 document served at /openapi.json, derived from protocol.py's models."""
 
 from __future__ import annotations
 
 from functools import cache
 from typing import Any
 
-from batchpilot_server.batching import (
-    MAX_BATCH_SIZE_LIMIT,
-    MAX_BATCH_TIMEOUT_MS,
-    MAX_QUEUE_SIZE_LIMIT,
+from batchpilot_server.protocol import (
+    BatchingState,
+    BatchingUpdate,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    ModelList,
 )
+from pydantic import TypeAdapter
 
 ERROR_DESCRIPTIONS = {
-    400: "Invalid request: malformed JSON, a wrong type, or a value out of range.",
+    400: "Invalid request: malformed JSON or body encoding, a wrong type, a value out of range, "
+    "text that is not valid Unicode, or a conversation the chat template refuses.",
     401: "Missing admin bearer token.",
     403: "Wrong admin token, or the admin API is disabled (no --admin-token-file).",
     404: "Unknown route or model.",
@@ -29,10 +37,30 @@ RETRY_AFTER = {
         "schema": {"type": "integer"},
     }
 }
+GENERATION_ERRORS = (400, 404, 405, 413, 429, 500, 503, 504)
+
+# Requests are documented as they are validated, answers as they are written.
+REQUESTS: tuple[type, ...] = (CompletionRequest, ChatCompletionRequest, BatchingUpdate)
+ANSWERS: tuple[type, ...] = (
+    Completion, ChatCompletion, ChatCompletionChunk, ErrorResponse, BatchingState, ModelList,
+)  # fmt: skip
 
 
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{name}"}
+@cache
+def component_schemas() -> tuple[dict[str, Any], dict[str, Any]]:
+    """({model name: $ref}, components.schemas) for every model of the API."""
+    adapters = [(t.__name__, "validation", TypeAdapter(t)) for t in REQUESTS] + [
+        (t.__name__, "serialization", TypeAdapter(t)) for t in ANSWERS
+    ]
+    refs, definitions = TypeAdapter.json_schemas(
+        adapters,  # type: ignore[arg-type]
+        ref_template="#/components/schemas/{model}",
+    )
+    return {name: ref for (name, _), ref in refs.items()}, definitions["$defs"]
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return component_schemas()[0][name]
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
@@ -42,7 +70,7 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 def _errors(*statuses: int) -> dict[str, Any]:
     responses = {}
     for status in statuses:
-        response = _json(_ref("Error"), ERROR_DESCRIPTIONS[status])
+        response = _json(_ref("ErrorResponse"), ERROR_DESCRIPTIONS[status])
         if status in (429, 503, 504):
             response["headers"] = RETRY_AFTER
         responses[str(status)] = response
@@ -57,139 +85,37 @@ def _plain(description: str) -> dict[str, Any]:
     return {"description": description, "content": {"text/plain": {"schema": {"type": "string"}}}}
 
 
-SCHEMAS: dict[str, Any] = {
-    "Error": {
-        "type": "object",
-        "required": ["error"],
-        "properties": {
-            "error": {
-                "type": "object",
-                "required": ["message", "type", "code"],
-                "properties": {
-                    "message": {"type": "string"},
-                    "type": {"type": "string"},
-                    "code": {"type": "string", "nullable": True},
-                    "param": {"type": "string", "nullable": True},
-                },
-            }
-        },
-    },
-    "CompletionRequest": {
-        "type": "object",
-        "required": ["prompt"],
-        "additionalProperties": False,
-        "properties": {
-            "model": {"type": "string"},
-            "prompt": {
-                "oneOf": [
-                    {"type": "string", "minLength": 1},
-                    {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
-                ]
+def _generation(summary: str, *, request: str, answer: str, chunk: str) -> dict[str, Any]:
+    events = (
+        f"With `stream`: server-sent events, `data: <{chunk}>` each, ending `data: [DONE]`; an "
+        "error after the first event arrives as `data: <ErrorResponse>` before `[DONE]`."
+    )
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(request)}},
             },
-            "max_tokens": {"type": "integer", "minimum": 1, "default": 16},
-            "temperature": {"type": "number", "minimum": 0, "maximum": 2, "default": 0},
-            "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1},
-            "seed": {"type": "integer"},
-            "stop": {
-                "oneOf": [
-                    {"type": "string"},
-                    {"type": "array", "maxItems": 4, "items": {"type": "string"}},
-                ]
-            },
-            "stream": {"type": "boolean", "default": False},
-            "stream_options": {
-                "type": "object",
-                "properties": {"include_usage": {"type": "boolean"}},
-            },
-            "ignore_eos": {"type": "boolean", "default": False},
-            "n": {"type": "integer", "enum": [1]},
-            "user": {"type": "string"},
-        },
-    },
-    "Usage": {
-        "type": "object",
-        "properties": {
-            "prompt_tokens": {"type": "integer"},
-            "completion_tokens": {"type": "integer"},
-            "total_tokens": {"type": "integer"},
-        },
-    },
-    "Completion": {
-        "type": "object",
-        "required": ["id", "object", "created", "model", "choices"],
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"type": "string", "enum": ["text_completion"]},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "choices": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "index": {"type": "integer"},
-                        "text": {"type": "string"},
-                        "logprobs": {"nullable": True},
-                        "finish_reason": {
-                            "type": "string",
-                            "enum": ["stop", "length"],
-                            "nullable": True,
-                        },
+            "responses": {
+                "200": {
+                    "description": f"The {answer}. {events}",
+                    "content": {
+                        "application/json": {"schema": _ref(answer)},
+                        "text/event-stream": {"schema": {"type": "string"}},
                     },
                 },
+                **_errors(*GENERATION_ERRORS),
             },
-            "usage": _ref("Usage"),
-        },
-    },
-    "BatchingUpdate": {
-        "type": "object",
-        "additionalProperties": False,
-        "minProperties": 1,
-        "properties": {
-            "max_batch_size": {"type": "integer", "minimum": 1, "maximum": MAX_BATCH_SIZE_LIMIT},
-            "batch_timeout_ms": {"type": "number", "minimum": 0, "maximum": MAX_BATCH_TIMEOUT_MS},
-            "max_queue_size": {"type": "integer", "minimum": 1, "maximum": MAX_QUEUE_SIZE_LIMIT},
-        },
-    },
-    "BatchingConfig": {
-        "type": "object",
-        "required": ["max_batch_size", "batch_timeout_ms", "max_queue_size", "mode", "version"],
-        "properties": {
-            "max_batch_size": {"type": "integer"},
-            "batch_timeout_ms": {"type": "number"},
-            "max_queue_size": {"type": "integer"},
-            "mode": {"type": "string", "enum": ["dynamic", "continuous"]},
-            "version": {"type": "integer", "description": "Increases with every accepted PUT."},
-        },
-    },
-}
+        }
+    }
 
 
 @cache
 def openapi_document() -> dict[str, Any]:
     status = {"type": "object", "additionalProperties": True}
-    completions = {
-        "post": {
-            "summary": "OpenAI-compatible text completion (streaming with SSE).",
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": _ref("CompletionRequest")}},
-            },
-            "responses": {
-                "200": {
-                    "description": "The completion, or with `stream` server-sent events "
-                    "(`data: <Completion chunk>` per token, ending `data: [DONE]`).",
-                    "content": {
-                        "application/json": {"schema": _ref("Completion")},
-                        "text/event-stream": {"schema": {"type": "string"}},
-                    },
-                },
-                **_errors(400, 404, 405, 413, 429, 500, 503, 504),
-            },
-        }
-    }
     admin = {
-        **_get("The batching config in force.", _json(_ref("BatchingConfig"), "In force.")),
+        **_get("The batching config in force.", _json(_ref("BatchingState"), "In force.")),
         "put": {
             "summary": "Change batching live; applies at the next scheduling decision.",
             "security": [{"adminToken": []}],
@@ -198,21 +124,33 @@ def openapi_document() -> dict[str, Any]:
                 "content": {"application/json": {"schema": _ref("BatchingUpdate")}},
             },
             "responses": {
-                "200": _json(_ref("BatchingConfig"), "The new config in force."),
-                **_errors(400, 401, 403, 413),
+                "200": _json(_ref("BatchingState"), "The new config in force."),
+                **_errors(400, 401, 403, 405, 413),
             },
         },
     }
     return {
-        "openapi": "3.0.3",
+        "openapi": "3.1.0",
         "info": {
             "title": "batchpilot inference server",
             "version": "1",
-            "description": "OpenAI-compatible completions, live batching config, probes, metrics.",
+            "description": "OpenAI-compatible completions and chat, live batching config, "
+            "probes, metrics.",
         },
         "paths": {
-            "/v1/completions": completions,
-            "/v1/models": _get("The served model.", _json(status, "Model list.")),
+            "/v1/completions": _generation(
+                "OpenAI-compatible text completion.",
+                request="CompletionRequest",
+                answer="Completion",
+                chunk="Completion",
+            ),
+            "/v1/chat/completions": _generation(
+                "OpenAI-compatible chat completion, rendered by the model's chat template.",
+                request="ChatCompletionRequest",
+                answer="ChatCompletion",
+                chunk="ChatCompletionChunk",
+            ),
+            "/v1/models": _get("The served model.", _json(_ref("ModelList"), "Model list.")),
             "/healthz": {
                 "get": {
                     "summary": "Liveness: fails once the engine thread has died.",
@@ -232,11 +170,11 @@ def openapi_document() -> dict[str, Any]:
                 }
             },
             "/metrics": _get("Prometheus metrics.", _plain("Prometheus text format.")),
-            "/openapi.json": _get("This document.", _json(status, "OpenAPI 3 document.")),
+            "/openapi.json": _get("This document.", _json(status, "OpenAPI 3.1 document.")),
             "/admin/batching": admin,
         },
         "components": {
-            "schemas": SCHEMAS,
+            "schemas": component_schemas()[1],
             "securitySchemes": {"adminToken": {"type": "http", "scheme": "bearer"}},
         },
     }

@@ -28,11 +28,15 @@ BAD_PUTS: list[tuple[str | None, Any, int, str]] = [
     (None, {"max_batch_size": 4}, 401, "missing_token"),
     ("wrong-token", {"max_batch_size": 4}, 403, "invalid_token"),
     ("test-token", {"max_batch_size": 0}, 400, "invalid_value"),
-    ("test-token", {"max_batch_size": "4"}, 400, "invalid_value"),
+    ("test-token", {"max_batch_size": 2000}, 400, "invalid_value"),
+    ("test-token", {"max_batch_size": "4"}, 400, "invalid_type"),
+    ("test-token", {"max_batch_size": None}, 400, "invalid_type"),
+    ("test-token", {"max_batch_size": 4.0}, 400, "invalid_type"),
     ("test-token", {"batch_timeout_ms": -1}, 400, "invalid_value"),
     ("test-token", {"max_queue_size": 0}, 400, "invalid_value"),
-    ("test-token", {"max_batch": 4}, 400, "invalid_value"),
-    ("test-token", [4], 400, "invalid_value"),
+    ("test-token", {"max_batch": 4}, 400, "unknown_field"),
+    ("test-token", {}, 400, "invalid_value"),
+    ("test-token", [4], 400, "invalid_type"),
 ]
 
 
