@@ -482,15 +482,16 @@ def _api_error(exc: ValidationError, adapter: TypeAdapter[Any]) -> ApiError:
     # Never str(exc): it prints the input, which may be an integer of thousands of
     # digits (Python refuses to) or nested a thousand levels deep.
     errors = exc.errors(include_url=False)
+    wrong = [e for e in errors if e["type"] not in ("missing", "extra_forbidden")]
     unknown = [e["loc"] for e in errors if e["type"] == "extra_forbidden"]
-    if unknown:
-        # A typo explains the other errors it causes (a missing field, say): name it first.
+    if unknown and not wrong:
+        # A typo (`max_token`) shows as an unknown field and often a missing one: name the
+        # unknown first. A wrong value of a known field comes before both.
         names = [_param(loc) for loc in unknown]
         allowed = f"; allowed: {', '.join(_fields(adapter))}" if len(unknown[0]) == 1 else ""
-        return invalid(
-            f"unknown field(s): {', '.join(names)}{allowed}", code="unknown_field", param=names[0]
-        )
-    first = errors[0]
+        verb = "is not a known field" if len(names) == 1 else "are not known fields"
+        return invalid(f"{', '.join(names)} {verb}{allowed}", code="unknown_field", param=names[0])
+    first = (wrong or errors)[0]
     param = _param(first["loc"]) or None
     code, predicate = _describe(first)
     return invalid(f"{param or 'request body'} {predicate}", code=code, param=param)
