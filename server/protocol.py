@@ -43,6 +43,9 @@ MAX_STOP_SEQUENCES = 4
 MAX_STOP_LENGTH = 256
 # torch.Generator.manual_seed takes 64 bits; OpenAI's seed is a non-negative integer.
 MAX_SEED = 2**64 - 1
+# Below this, sampling is greedy (vLLM's choice): logits divided by a temperature
+# of 1e-38 overflow float32 and the softmax turns to NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -292,7 +295,9 @@ class SamplingFields(Strict):
     """What both endpoints accept beyond their prompt."""
 
     model: Text | None = Field(None, description="Must be the served model's name.")
-    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy.")
+    temperature: float = Field(
+        0.0, ge=0.0, le=2.0, description=f"0 (and below {GREEDY_BELOW_TEMPERATURE:g}) is greedy."
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Makes sampling reproducible.")
     stop: Stop | None = Field(None, description="Up to 4 strings that end the completion.")
@@ -616,7 +621,10 @@ def read_completion(body: Any, served: Served) -> GenerationRequest:
     else:
         _check_token_ids(prompt, served.tokenizer.vocab_size)
         prompt_ids = list(prompt)
-    return _generation(request, prompt_ids, request.max_tokens, served, ("prompt", "max_tokens"))
+    max_tokens = request.max_tokens
+    if "max_tokens" not in request.model_fields_set and served.limits.max_tokens is not None:
+        max_tokens = min(max_tokens, served.limits.max_tokens)  # a default, not a request
+    return _generation(request, prompt_ids, max_tokens, served, ("prompt", "max_tokens"))
 
 
 def read_chat(body: Any, served: Served) -> GenerationRequest:
@@ -667,7 +675,7 @@ def _generation(
     return GenerationRequest(
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
-        temperature=request.temperature,
+        temperature=0.0 if request.temperature < GREEDY_BELOW_TEMPERATURE else request.temperature,
         top_p=request.top_p,
         seed=request.seed,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),

@@ -326,3 +326,21 @@ async def test_unsupported_or_oversized_content_encodings_are_refused(
         assert_error(status, answer, 413, None)
         assert answer["error"]["code"] == "body_too_large"
         await assert_healthy(session, server)
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+async def test_a_temperature_too_small_to_divide_by_samples_greedily(
+    server: InProcessServer, path: str
+) -> None:
+    """Logits divided by 1e-38 overflow float32; the engine thread once died of it."""
+    body = completion if path == COMPLETIONS else chat
+    text_of = (lambda a: a["choices"][0]["text"]) if path == COMPLETIONS else (
+        lambda a: a["choices"][0]["message"]["content"])  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+        greedy = await send(session, server, path, json.dumps(body(max_tokens=8)).encode())
+        for temperature in (1e-6, 1e-38, 5e-324):
+            raw = json.dumps(body(max_tokens=8, temperature=temperature, seed=1)).encode()
+            status, answer = await send(session, server, path, raw)
+            assert status == 200, answer
+            assert text_of(answer) == text_of(greedy[1])
+        await assert_healthy(session, server)

@@ -227,6 +227,8 @@ async def test_server_limits_on_prompt_and_max_tokens() -> None:
         long_prompt = await complete(session, server.url, prompt="x" * 8, max_tokens=2)
         many_tokens = await complete(session, server.url, prompt="x", max_tokens=5)
         within = await complete(session, server.url, prompt="x" * 7, max_tokens=4)
+        # the default of 16 is no request of the caller: it shrinks to the limit
+        default = await complete(session, server.url, prompt="x", ignore_eos=True)
     assert long_prompt[0] == 400
     assert long_prompt[1]["error"]["message"] == (
         "prompt has 9 tokens; this server accepts at most 8"
@@ -236,6 +238,7 @@ async def test_server_limits_on_prompt_and_max_tokens() -> None:
         "max_tokens is 5; this server allows at most 4"
     )
     assert within[0] == 200
+    assert default[0] == 200 and default[1]["usage"]["completion_tokens"] == 4
 
 
 async def test_request_larger_than_the_kv_pool_is_refused_with_400() -> None:
