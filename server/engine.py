@@ -22,6 +22,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import torch
 from batchpilot_server.batching import BatchingConfig, Mode
@@ -445,12 +446,17 @@ class Engine:
         self._steps += 1
         events: list[tuple[Sequence, TokenEvent]] = []
         runner = self._runner
-        for seqs, forward in ((plan.prefill, runner.prefill), (plan.decode, runner.decode)):
+        prefill = partial(runner.prefill, chunks=plan.chunks)
+        for seqs, forward in ((plan.prefill, prefill), (plan.decode, runner.decode)):
             if seqs:
                 began = time.perf_counter()
-                tokens, logprobs = sample(forward(seqs), seqs)
+                logits = forward(seqs)
+                # a prefill chunk that leaves part of its prompt for later samples nothing
+                ready = [seq for seq in seqs if seq.ready_to_sample]
+                if ready:
+                    tokens, logprobs = sample(logits, ready)
+                    events += self._append(ready, tokens, logprobs)
                 observer.on_step(len(seqs), time.perf_counter() - began)
-                events += self._append(seqs, tokens, logprobs)
         self._publish(events)
 
     def _append(

@@ -1,9 +1,16 @@
-"""Continuous (iteration-level) scheduling: every step admits waiting
-sequences while running < `max_batch_size`, within the prefill token budget
-and the free KV blocks, and finished sequences leave at once. When blocks run
-out mid-decode the newest running sequence is preempted: its blocks are freed
-and it is recomputed later from its tokens so far. `batch_timeout_ms` is how
-long an idle engine waits for more arrivals before its first step.
+"""Continuous (iteration-level) scheduling: every step decodes one token for
+each running sequence, and finished sequences leave at once. Prompts are
+prefilled within a per-step token budget (`prefill_token_budget`, chunked
+prefill): sequences part-way through their prompt continue first, oldest first,
+then waiting sequences are admitted while running < `max_batch_size` and the
+free KV blocks hold their whole prompt. A prompt longer than what is left of the
+budget computes a chunk of it now and the rest in later steps, so one long
+prompt never stalls the running sequences for longer than a budget's worth of
+tokens; only its last chunk yields a token. When blocks run out mid-decode the
+newest running sequence is preempted: its blocks are freed and it is recomputed
+later from its tokens so far, its prefill starting again from the first token.
+`batch_timeout_ms` is how long an idle engine waits for more arrivals before its
+first step.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from batchpilot_server.sequence import Sequence, Status
 
 class ContinuousScheduler:
     def __init__(self, pool: BlockPool, waiting: deque[Sequence], prefill_budget: int) -> None:
+        if prefill_budget < 1:
+            raise ValueError(f"the prefill token budget must be positive, got {prefill_budget}")
         self.pool = pool
         self.waiting = waiting
         self.prefill_budget = prefill_budget
@@ -32,22 +41,40 @@ class ContinuousScheduler:
         if not self.running and self.waiting and not flush and not self._due(now, config):
             return None
         preempted = self._make_room_for_decode()
-        plan = StepPlan(decode=list(self.running), preempted=preempted)
+        # one uncomputed token is the newest one: a decode computes it, also when it
+        # is the last of a prompt whose chunks left exactly that
+        decode = [seq for seq in self.running if seq.num_uncomputed == 1]
         budget = self.prefill_budget
-        while self.waiting and len(self.running) < config.max_batch_size:
+        chunks: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            if budget and seq.num_uncomputed > 1:
+                chunks.append((seq, min(seq.num_uncomputed, budget)))
+                budget -= chunks[-1][1]
+        while budget and self.waiting and len(self.running) < config.max_batch_size:
             head = self.waiting[0]
-            if plan.prefill and head.num_tokens > budget:
-                break  # a prompt over the whole budget still runs, alone
+            # blocks for the whole prompt (and its first token) now: later chunks
+            # never wait for blocks, and the usage ratio counts the prompt at once
             if not self.pool.grow(head.block_table, head.num_tokens + 1):
                 break
-            budget -= head.num_tokens
             head.status = Status.RUNNING
             self.running.append(self.waiting.popleft())
-            plan.prefill.append(head)
+            chunks.append((head, min(head.num_uncomputed, budget)))
+            budget -= chunks[-1][1]
+        plan = StepPlan(
+            prefill=[seq for seq, _ in chunks],
+            decode=decode,
+            preempted=preempted,
+            chunks=[size for _, size in chunks],
+        )
         return plan if plan.size else None
 
     def _due(self, now: float, config: BatchingConfig) -> bool:
-        return len(self.waiting) >= config.max_batch_size or now >= timeout_at(self.waiting, config)
+        return (
+            len(self.waiting) >= config.max_batch_size
+            or now >= timeout_at(self.waiting, config)
+            # a preempted sequence (in front) waited for its first step already
+            or self.waiting[0].first_scheduled is not None
+        )
 
     def _make_room_for_decode(self) -> list[Sequence]:
         """Grow each running sequence by the token it decodes next, oldest first,

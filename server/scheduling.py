@@ -12,10 +12,16 @@ from batchpilot_server.sequence import Sequence
 
 @dataclass
 class StepPlan:
-    prefill: list[Sequence] = field(default_factory=list)  # compute whole token lists
+    prefill: list[Sequence] = field(default_factory=list)  # compute tokens from num_computed
     decode: list[Sequence] = field(default_factory=list)  # feed the newest token
     preempted: list[Sequence] = field(default_factory=list)  # evicted to make room
     fired: int = 0  # dynamic: size of the batch that fired with this step
+    # continuous: how many tokens each prefill row computes this step, a long prompt
+    # a chunk at a time so that running sequences keep decoding meanwhile. None: each
+    # row computes all it has left. Dynamic leaves it None: its batch runs as one
+    # unit, no other sequence decodes meanwhile, and every member's first token waits
+    # for the whole batch's prefill anyway, so chunks would only add steps.
+    chunks: list[int] | None = None
 
     @property
     def size(self) -> int:

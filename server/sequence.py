@@ -44,9 +44,14 @@ class Sequence:
         return len(self.token_ids)
 
     @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose K/V the cache lacks: 1 while decoding, more while prefilling."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
     def ready_to_sample(self) -> bool:
         """Every token is computed: the last forward's logits give the next token."""
-        return self.num_computed == len(self.token_ids)
+        return self.num_uncomputed == 0
 
     @property
     def num_prompt(self) -> int:

@@ -1,15 +1,22 @@
 """KV pressure: preemption and recompute, cancellation, and that the pool
-never leaks (every block is free again once the work is done)."""
+never leaks (every block is free again once the work is done). Chunked prefill:
+a long prompt computed a budget's worth of tokens per step gives the tokens of
+an unchunked prefill and of full recompute, running sequences keep decoding
+meanwhile, and a sequence preempted part-way through its prompt still finishes."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import dataclass, field
 
 import pytest
+import torch
 from batchpilot_server.engine import Engine
-from batchpilot_server.engine_api import SamplingParams
-from engine_helpers import RecordingObserver, collect, prompt, started, wait_until
+from batchpilot_server.engine_api import SamplingParams, TokenEvent
+from batchpilot_server.kv_cache import bytes_per_block
+from batchpilot_server.models import build_model, get_spec
+from engine_helpers import ATTENTIONS, RecordingObserver, collect, prompt, started, wait_until
 
 TOKENS = 40
 FORCED = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
@@ -71,3 +78,115 @@ async def test_random_cancellations_free_every_block(mode: str) -> None:
         await engine.shutdown()
     for n, count in enumerate(counts):
         assert count == cancel_after.get(n, TOKENS)
+
+
+BUDGET = 128  # prompt tokens per step
+
+
+def byte_prompt(length: int, seed: int) -> list[int]:
+    """`length` token ids of tiny's byte vocabulary."""
+    return random.Random(seed).choices(range(256), k=length)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+async def test_a_long_prompt_prefilled_in_chunks_decodes_as_unchunked(attention: str) -> None:
+    long_prompt = byte_prompt(900, seed=5)  # seven chunks of 128 and a part of one
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    outputs = []
+    for budget in (BUDGET, len(long_prompt)):
+        engine = await started("continuous", prefill_token_budget=budget, attention=attention)
+        try:
+            outputs.append(await collect(engine.submit(long_prompt, greedy)))
+        finally:
+            await engine.shutdown()
+    chunked, whole = outputs
+    tokens = [e.token_id for e in chunked]
+    assert tokens == [e.token_id for e in whole]
+    # full recompute, no cache: the same greedy tokens with the same log-probabilities
+    with torch.inference_mode():
+        logits = build_model("tiny", "cpu").full_logits(long_prompt + tokens)
+    reference = torch.log_softmax(logits, -1)[len(long_prompt) - 1 : -1]
+    assert tokens == reference.argmax(-1).tolist()
+    expected = reference.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    for events in outputs:
+        got = torch.tensor([e.logprob for e in events])
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+async def test_running_sequences_decode_every_step_while_a_long_prompt_prefills() -> None:
+    # a batch of two fires as soon as both wait: both are admitted at step 1
+    engine = await started(
+        "continuous", prefill_token_budget=BUDGET, max_batch_size=2, batch_timeout_ms=60_000
+    )
+    try:
+        short, long_prompt = prompt(engine, 1), byte_prompt(900, seed=5)
+        running = engine.submit(short, FORCED)
+        prefilling = engine.submit(long_prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+        short_events, long_events = await asyncio.gather(collect(running), collect(prefilling))
+    finally:
+        await engine.shutdown()
+    # the budget's worth of prompt tokens per step: the long prompt's first token comes
+    # only once both prompts are computed...
+    steps_to_prefill = -(-(len(short) + len(long_prompt)) // BUDGET)
+    assert long_events[0].step == steps_to_prefill > 1
+    # ...and the short one, its prompt done at step 1, gains a token at every step
+    assert [e.step for e in short_events] == list(range(1, TOKENS + 1))
+
+
+@dataclass
+class PreemptionSteps(RecordingObserver):
+    """Also notes how many steps had run when each preemption came."""
+
+    engine: Engine | None = None
+    steps_before: list[int] = field(default_factory=list)
+
+    def on_preemption(self) -> None:
+        super().on_preemption()
+        assert self.engine is not None
+        self.steps_before.append(self.engine.stats().steps)
+
+
+async def test_a_sequence_preempted_mid_prefill_restarts_it_and_completes() -> None:
+    """Four short sequences decode while a long prompt is prefilled in chunks of 64;
+    the pool has room for all five only until the short ones each need a second
+    block, so the newest, the long one, is preempted part-way through its prompt,
+    waits for the short ones to finish, and is prefilled again from its first token."""
+    shorts = [byte_prompt(12, seed=n) for n in range(4)]
+    long_prompt = byte_prompt(400, seed=9)
+    prompts = [*shorts, long_prompt]
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    block = 16
+    # each short prompt plus its first token fits one block; the long one's reserved
+    # blocks leave one block for the four short ones' second blocks
+    blocks = len(shorts) + -(-(len(long_prompt) + 1) // block) + 1
+    kv_cache_mb = blocks * bytes_per_block(get_spec("tiny"), block, torch.float32) / 2**20
+
+    async def run(pool_mb: float) -> tuple[PreemptionSteps, list[list[TokenEvent]]]:
+        observer = PreemptionSteps()
+        engine = await started(
+            "continuous",
+            observer,
+            kv_cache_mb=pool_mb,
+            prefill_token_budget=64,
+            max_batch_size=len(prompts),  # all five start at step 1
+            batch_timeout_ms=60_000,
+        )
+        observer.engine = engine
+        try:
+            streams = [engine.submit(p, params) for p in prompts]
+            outputs = await asyncio.gather(*(collect(s) for s in streams))
+            await wait_until(lambda: idle(engine))
+        finally:
+            await engine.shutdown()
+        return observer, outputs
+
+    results = [await run(16.0), await run(kv_cache_mb)]
+    (roomy, expected), (tight, outputs) = results
+    assert roomy.preemptions == 0 and tight.preemptions > 0
+    # the first victim is the newest running sequence, the long one: preempted before
+    # its first token, so part-way through its prefill
+    assert min(tight.steps_before) < outputs[-1][0].step
+    assert [[e.token_id for e in out] for out in outputs] == [
+        [e.token_id for e in out] for out in expected
+    ]
+    assert len(tight.scheduled) == len(prompts)  # a preempted request is scheduled only once

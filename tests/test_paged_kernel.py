@@ -12,18 +12,17 @@ import stat
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from batchpilot_server.engine_api import SamplingParams
 from batchpilot_server.kv_cache import KVAccountingError, KVCache
 from batchpilot_server.model_runner import ModelRunner
-from batchpilot_server.models import build_model, get_spec
+from batchpilot_server.models import Attention, CausalAttention, ModelSpec, build_model, get_spec
 from batchpilot_server.native_attention import NativeDecodeAttention, row_parts
 from batchpilot_server.paged_kernel import (
     KernelUnavailableError,
@@ -180,63 +179,63 @@ def test_rows_split_across_threads_decode_exactly_as_one_thread() -> None:
     assert torch.equal(outputs[0], outputs[1])
 
 
-@dataclass(frozen=True)
-class Heads:
-    """The part of a ModelSpec the KV cache reads."""
-
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
+def heads(n_heads: int, n_kv_heads: int, head_dim: int) -> ModelSpec:
+    """A two-layer spec with these attention heads (all the KV cache reads of it)."""
+    return replace(
+        get_spec("tiny"), n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim
+    )
 
 
 class AttentionProbe:
     """Stands in for the decoder under `ModelRunner`: layer l's q/k/v at position p of
     sequence n are fixed random tensors, every token id of sequence n is n (so a row
     finds its own), and `hidden` returns each layer's attention output side by side
-    (`logits` is the identity)."""
+    for every token (kept in `last`: the runner's logits hold only each row's last
+    token; `logits` is the identity)."""
 
-    def __init__(self, heads: Heads, sequences: int, length: int, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, sequences: int, length: int, dtype: torch.dtype) -> None:
         generator = torch.Generator().manual_seed(0)
-        layers = heads.n_layers
 
         def draw(n_heads: int) -> torch.Tensor:
-            shape = (layers, sequences, length, n_heads, heads.head_dim)
+            shape = (spec.n_layers, sequences, length, n_heads, spec.head_dim)
             return torch.randn(shape, generator=generator).to(dtype)
 
-        self.q, self.k, self.v = draw(heads.n_heads), draw(heads.n_kv_heads), draw(heads.n_kv_heads)
+        self.q, self.k, self.v = draw(spec.n_heads), draw(spec.n_kv_heads), draw(spec.n_kv_heads)
         self.lm_head = torch.nn.Linear(1, 1)  # ModelRunner reads the model's device from it
+        self.last = torch.empty(0)
 
     def hidden(
-        self, token_ids: torch.Tensor, positions: torch.Tensor, attention: object
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention
     ) -> torch.Tensor:
         mixed = [
             attention(
                 layer, q[token_ids, positions], k[token_ids, positions], v[token_ids, positions]
-            )  # type: ignore[operator]
+            )
             for layer, (q, k, v) in enumerate(zip(self.q, self.k, self.v, strict=True))
         ]
-        return torch.cat([out.flatten(2) for out in mixed], -1)
+        self.last = torch.cat([out.flatten(2) for out in mixed], -1)
+        return self.last
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden
 
-    def reference(self, sequence: int, position: int) -> torch.Tensor:
-        """Full causal attention (no cache, float32) of every layer at one position."""
-        outs = []
-        for q, k, v in zip(self.q, self.k, self.v, strict=True):
-            q_, k_, v_ = (t[sequence, : position + 1].float().transpose(0, 1) for t in (q, k, v))
-            out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=True)
-            outs.append(out[:, -1].flatten())
-        return torch.cat(outs)
+    def reference(self, sequence: int) -> torch.Tensor:
+        """`CausalAttention` (full recompute, no cache) of every layer at every position
+        of one sequence, in float32: [positions, features]."""
+        length = self.q.shape[2]
+        return self.hidden(
+            torch.full((1, length), sequence),
+            torch.arange(length)[None],
+            lambda layer, q, k, v: CausalAttention()(layer, q.float(), k.float(), v.float()),
+        )[0]
 
 
 def probe_runner(
-    attention: str, heads: Heads, probe: AttentionProbe, num_blocks: int = 64
+    attention: str, spec: ModelSpec, probe: AttentionProbe, num_blocks: int = 64
 ) -> ModelRunner:
     """A runner over the probe whose pool hands out blocks in a scrambled order, as
     after churn, so no sequence's cache is contiguous."""
-    cache = KVCache(heads, num_blocks, block_size=16, device="cpu")  # type: ignore[arg-type]
+    cache = KVCache(spec, num_blocks, block_size=16, device="cpu")
     scattered: list[int] = []
     cache.pool.grow(scattered, num_blocks * 16)
     cache.pool.release(np.random.default_rng(1).permutation(scattered).tolist())
@@ -254,18 +253,25 @@ def probe_sequences(runner: ModelRunner, lengths: list[int], decode_steps: int) 
 
 
 def run_probe(
-    runner: ModelRunner, seqs: list[Sequence], decode_steps: int
+    runner: ModelRunner, probe: AttentionProbe, seqs: list[Sequence], decode_steps: int
 ) -> list[tuple[Sequence, int, torch.Tensor]]:
     """Prefill in two uneven chunked steps (some rows whole, some split inside and at
-    a block boundary), then decode: every output row with its sequence and position."""
-    first = [len(seqs[0].token_ids), 10, 16, len(seqs[3].token_ids)]
+    a block boundary), then decode: the output of every token computed, with its
+    sequence and position."""
     outputs = []
-    logits = runner.prefill(seqs, first)
-    ready = [seq for seq in seqs if seq.ready_to_sample]
-    outputs += [(seq, seq.num_tokens - 1, row) for seq, row in zip(ready, logits, strict=True)]
+
+    def prefill(rows: list[Sequence], chunks: list[int]) -> None:
+        starts = [seq.num_computed for seq in rows]
+        runner.prefill(rows, chunks)
+        outputs.extend(
+            (seq, start + column, probe.last[row, column])
+            for row, (seq, start, chunk) in enumerate(zip(rows, starts, chunks, strict=True))
+            for column in range(chunk)
+        )
+
+    prefill(seqs, [len(seqs[0].token_ids), 10, 16, len(seqs[3].token_ids)])
     rest = [seq for seq in seqs if not seq.ready_to_sample]
-    logits = runner.prefill(rest)
-    outputs += [(seq, seq.num_tokens - 1, row) for seq, row in zip(rest, logits, strict=True)]
+    prefill(rest, [seq.num_uncomputed for seq in rest])
     for _ in range(decode_steps):
         for n, seq in enumerate(seqs):
             seq.token_ids.append(n)
@@ -284,14 +290,15 @@ def test_paged_attention_matches_full_causal_attention_for_grouped_heads(
     attention: str, group: int, head_dim: int
 ) -> None:
     """Chunked prefill and decode, scattered blocks, n_heads / n_kv_heads = group."""
-    heads = Heads(n_layers=2, n_heads=2 * group, n_kv_heads=2, head_dim=head_dim)
+    spec = heads(2 * group, 2, head_dim)
     steps = 20
-    probe = AttentionProbe(heads, len(LENGTHS), max(LENGTHS) + steps, torch.float32)
-    runner = probe_runner(attention, heads, probe)
+    probe = AttentionProbe(spec, len(LENGTHS), max(LENGTHS) + steps, torch.float32)
+    runner = probe_runner(attention, spec, probe)
     assert runner.attention == attention
     seqs = probe_sequences(runner, LENGTHS, steps)
-    for seq, position, row in run_probe(runner, seqs, steps):
-        expected = probe.reference(int(seq.request_id), position)
+    references = [probe.reference(n) for n in range(len(seqs))]
+    for seq, position, row in run_probe(runner, probe, seqs, steps):
+        expected = references[int(seq.request_id)][position]
         torch.testing.assert_close(row, expected, atol=2e-5, rtol=0)
 
 
@@ -299,26 +306,29 @@ def test_paged_attention_matches_full_causal_attention_for_grouped_heads(
 def test_bfloat16_activations_over_a_float32_cache(attention: str) -> None:
     """The model runs bfloat16, the cache stays float32: attention computes in float32
     and hands back bfloat16."""
-    heads = Heads(n_layers=2, n_heads=9, n_kv_heads=3, head_dim=64)
+    spec = heads(9, 3, 64)
     steps = 12
-    probe = AttentionProbe(heads, len(LENGTHS), max(LENGTHS) + steps, torch.bfloat16)
-    runner = probe_runner(attention, heads, probe)
+    probe = AttentionProbe(spec, len(LENGTHS), max(LENGTHS) + steps, torch.bfloat16)
+    runner = probe_runner(attention, spec, probe)
     assert runner.cache.k.dtype == torch.float32 and runner.attention == attention
-    for seq, position, row in run_probe(runner, probe_sequences(runner, LENGTHS, steps), steps):
+    references = [probe.reference(n) for n in range(len(LENGTHS))]
+    for seq, position, row in run_probe(
+        runner, probe, probe_sequences(runner, LENGTHS, steps), steps
+    ):
         assert row.dtype == torch.bfloat16
-        expected = probe.reference(int(seq.request_id), position).to(torch.bfloat16)
+        expected = references[int(seq.request_id)][position].to(torch.bfloat16)
         torch.testing.assert_close(row, expected)  # bfloat16's own tolerance
 
 
 @requires_c_compiler
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
 def test_the_kernel_and_the_torch_path_agree(head_dim: int) -> None:
-    heads = Heads(n_layers=2, n_heads=12, n_kv_heads=4, head_dim=head_dim)
+    spec = heads(12, 4, head_dim)
     steps = 20
-    probe = AttentionProbe(heads, len(LENGTHS), max(LENGTHS) + steps, torch.float32)
+    probe = AttentionProbe(spec, len(LENGTHS), max(LENGTHS) + steps, torch.float32)
     outputs = []
     for attention in ("native", "torch"):
-        runner = probe_runner(attention, heads, probe)
-        rows = run_probe(runner, probe_sequences(runner, LENGTHS, steps), steps)
+        runner = probe_runner(attention, spec, probe)
+        rows = run_probe(runner, probe, probe_sequences(runner, LENGTHS, steps), steps)
         outputs.append(torch.stack([row for _, _, row in rows]))
     torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=0)
