@@ -96,7 +96,10 @@ class EngineOptions:
     threads: int | None = None  # torch intra-op threads; None = torch default
     seed: int = 0  # model weights
     block_size: int = 16  # tokens per KV block
-    prefill_token_budget: int = 2048  # continuous: prompt tokens admitted per step
+    # continuous: prompt tokens computed per step; a longer prompt is prefilled in
+    # chunks over several steps while running sequences keep decoding (dynamic mode
+    # prefills its whole batch at once)
+    prefill_token_budget: int = 2048
     attention: AttentionBackend = "auto"
     # CUDA only: size the KV pool as this fraction of free device memory
     # instead of kv_cache_mb (None: kv_cache_mb on every device)

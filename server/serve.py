@@ -86,6 +86,15 @@ def parser() -> argparse.ArgumentParser:
         help="decode attention: native C kernel (CPU), torch, or auto: native where it "
         "builds, else torch (default: auto)",
     )
+    p.add_argument(
+        "--prefill-token-budget",
+        type=int,
+        default=EngineOptions.prefill_token_budget,
+        help="continuous mode: prompt tokens computed per step; a longer prompt is "
+        "prefilled in chunks while running requests keep decoding. Lower: steadier "
+        "inter-token latency for running requests, later first token for long prompts "
+        f"(default: {EngineOptions.prefill_token_budget})",
+    )
     p.add_argument("--seed", type=int, default=0, help="model weights seed")
     p.add_argument(
         "--queue-timeout-s",
@@ -167,6 +176,10 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
         raise UsageError(f"--threads must be at least 1, got {args.threads}")
     if args.max_model_len is not None and args.max_model_len < 1:
         raise UsageError(f"--max-model-len must be at least 1, got {args.max_model_len}")
+    if args.prefill_token_budget < 1:
+        raise UsageError(
+            f"--prefill-token-budget must be at least 1, got {args.prefill_token_budget}"
+        )
     check_model_reference(args.model)
     return EngineOptions(
         mode=args.mode,
@@ -181,6 +194,7 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
         gpu_memory_fraction=None if args.kv_cache_mb else GPU_MEMORY_FRACTION,
         threads=args.threads,
         seed=args.seed,
+        prefill_token_budget=args.prefill_token_budget,
         attention=args.attention,
     )
 

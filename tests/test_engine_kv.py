@@ -16,6 +16,8 @@ from batchpilot_server.engine import Engine
 from batchpilot_server.engine_api import SamplingParams, TokenEvent
 from batchpilot_server.kv_cache import bytes_per_block
 from batchpilot_server.models import build_model, get_spec
+from batchpilot_server.serve import batching_config, engine_options, parser
+from batchpilot_server.serve import main as serve_main
 from engine_helpers import ATTENTIONS, RecordingObserver, collect, prompt, started, wait_until
 
 TOKENS = 40
@@ -190,3 +192,12 @@ async def test_a_sequence_preempted_mid_prefill_restarts_it_and_completes() -> N
         [e.token_id for e in out] for out in expected
     ]
     assert len(tight.scheduled) == len(prompts)  # a preempted request is scheduled only once
+
+
+def test_the_budget_flag_reaches_the_engine_and_must_be_positive(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = parser().parse_args(["--prefill-token-budget", "256"])
+    assert engine_options(args, batching_config(args)).prefill_token_budget == 256
+    assert serve_main(["--prefill-token-budget", "0", "--port", "0"]) == 2
+    assert "--prefill-token-budget must be at least 1, got 0" in capsys.readouterr().err
