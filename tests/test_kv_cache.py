@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -69,3 +70,18 @@ def test_cache_is_sized_from_the_memory_budget() -> None:
     assert cache.k.numel() * 4 * 2 == 10 * per_block
     with pytest.raises(ValueError, match="smaller than one block"):
         KVCache.sized(spec, per_block / 2, 16, "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_block_holds_the_kv_heads_only(dtype: torch.dtype) -> None:
+    """Grouped-query attention: the pool stores n_kv_heads per layer, not n_heads,
+    and a block's bytes follow 2 x layers x kv_heads x block_size x head_dim x element."""
+    # head_dim is its own field: 8 heads of 128 over d_model 768 (as Qwen3 does)
+    spec = replace(get_spec("tiny"), n_layers=3, n_heads=8, n_kv_heads=2, head_dim=128, d_model=768)
+    element = torch.empty((), dtype=dtype).element_size()
+    per_block = bytes_per_block(spec, 16, dtype)
+    assert per_block == 2 * 3 * 2 * 16 * 128 * element
+    cache = KVCache.sized(spec, 5 * per_block, 16, "cpu", dtype)
+    assert cache.k.shape == cache.v.shape == (3, 5, 2, 16, 128)
+    assert cache.k.dtype == dtype
+    assert (cache.k.numel() + cache.v.numel()) * element == 5 * per_block
