@@ -1,18 +1,24 @@
-"""The tiny decoder and its paged forwards, below the engine."""
+"""The decoder and its paged forwards, below the engine: the tiny preset, and each
+supported architecture against transformers with random weights."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from batchpilot_server.engine_api import SamplingParams
 from batchpilot_server.kv_cache import KVCache
 from batchpilot_server.model_runner import ModelRunner
 from batchpilot_server.models import PRESETS, Decoder, build_model, get_spec, resolve_device
 from batchpilot_server.sequence import Sequence
+from batchpilot_server.weights import load_model, spec_from_config
 from engine_helpers import ATTENTIONS
+from tokenizers import Tokenizer as Pipeline
+from tokenizers.models import WordLevel
 
 
 @pytest.fixture(autouse=True)
@@ -82,3 +88,71 @@ def paged_against_full_recompute(
         logits = runner.decode(seqs)
     runner.close()
     return worst
+
+
+# Small random configs of each architecture, with what sets it apart: llama3 rope
+# scaling, untied embeddings; Qwen2's q/k/v bias; Qwen3's q/k norm with a head_dim
+# other than hidden_size / heads. Mistral's sliding window is off (a window caps
+# the context instead: test_sliding_window_caps_the_context).
+SMALL = {
+    "vocab_size": 64,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+ARCHITECTURES = {
+    "llama3": ("LlamaConfig", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+}
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_each_architecture_matches_transformers(architecture: str, tmp_path: Path) -> None:
+    """Same logits as transformers' own model from the same checkpoint directory
+    (measured: bit for bit in float32). Qwen3's is written in shards."""
+    config_class, extra = ARCHITECTURES[architecture]
+    config = getattr(transformers, config_class)(**SMALL, **extra)
+    reference = _random_reference(config)
+    shard = "20KB" if architecture == "qwen3" else "1GB"
+    reference.save_pretrained(tmp_path, max_shard_size=shard)
+    assert (tmp_path / "model.safetensors.index.json").exists() == (architecture == "qwen3")
+    Pipeline(WordLevel({"a": 0}, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
+    loaded = load_model(str(tmp_path), device="cpu")
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ours = loaded.model.full_logits(ids[0].tolist())
+        theirs = reference(ids).logits[0]
+    assert loaded.spec.architecture == config.architectures[0]
+    assert float((ours - theirs).abs().max()) <= 1e-5
+
+
+def _random_reference(config: transformers.PretrainedConfig) -> torch.nn.Module:
+    """transformers' model with random weights, norms and biases included (their
+    defaults, ones and zeros, would hide a norm or bias left out)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name or name.endswith("bias"):
+                    param.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    config.architectures = [type(model).__name__]
+    return model
+
+
+def test_sliding_window_caps_the_context() -> None:
+    config = {**SMALL, "architectures": ["MistralForCausalLM"], "sliding_window": 32}
+    assert spec_from_config(config, "m").max_seq_len == 32
+    assert spec_from_config({**config, "sliding_window": None}, "m").max_seq_len == 128
