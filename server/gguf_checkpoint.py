@@ -10,7 +10,6 @@ undone here so the weights match the checkpoint they came from.
 
 from __future__ import annotations
 
-import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,6 @@ from batchpilot_server.models import RopeFrequencyFactors, UnsupportedModelError
 from batchpilot_server.tokenizer import GGUFVocabulary, TextTokenizer
 from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
-
-log = logging.getLogger(__name__)
 
 # general.architecture -> the transformers class it was converted from (Mistral's
 # files say `llama`)

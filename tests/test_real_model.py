@@ -23,9 +23,11 @@ from batchpilot_server import engine as engine_module
 from batchpilot_server.batching import BatchingConfig, Mode
 from batchpilot_server.engine import Engine, RequestStream
 from batchpilot_server.engine_api import EngineOptions, SamplingParams
+from batchpilot_server.gguf_checkpoint import GGUFError
 from batchpilot_server.models import UnsupportedModelError
 from batchpilot_server.weights import LoadedModel, ModelLoadError, load_model
 from engine_helpers import ATTENTIONS
+from gguf import GGUFWriter
 from safetensors.torch import save_file
 from test_model import paged_against_full_recompute
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -342,6 +344,24 @@ def test_loading_errors_name_what_is_wrong(tmp_path: Path, smollm2_dir: Path) ->
         load_model(str(tmp_path / "ok"), device="cpu", max_model_len=65)
     with pytest.raises(ModelLoadError, match=r"neither a preset \(tiny\), a model directory"):
         load_model(str(tmp_path / "absent"), device="cpu")
+
+
+def test_gguf_errors_name_what_is_wrong(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    with pytest.raises(GGUFError, match=r"junk\.gguf: not a readable GGUF file"):
+        load_model(str(junk), device="cpu")
+    phi = tmp_path / "phi.gguf"
+    writer = GGUFWriter(str(phi), arch="phi3")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"^GGUF architecture 'phi3' is not supported; supported: llama, qwen2, qwen3$",
+    ):
+        load_model(str(phi), device="cpu")
 
 
 def test_max_model_len_caps_the_context(smollm2_dir: Path) -> None:
