@@ -60,10 +60,15 @@ class InvalidRequestError(EngineError):
     """`submit` refused: empty prompt, token id outside the vocabulary, bad sampling values."""
 
 
+# Below this, sampling is greedy (vLLM's choice): logits divided by a temperature
+# of 1e-38 overflow float32 and the softmax turns to NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # below GREEDY_BELOW_TEMPERATURE: greedy
     top_p: float = 1.0
     seed: int | None = None  # per-request generator: a seeded request is reproducible
     stop_token_ids: tuple[int, ...] = ()

@@ -21,7 +21,7 @@ from batchpilot_server.batching import (
     MAX_QUEUE_SIZE_LIMIT,
     Mode,
 )
-from batchpilot_server.engine_api import FinishReason
+from batchpilot_server.engine_api import GREEDY_BELOW_TEMPERATURE, FinishReason
 from batchpilot_server.tokenizer import ChatTemplateError, Tokenizer
 from pydantic import (
     AfterValidator,
@@ -43,9 +43,6 @@ MAX_STOP_SEQUENCES = 4
 MAX_STOP_LENGTH = 256
 # torch.Generator.manual_seed takes 64 bits; OpenAI's seed is a non-negative integer.
 MAX_SEED = 2**64 - 1
-# Below this, sampling is greedy (vLLM's choice): logits divided by a temperature
-# of 1e-38 overflow float32 and the softmax turns to NaN.
-GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -675,7 +672,7 @@ def _generation(
     return GenerationRequest(
         prompt_ids=prompt_ids,
         max_tokens=max_tokens,
-        temperature=0.0 if request.temperature < GREEDY_BELOW_TEMPERATURE else request.temperature,
+        temperature=request.temperature,
         top_p=request.top_p,
         seed=request.seed,
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),

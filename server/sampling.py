@@ -1,16 +1,17 @@
-"""Next-token choice: greedy at temperature 0, else temperature / top-p sampling
-with each request's own seeded generator (a seeded request is reproducible)."""
+"""Next-token choice: greedy at temperature ~0 (below GREEDY_BELOW_TEMPERATURE), else
+temperature / top-p sampling with each request's own seeded generator (a seeded
+request is reproducible)."""
 
 from __future__ import annotations
 
 import torch
-from batchpilot_server.engine_api import SamplingParams
+from batchpilot_server.engine_api import GREEDY_BELOW_TEMPERATURE, SamplingParams
 from batchpilot_server.sequence import Sequence
 
 
 def make_generator(params: SamplingParams, device: str) -> torch.Generator | None:
     """A private generator for a sampled request; None for greedy ones."""
-    if params.temperature == 0.0:
+    if params.temperature < GREEDY_BELOW_TEMPERATURE:
         return None
     generator = torch.Generator(device=device)
     if params.seed is None:
