@@ -184,6 +184,28 @@ async def test_greedy_matches_transformers_token_for_token(
     assert outputs == reference.greedy, f"{matching} of {len(outputs)} prompts match"
 
 
+@pytest.mark.usefixtures("engines_share_loads")
+async def test_generation_stops_at_the_models_end_of_turn(
+    source: str, reference: Reference, loaded: LoadedModel
+) -> None:
+    """Without ignore_eos the chat answer ends at its first EOS (<|im_end|>), which is
+    where transformers' greedy answer ends its turn too."""
+    answer = reference.greedy[-1]
+    end = next(i for i, token in enumerate(answer) if token in loaded.tokenizer.eos_ids)
+    options = EngineOptions(
+        mode="continuous", config=BatchingConfig(), model=source, device="cpu", threads=1
+    )
+    engine = Engine(options)
+    await engine.start()
+    try:
+        params = SamplingParams(max_tokens=NEW_TOKENS)
+        events = [e async for e in engine.submit(reference.prompt_ids[-1], params)]
+    finally:
+        await engine.shutdown()
+    assert [e.token_id for e in events] == answer[: end + 1]
+    assert events[-1].finish_reason == "stop"
+
+
 async def _token_ids(stream: RequestStream) -> list[int]:
     return [event.token_id async for event in stream]
 
