@@ -15,6 +15,7 @@ raises: it is reported per target so the caller can record it.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,12 +83,22 @@ async def put_batching(
             headers=headers,
             timeout=aiohttp.ClientTimeout(total=PUT_TIMEOUT_S),
         ) as response:
-            body = await response.json(content_type=None)
-            if response.status != 200:
-                return Refused(name, f"HTTP {response.status}: {_error_message(body)}")
-            return Applied(name, body.get("version") if isinstance(body, dict) else None)
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            status, text = response.status, await response.text()
+    except TimeoutError:
+        return Refused(name, f"timed out: no answer within {PUT_TIMEOUT_S:g} s")
+    except aiohttp.ClientError as exc:
         return Refused(name, f"unreachable: {exc or type(exc).__name__}")
+    body = _json_or_none(text)
+    if status != 200:
+        return Refused(name, f"HTTP {status}: {_error_message(body) if body else text[:120]}")
+    return Applied(name, body.get("version") if isinstance(body, dict) else None)
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 async def get_batching(session: aiohttp.ClientSession, url: str) -> BatchingConfig:

@@ -29,7 +29,7 @@ import aiohttp
 import kopf
 from batchpilot_operator import builders, kube
 from batchpilot_operator.actuators import ActuationReport, KubernetesActuator
-from batchpilot_operator.handlers import client_of
+from batchpilot_operator.handlers import client_of, lock_of
 from batchpilot_operator.reconcile import now_iso, read_config, write_status
 from batchpilot_operator.signals import Signals, no_data
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_policy
@@ -58,6 +58,7 @@ class PolicyTuner:
     state: TunerState = field(default_factory=TunerState)
     scrape: ScrapeSource | None = None
     resync_refused: str | None = None  # the last resync refusal reported, not to repeat it
+    round_failure: str | None = None  # the last failed round reported, not to repeat it
 
 
 # -- pure parts: what a round writes ------------------------------------------------------
@@ -198,14 +199,49 @@ async def tuning_loop(
     """
     tuner = PolicyTuner()
     async with aiohttp.ClientSession() as session:
-        interval = await first_interval(client, session, namespace, name, memo, tuner)
+        started = False
+        interval: float | None = 0.0
         while interval is not None:
             await asyncio.sleep(interval)
             try:
-                interval = await tune_once(client, session, namespace, name, memo, tuner)
-            except (kube.KubeError, aiohttp.ClientError, TimeoutError) as exc:
-                log.warning("autotune %s/%s: round failed, retrying: %s", namespace, name, exc)
+                if started:
+                    interval = await tune_once(client, session, namespace, name, memo, tuner)
+                else:
+                    interval = await first_interval(client, session, namespace, name, memo, tuner)
+                    started = True
+                tuner.round_failure = None
+            except Exception as exc:  # a failed round must not end tuning for good
+                await report_failed_round(client, namespace, name, tuner, exc)
                 interval = RETRY_SECONDS
+
+
+async def report_failed_round(
+    client: kube.Client, namespace: str, name: str, tuner: PolicyTuner, exc: Exception
+) -> None:
+    """Log the failure; a new one also as a Warning Event and the Tuning condition
+    (best effort: the API may be what fails)."""
+    expected = isinstance(exc, kube.KubeError | aiohttp.ClientError | TimeoutError)
+    log.log(
+        logging.WARNING if expected else logging.ERROR,
+        "autotune %s/%s: round failed, retrying in %g s: %s",
+        namespace, name, RETRY_SECONDS, exc, exc_info=not expected,
+    )
+    message = f"{exc or type(exc).__name__}; retrying in {RETRY_SECONDS:g} s"
+    if message == tuner.round_failure:
+        return
+    try:
+        policy = await client.get(kube.POLICIES, namespace, name)
+        if policy is None:
+            return
+        await client.create_event(policy, "TuningRoundFailed", message, "Warning")
+        await write_status(client, policy, {}, [{
+            "type": TUNING, "status": "False", "reason": "RoundFailed", "message": message,
+        }])
+    except (kube.KubeError, aiohttp.ClientError, TimeoutError) as report_exc:
+        log.warning("autotune %s/%s: could not report the failed round: %s",
+                    namespace, name, report_exc)
+        return
+    tuner.round_failure = message
 
 
 async def first_interval(
@@ -268,12 +304,28 @@ async def tune_once(
             "message": "autotune.enabled is false: the config stays as it is",
         }])
         return interval
-    current = await read_config(client, namespace, name)
-    if current is None:
-        return interval  # reconcile has not written the ConfigMap yet
     actuator = KubernetesActuator(client, session, namespace, name)
     window = signal_window_s(tuner.state, interval, float(spec.autotune.window_seconds))
     signals = await read_signals(spec, memo, session, actuator, tuner, window)
+    # Without the lock, a reconcile that read the ConfigMap before this round's write
+    # could write its old value back: status and pods would then disagree with it.
+    async with lock_of(memo, (namespace, name)):
+        await decide_and_apply(client, policy, spec, signals, actuator, tuner)
+    return interval
+
+
+async def decide_and_apply(
+    client: kube.Client,
+    policy: Mapping[str, Any],
+    spec: PolicySpec,
+    signals: Signals,
+    actuator: KubernetesActuator,
+    tuner: PolicyTuner,
+) -> None:
+    """Decide from the config in force now, put the decision into force, record it."""
+    current = await read_config(client, actuator.namespace, actuator.policy_name)
+    if current is None:
+        return  # reconcile has not written the ConfigMap yet
     slo = slo_of(spec)
     decision = decide(signals, current, bounds_of(spec), slo, tuner.state)
     report: ActuationReport | None = None
@@ -290,7 +342,6 @@ async def tune_once(
     await write_status(client, policy, fields, conditions(signals, slo, decision))
     if report is not None:
         await _post_events(client, policy, decision, current, report)
-    return interval
 
 
 async def read_signals(

@@ -13,8 +13,9 @@ import asyncio
 import copy
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
+import aiohttp
 import kopf
 from batchpilot_operator import builders, kube
 from batchpilot_operator.policy_metrics import PolicyMetrics
@@ -29,6 +30,7 @@ RETRY_DELAY_SECONDS = 10.0
 METRICS_PORT = "metrics_port"
 POLICY_METRICS = "policy_metrics"
 METRICS_SERVER = "policy_metrics_server"
+FAILURES = "reconcile_failures"  # memo key: (namespace, name) -> the last reconcile error
 
 # What Kopf itself calls on the API for these handlers (tests/test_rbac.py checks
 # the ClusterRole covers it): list+watch of every handled kind, merge-patches of
@@ -70,6 +72,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     # One reconcile at a time per policy: the policy's own handler and the drift
     # handlers of its owned objects would otherwise race on create.
     memo["locks"] = {}
+    memo[FAILURES] = {}
     memo[POLICY_METRICS] = PolicyMetrics()
     port = int(memo.get(METRICS_PORT) or 0)
     if port:
@@ -121,13 +124,46 @@ def track_targets(
 @kopf.on.resume(builders.GROUP, builders.VERSION, builders.PLURAL)
 @kopf.on.create(builders.GROUP, builders.VERSION, builders.PLURAL)
 @kopf.on.update(builders.GROUP, builders.VERSION, builders.PLURAL)
-async def on_policy(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+async def on_policy(
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, retry: int, **_: Any
+) -> None:
     # An invalid spec is reported in status by reconcile and not raised: Kopf
     # must not retry it; the next spec change triggers this handler again.
+    policy = _plain(body)
+    failures: dict[tuple[str, str], str] = memo[FAILURES]
+    key = (policy["metadata"]["namespace"], policy["metadata"]["name"])
     try:
-        await _reconcile_locked(memo, _plain(body), logger)
+        await _reconcile_locked(memo, policy, logger)
     except kube.KubeError as exc:
+        failures[key] = str(exc)
+        await post_event_quietly(
+            client_of(memo), policy, "ReconcileFailed",
+            f"{exc}; retrying in {RETRY_DELAY_SECONDS:g} s", logger,
+        )
         raise kopf.TemporaryError(str(exc), delay=RETRY_DELAY_SECONDS) from exc
+    last_failure = failures.pop(key, None)
+    if retry and last_failure:
+        # The failures may not have been reportable (the API refused Events too).
+        await post_event_quietly(
+            client_of(memo), policy, "ReconcileRecovered",
+            f"reconciled after {retry} failed attempt(s); the last: {last_failure}",
+            logger, "Normal",
+        )
+
+
+async def post_event_quietly(
+    client: kube.Client,
+    policy: Mapping[str, Any],
+    reason: str,
+    message: str,
+    logger: logging.Logger | kopf.Logger,
+    type_: Literal["Normal", "Warning"] = "Warning",
+) -> None:
+    """An Event about a failure that must not fail in turn: the API may be what is failing."""
+    try:
+        await client.create_event(policy, reason, message, type_)
+    except (kube.KubeError, aiohttp.ClientError, TimeoutError) as exc:
+        logger.warning(f"could not post the {reason} Event ({message}): {exc}")
 
 
 async def on_owned_event(
@@ -154,7 +190,7 @@ async def on_policy_event(
 ) -> None:
     # A plain event, not kopf.on.delete: that would put a finalizer on every policy.
     if event.get("type") == "DELETED":
-        async with _lock_of(memo, (namespace, name)):  # after a reconcile in flight publishes
+        async with lock_of(memo, (namespace, name)):  # after a reconcile in flight publishes
             track_targets(policy_metrics_of(memo), namespace, name, None)
 
 
@@ -171,7 +207,7 @@ async def _reconcile_locked(
     memo: kopf.Memo, policy: Mapping[str, Any], logger: kopf.Logger
 ) -> None:
     key = (policy["metadata"]["namespace"], policy["metadata"]["name"])
-    async with _lock_of(memo, key):
+    async with lock_of(memo, key):
         outcome = await reconcile(client_of(memo), policy)
         track_targets(policy_metrics_of(memo), *key, outcome.spec)
     if outcome.error is not None:
@@ -180,7 +216,9 @@ async def _reconcile_locked(
         logger.info(action)
 
 
-def _lock_of(memo: kopf.Memo, key: tuple[str, str]) -> asyncio.Lock:
+def lock_of(memo: Mapping[str, Any], key: tuple[str, str]) -> asyncio.Lock:
+    """The lock every writer of a policy's ConfigMap and status holds (reconcile, the tuner):
+    a read-then-write must not interleave with another's write."""
     locks: dict[tuple[str, str], asyncio.Lock] = memo["locks"]
     return locks.setdefault(key, asyncio.Lock())
 

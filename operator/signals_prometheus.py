@@ -10,9 +10,11 @@ summed over pods: the same quantity the scrape source computes by hand.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import aiohttp
 from batchpilot_operator.signals import (
@@ -92,19 +94,28 @@ class PrometheusSource:
             async with self.session.get(
                 f"{self.url}/api/v1/query", params={"query": promql}, timeout=timeout
             ) as response:
-                body = await response.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                status, text = response.status, await response.text()
+        except TimeoutError as exc:
+            raise PrometheusQueryError(
+                f"Prometheus at {self.url} timed out: no answer within {QUERY_TIMEOUT_S:g} s"
+            ) from exc
+        except aiohttp.ClientError as exc:
             raise PrometheusQueryError(
                 f"Prometheus at {self.url} is unreachable: {exc or type(exc).__name__}"
             ) from exc
+        try:
+            body = json.loads(text)
+        except ValueError:
+            raise PrometheusQueryError(
+                f"Prometheus at {self.url} answered HTTP {status} with a body that is not "
+                f"JSON: {text[:80]!r}"
+            ) from None
         if not isinstance(body, Mapping) or body.get("status") != "success":
             error = body.get("error") if isinstance(body, Mapping) else body
-            raise PrometheusQueryError(f"Prometheus at {self.url} refused {promql!r}: {error}")
-        result = body["data"]["result"]
-        if not result:
-            return None
-        value = float(result[0]["value"][1])
-        return None if math.isnan(value) else value
+            raise PrometheusQueryError(
+                f"Prometheus at {self.url} refused {promql!r} (HTTP {status}): {error}"
+            )
+        return _single_value(body, f"Prometheus at {self.url} answered {promql!r}")
 
     async def read(self, window_s: float) -> Signals:
         named = queries(self.selector, window_s)
@@ -141,3 +152,18 @@ class PrometheusSource:
             mean_batch_size=values["mean_batch_size"],
             detail=status_detail(status, requests, self.min_requests),
         )
+
+
+def _single_value(body: Mapping[str, Any], answered: str) -> float | None:
+    """The value of an instant query's first sample; a malformed answer is a query error."""
+    try:
+        result = body["data"]["result"]
+        if not result:
+            return None
+        value = float(result[0]["value"][1])
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise PrometheusQueryError(
+            f"{answered} with a malformed result ({type(exc).__name__}: {exc}): "
+            f"{json.dumps(body)[:120]}"
+        ) from None
+    return None if math.isnan(value) else value

@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -61,6 +61,48 @@ class ApiCall:
     group: str
     resource: str
     verb: str
+    at: float = field(default=0.0, compare=False)  # time.monotonic() on arrival
+
+    @property
+    def from_operator(self) -> bool:
+        """Made by the operator (its own client or Kopf's), not by a test's helpers."""
+        return self.user_agent.startswith((kube.USER_AGENT, "kopf/"))
+
+
+@dataclass
+class Fault:
+    """An error the emulator answers to the operator's matching calls instead of serving them.
+
+    Matches on `ApiCall.verb` and `ApiCall.resource` (e.g. "configmaps",
+    "batchingpolicies/status"); None matches any. `times` limits how many calls
+    get it (None: until removed from `Emulator.faults`).
+    """
+
+    status: int
+    verbs: frozenset[str] | None = None
+    resources: frozenset[str] | None = None
+    times: int | None = None
+    retry_after_s: int | None = None
+    hits: int = 0
+    hit_by: list[str] = field(default_factory=list)  # the User-Agent of each call answered
+
+    def takes(self, call: ApiCall) -> bool:
+        if not call.from_operator or (self.times is not None and self.hits >= self.times):
+            return False
+        return (self.verbs is None or call.verb in self.verbs) and (
+            self.resources is None or call.resource in self.resources
+        )
+
+    def response(self, call: ApiCall) -> aiohttp.web.Response:
+        self.hits += 1
+        self.hit_by.append(call.user_agent)
+        reason = {409: "Conflict", 429: "TooManyRequests"}.get(self.status, "InternalError")
+        headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
+        status = {
+            "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
+            "code": self.status, "reason": reason, "message": f"injected fault {self.status}",
+        }
+        return aiohttp.web.json_response(status, status=self.status, headers=headers)
 
 
 class Emulator(kmock.KubernetesEmulator):
@@ -71,6 +113,18 @@ class Emulator(kmock.KubernetesEmulator):
         self._versions = itertools.count(1)
         # Every resource request, for RBAC tests to compare with the ClusterRole.
         self.calls: list[ApiCall] = []
+        # Errors to answer instead of serving (chaos tests); appended from the test thread.
+        self.faults: list[Fault] = []
+        self._watches: set[asyncio.Task[Any]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def drop_watches(self) -> None:
+        """Cut every open watch stream, as an API server restart or a proxy would."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(lambda: [t.cancel() for t in list(self._watches)])
+
+    def operator_calls(self, since: float, until: float) -> list[ApiCall]:
+        return [c for c in self.calls if c.from_operator and since <= c.at < until]
 
     def register_kinds(self) -> None:
         """Serve discovery for the built-in kinds and the BatchingPolicy CRD."""
@@ -100,29 +154,47 @@ class Emulator(kmock.KubernetesEmulator):
     @override
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if request.resource is not None and request.action is not None:
-            self._record(request)
+            call = self._record(request)
+            fault = next((f for f in self.faults if call is not None and f.takes(call)), None)
+            if fault is not None and call is not None:
+                return fault.response(call)
             if request.action == kmock.action.CREATE:
                 self._stamp_new(request)
             elif request.action == kmock.action.UPDATE:
                 self._stamp_patch(request)
+        if request.action == kmock.action.WATCH:
+            return await self._watch(request)
         response = await super()._handle(request)
         if request.resource is not None and request.action in MUTATIONS:
             await self._collect_garbage()
         return response
 
-    def _record(self, request: kmock.Request) -> None:
+    async def _watch(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self._watches.add(task)
+        try:
+            return await super()._handle(request)
+        finally:
+            self._watches.discard(task)
+
+    def _record(self, request: kmock.Request) -> ApiCall | None:
         assert request.resource is not None and request.action is not None
         if not request.resource.plural:
-            return  # discovery, open to every client
+            return None  # discovery, open to every client
         verb = str(request.action.value).lower()
-        self.calls.append(ApiCall(
+        call = ApiCall(
             user_agent=request.headers.get("User-Agent", ""),
             namespace=request.namespace,
             group=request.resource.group or "",
             resource=request.resource.plural
             + (f"/{request.subresource}" if request.subresource else ""),
             verb={"fetch": "get", "update": "patch"}.get(verb, verb),
-        ))
+            at=time.monotonic(),
+        )
+        self.calls.append(call)
+        return call
 
     def _stamp_new(self, request: kmock.Request) -> None:
         if not isinstance(request.data, dict):
