@@ -8,8 +8,11 @@
  *
  * Grouped-query attention: query head h uses KV head h / group, where
  * group = heads / kv_heads (transformers' layout). Each KV head's keys and
- * values are read once for the whole group of query heads that share it: the
- * group is looped inside the per-token pass, not the tokens per query head.
+ * values are read from memory once for the whole group of query heads that
+ * share it: the group is looped inside the pass over a block's tokens (16 keys,
+ * 4 KiB at head_dim 64, stay in L1 while each head of the group scores them;
+ * each value is weighed into every head of the group as it is read), not the
+ * tokens once per query head.
  *
  * Layouts (float32, contiguous unless a stride is given):
  *   q                [batch, heads, head_dim], rows `q_stride` floats apart
@@ -25,7 +28,7 @@
 #include <string.h>
 
 enum { LANES = 16 }; /* partial sums per dot product: one vector register wide */
-_Static_assert(LANES == 16, "dot() halves its partial sums from 16 lanes");
+_Static_assert(LANES == 16, "sum_lanes() pairs up 16 vectors of 16 lanes");
 
 /* e^x for the scores less their maximum (x <= 0), in a form the compiler vectorizes
  * (libm's expf is a call per element): x = n ln2 + r with |r| <= ln2 / 2, e^r by its
@@ -53,72 +56,124 @@ static inline float exp_nonpositive(float x)
 typedef struct {
     const float *k_pool, *v_pool;
     const int64_t *table;
-    int64_t len, block_size, head_stride, block_stride, group;
+    int64_t len, block_size, head_stride, block_stride, kv_heads, group;
     float scale;
 } Context;
 
-static inline __attribute__((always_inline)) float dot(const float *a, const float *b,
-                                                       int64_t n)
+/* GCC's and clang's vector extensions: each target of target_clones lowers them to
+ * its own registers (one AVX-512 register, two AVX2 ones, four SSE ones). */
+typedef float v16 __attribute__((vector_size(4 * LANES)));
+typedef int32_t i16 __attribute__((vector_size(4 * LANES)));
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (i16){__VA_ARGS__})
+/* vectors pass only between static functions, all inlined: no ABI is crossed */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+static inline v16 load16(const float *p)
 {
-    float part[LANES] = {0};
-    int64_t d = 0;
-    for (; d + LANES <= n; d += LANES)
-        for (int j = 0; j < LANES; j++) part[j] += a[d + j] * b[d + j];
-    for (; d < n; d++) part[0] += a[d] * b[d];
-    /* pairwise, not lane after lane: vector shuffles, not a chain of 16 adds; each
-     * halving spelled out, as GCC keeps a loop over the widths in memory */
-    for (int j = 0; j < 8; j++) part[j] += part[j + 8];
-    for (int j = 0; j < 4; j++) part[j] += part[j + 4];
-    for (int j = 0; j < 2; j++) part[j] += part[j + 2];
-    return part[0] + part[1];
+    v16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
-/* The `group` query heads of KV head `kv` (consecutive in `queries` and `mixed`).
- * `weights` holds [group, len] scores. Always inlined, so a call with a constant
- * head_dim gets fixed-length loops whose accumulators stay in registers. */
-static inline __attribute__((always_inline)) void attend(const Context *c, const float *queries,
-                                                         int64_t kv, int64_t head_dim,
-                                                         float *weights, float *mixed)
+/* The dot product's partial sums, LANES of them, before they are added up. */
+static inline __attribute__((always_inline)) v16 partial_dot(const float *a, const float *b,
+                                                             int64_t n)
 {
-    const int64_t group = c->group, len = c->len;
-    float top[group];
-    for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
-    /* block by block: no division per token */
+    v16 part = {0};
+    int64_t d = 0;
+    for (; d + LANES <= n; d += LANES) part += load16(a + d) * load16(b + d);
+    for (; d < n; d++) part[0] += a[d] * b[d];
+    return part;
+}
+
+/* Lane t of the result is the sum of p[t]'s lanes: 16 dot products finished with
+ * 15 vector adds and 30 shuffles (each halving pairs up two vectors' halves), not
+ * 16 reductions across one register's lanes. */
+static inline __attribute__((always_inline)) v16 sum_lanes(const v16 p[LANES])
+{
+    v16 r8[8], r4[4], r2[2];
+    for (int i = 0; i < 8; i++)
+        r8[i] = SHUFFLE(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
+                        21, 22, 23) +
+                SHUFFLE(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
+                        27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        r4[i] = SHUFFLE(r8[2 * i], r8[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19,
+                        24, 25, 26, 27) +
+                SHUFFLE(r8[2 * i], r8[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23,
+                        28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        r2[i] = SHUFFLE(r4[2 * i], r4[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24,
+                        25, 28, 29) +
+                SHUFFLE(r4[2 * i], r4[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23,
+                        26, 27, 30, 31);
+    return SHUFFLE(r2[0], r2[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SHUFFLE(r2[0], r2[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* One row: every query head against the row's cached tokens. Block by block, each
+ * block's K (then V) for all KV heads is read in one sweep of contiguous memory, and
+ * each KV head's part once for the `group` query heads that share it (query head h
+ * reads KV head h / group). `weights` holds [heads, len] scores. Always inlined, so
+ * a call with a constant head_dim gets fixed-length loops. */
+static inline __attribute__((always_inline)) void attend(const Context *c, const float *query,
+                                                         int64_t head_dim, float *weights,
+                                                         float *mixed)
+{
+    const int64_t group = c->group, heads = c->kv_heads * group, len = c->len;
+    float top[heads];
+    for (int64_t h = 0; h < heads; h++) top[h] = -INFINITY;
+    /* block by block (no division per token), LANES tokens at a time */
     for (int64_t start = 0, block = 0; start < len; start += c->block_size, block++) {
-        const float *key = c->k_pool + c->table[block] * c->block_stride + kv * c->head_stride;
+        const float *keys = c->k_pool + c->table[block] * c->block_stride;
         const int64_t end = start + c->block_size < len ? start + c->block_size : len;
-        for (int64_t t = start; t < end; t++, key += head_dim) {
-            for (int64_t g = 0; g < group; g++) {
-                const float score = dot(queries + g * head_dim, key, head_dim) * c->scale;
-                weights[g * len + t] = score;
-                top[g] = score > top[g] ? score : top[g];
+        for (int64_t kv = 0; kv < c->kv_heads; kv++, keys += c->head_stride) {
+            for (int64_t tile = start; tile < end; tile += LANES) {
+                const int64_t count = end - tile < LANES ? end - tile : LANES;
+                const float *key = keys + (tile - start) * head_dim;
+                for (int64_t h = kv * group; h < (kv + 1) * group; h++) {
+                    v16 parts[LANES] = {{0}};
+                    for (int64_t t = 0; t < count; t++)
+                        parts[t] = partial_dot(query + h * head_dim, key + t * head_dim, head_dim);
+                    const v16 scores = sum_lanes(parts) * c->scale;
+                    float *row = weights + h * len + tile;
+                    for (int64_t t = 0; t < count; t++) {
+                        row[t] = scores[t];
+                        top[h] = scores[t] > top[h] ? scores[t] : top[h];
+                    }
+                }
             }
         }
     }
-    float norm[group];
-    for (int64_t g = 0; g < group; g++) {
-        float *row = weights + g * len, total = 0.0f;
+    for (int64_t h = 0; h < heads; h++) {
+        float *row = weights + h * len, total = 0.0f;
 #pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < len; t++) {
-            row[t] = exp_nonpositive(row[t] - top[g]);
+            row[t] = exp_nonpositive(row[t] - top[h]);
             total += row[t];
         }
-        norm[g] = 1.0f / total;
+        const float norm = 1.0f / total;
+        for (int64_t t = 0; t < len; t++) row[t] *= norm;
     }
-    float sum[group * head_dim]; /* a local, not `mixed`: it may stay in registers */
-    for (int64_t d = 0; d < group * head_dim; d++) sum[d] = 0.0f;
+    for (int64_t d = 0; d < heads * head_dim; d++) mixed[d] = 0.0f;
     for (int64_t start = 0, block = 0; start < len; start += c->block_size, block++) {
-        const float *value = c->v_pool + c->table[block] * c->block_stride + kv * c->head_stride;
+        const float *values = c->v_pool + c->table[block] * c->block_stride;
         const int64_t end = start + c->block_size < len ? start + c->block_size : len;
-        for (int64_t t = start; t < end; t++, value += head_dim) {
-            for (int64_t g = 0; g < group; g++) {
-                const float w = weights[g * len + t] * norm[g];
-                float *acc = sum + g * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) acc[d] += w * value[d];
+        for (int64_t kv = 0; kv < c->kv_heads; kv++, values += c->head_stride) {
+            const float *value = values;
+            for (int64_t t = start; t < end; t++, value += head_dim) {
+                for (int64_t h = kv * group; h < (kv + 1) * group; h++) {
+                    const float w = weights[h * len + t];
+                    float *acc = mixed + h * head_dim;
+                    for (int64_t d = 0; d < head_dim; d++) acc[d] += w * value[d];
+                }
             }
         }
     }
-    memcpy(mixed, sum, group * head_dim * sizeof(float));
 }
 
 /* One build serves every x86-64 CPU: the loader picks the widest vector unit. */
@@ -139,7 +194,7 @@ int64_t paged_decode_attention(const float *q, const float *k_new, const float *
     for (int64_t b = 0; b < batch; b++) longest = lengths[b] > longest ? lengths[b] : longest;
     /* the heap, not the stack: a long context times a large group outgrows a
      * worker thread's stack */
-    float *weights = malloc((size_t)(group * longest) * sizeof(float));
+    float *weights = malloc((size_t)(heads * longest) * sizeof(float));
     if (weights == NULL) return -1;
     for (int64_t b = 0; b < batch; b++) {
         const int64_t len = lengths[b];
@@ -151,18 +206,16 @@ int64_t paged_decode_attention(const float *q, const float *k_new, const float *
             memcpy(k_pool + slot + kv * head_stride, k_new + from, head_dim * sizeof(float));
             memcpy(v_pool + slot + kv * head_stride, v_new + from, head_dim * sizeof(float));
         }
-        const Context c = {k_pool, v_pool,       table, len,  block_size,
-                           head_stride, block_stride, group, scale};
-        for (int64_t kv = 0; kv < kv_heads; kv++) {
-            const float *queries = q + b * q_stride + kv * group * head_dim;
-            float *mixed = out + (b * heads + kv * group) * head_dim;
-            if (head_dim == 64)
-                attend(&c, queries, kv, 64, weights, mixed);
-            else if (head_dim == 128)
-                attend(&c, queries, kv, 128, weights, mixed);
-            else
-                attend(&c, queries, kv, head_dim, weights, mixed);
-        }
+        const Context c = {k_pool,      v_pool,       table,    len,  block_size,
+                           head_stride, block_stride, kv_heads, group, scale};
+        const float *query = q + b * q_stride;
+        float *mixed = out + b * heads * head_dim;
+        if (head_dim == 64)
+            attend(&c, query, 64, weights, mixed);
+        else if (head_dim == 128)
+            attend(&c, query, 128, weights, mixed);
+        else
+            attend(&c, query, head_dim, weights, mixed);
     }
     free(weights);
     return 0;
