@@ -44,7 +44,7 @@ import model_refs
 import numpy as np
 import torch
 import torch.nn.functional as F
-from batchpilot_server.batching import MODES, BatchingConfig, Mode
+from batchpilot_server.batching_config import MODES, BatchingConfig, Mode
 from batchpilot_server.engine import Engine
 from batchpilot_server.engine_api import AttentionBackend, EngineOptions, SamplingParams
 from batchpilot_server.kv_cache import KVCache

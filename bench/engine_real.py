@@ -31,7 +31,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 import transformers
-from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine import Engine
 from batchpilot_server.engine_api import DTypeName, EngineOptions, SamplingParams
 from batchpilot_server.kv_cache import bytes_per_block

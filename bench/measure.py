@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine import Engine, RequestStream
 from batchpilot_server.engine_api import SamplingParams
 from batchpilot_server.models import Decoder, ModelSpec

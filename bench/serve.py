@@ -35,7 +35,7 @@ import aiohttp
 import hostage
 import model_refs
 from batchpilot_operator.prometheus_local import free_port
-from batchpilot_server.batching import MODES, BatchingConfig, Mode
+from batchpilot_server.batching_config import MODES, BatchingConfig, Mode
 from batchpilot_server.engine_api import EngineOptions, NullObserver, SamplingParams
 from batchpilot_server.loadgen import PROMPT_ALPHABET, LengthDist, LoadSpec, run_load
 from batchpilot_server.metric_names import BATCH_SIZE

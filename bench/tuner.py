@@ -49,7 +49,7 @@ from batchpilot_operator.simulator import (
 )
 from batchpilot_operator.tune_local import TuneOptions, tune_loop
 from batchpilot_operator.tuner import Bounds, Slo
-from batchpilot_server.batching import MODES, BatchingConfig, Mode
+from batchpilot_server.batching_config import MODES, BatchingConfig, Mode
 from batchpilot_server.loadgen import LengthDist, LoadReport, LoadSpec, run_load
 from sections import replace_section
 

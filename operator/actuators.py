@@ -24,7 +24,7 @@ import aiohttp
 from batchpilot_operator import builders
 from batchpilot_operator.kube import PODS, Client
 from batchpilot_operator.reconcile import read_admin_token, write_config
-from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 
 PUT_TIMEOUT_S = 5.0
 TUNED_FIELDS = ("max_batch_size", "batch_timeout_ms")

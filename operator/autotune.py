@@ -43,7 +43,7 @@ from batchpilot_operator.tuner import (
     decide,
     signal_window_s,
 )
-from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 
 RETRY_SECONDS = 10.0
 HISTORY_LIMIT = 20  # the CRD allows 50; 20 changes cover hours of tuning

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from batchpilot_operator.spec import ModelReference, PolicySpec, ServerSpec
-from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 
 GROUP = "batchpilot.io"
 VERSION = "v1alpha1"

@@ -38,7 +38,7 @@ from batchpilot_operator.prometheus_local import (
 )
 from batchpilot_operator.tune_local import TuneError, TuneOptions, TuneStep, tune_loop
 from batchpilot_operator.tuner import Bounds, Slo
-from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.loadgen import LengthDist, LoadReport, LoadSpec, run_load
 from batchpilot_server.model_presets import PRESET_NAMES
 

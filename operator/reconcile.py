@@ -26,7 +26,7 @@ from batchpilot_operator.kube import (
     Kind,
 )
 from batchpilot_operator.spec import PolicySpec, SpecError, parse_spec
-from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 
 logger = logging.getLogger(__name__)
 

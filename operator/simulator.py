@@ -47,7 +47,7 @@ from batchpilot_operator.tuner import (
     decide,
     signal_window_s,
 )
-from batchpilot_server.batching import BatchingConfig, Mode
+from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.metric_names import LATENCY_BUCKETS
 
 STEP_TIMES_FILE = Path(__file__).resolve().parent.parent / "docs" / "step_times.json"

@@ -34,7 +34,7 @@ from batchpilot_operator.tuner import (
     decide,
     signal_window_s,
 )
-from batchpilot_server.batching import BatchingConfig, ConfigError
+from batchpilot_server.batching_config import BatchingConfig, ConfigError
 
 
 @dataclass(frozen=True)

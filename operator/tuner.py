@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from batchpilot_operator.signals import Signals
-from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 
 Action = Literal[
     "hold",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
-from batchpilot_server.batching import BatchingConfig, ConfigError
+from batchpilot_server.batching_config import BatchingConfig, ConfigError
 from batchpilot_server.engine_api import (
     DeadlineExceededError,
     EngineOptions,

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from batchpilot_server.batching import BatchingConfig, Mode
+from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.model_presets import default_served_name
 
 FinishReason = Literal["stop", "length"]

@@ -12,7 +12,7 @@ admission).
 from __future__ import annotations
 
 from batchpilot_server import metric_names as names
-from batchpilot_server.batching import BatchingConfig, Mode
+from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.engine_api import EngineStats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 

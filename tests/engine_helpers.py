@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
-from batchpilot_server.batching import BatchingConfig, Mode
+from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.engine import Engine, RequestStream
 from batchpilot_server.engine_api import AttentionBackend, EngineOptions, TokenEvent
 

@@ -28,7 +28,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from batchpilot_operator.prometheus_local import free_port
 from batchpilot_server.app import build_app
-from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine_api import EngineOptions
 from batchpilot_server.protocol import Limits
 from prometheus_client.parser import text_string_to_metric_families

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import aiohttp
 from batchpilot_operator.actuators import LocalActuator, get_batching
-from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 
 from tests.servers import free_port, serve_in_process
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 import torch
-from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine import Engine
 from batchpilot_server.engine_api import (
     DeadlineExceededError,

@@ -11,7 +11,7 @@ import pytest
 from batchpilot_operator import builders, kube
 from batchpilot_operator.reconcile import reconcile
 from batchpilot_operator.spec import parse_spec
-from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 
 from tests.k8s_emulator import Cluster, condition, run_cluster, run_operator
 from tests.policies import policy_object

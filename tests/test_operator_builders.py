@@ -12,7 +12,7 @@ from batchpilot_operator.spec import (
     REFERENCE_STARTUP_TIMEOUT_S,
     parse_spec,
 )
-from batchpilot_server.batching import FIELDS, BatchingConfig
+from batchpilot_server.batching_config import FIELDS, BatchingConfig
 
 from tests.policies import policy_object
 

@@ -12,7 +12,7 @@ from batchpilot_operator.spec import (
     SpecError,
     parse_spec,
 )
-from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.model_presets import PRESET_NAMES
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from batchpilot_server import engine as engine_module
-from batchpilot_server.batching import BatchingConfig, Mode
+from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.engine import Engine, RequestStream
 from batchpilot_server.engine_api import EngineOptions, SamplingParams
 from batchpilot_server.gguf_checkpoint import GGUFError

@@ -9,7 +9,7 @@ import pytest
 from batchpilot_operator.signals import histogram_quantile, traffic_status
 from batchpilot_operator.signals_scrape import Totals, parse_metrics, quantile_from_buckets
 from batchpilot_server import metric_names as names
-from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine_api import EngineStats
 from batchpilot_server.metrics import ServerMetrics
 

@@ -19,7 +19,7 @@ from batchpilot_operator.simulator import (
     static,
 )
 from batchpilot_operator.tuner import Slo
-from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 
 CURVE = StepCurve.from_points({1: 0.002, 64: 0.02}, "test")
 SLO = Slo(p99_latency_s=2.0)

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from batchpilot_operator.spec import PolicySpec, SpecError, parse_spec
-from batchpilot_server.batching import FIELDS, BatchingConfig, ConfigError
+from batchpilot_server.batching_config import FIELDS, BatchingConfig, ConfigError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -143,7 +143,7 @@ SPEC_HUGE_INTS = pytest.mark.xfail(
     "limit) and float()s an unbounded int (OverflowError)",
 )
 CONFIG_HUGE_INTS = pytest.mark.xfail(
-    strict=True, reason="server/batching.py formats the value into its ConfigError message"
+    strict=True, reason="server/batching_config.py formats the value into its ConfigError message"
 )
 
 

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 from batchpilot_server.app import create_app
-from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine_api import EngineStats, SamplingParams, TokenEvent
 from batchpilot_server.gguf_checkpoint import GGUFCheckpoint
 from batchpilot_server.metrics import ServerMetrics

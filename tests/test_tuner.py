@@ -16,7 +16,7 @@ from batchpilot_operator.tuner import (
     decide,
     signal_window_s,
 )
-from batchpilot_server.batching import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 
 SLO = Slo(p99_latency_s=0.5, kv_high_watermark=0.9)
 BOUNDS = Bounds(min_batch=1, max_batch=64, min_timeout_ms=0.0, max_timeout_ms=200.0)
