@@ -151,6 +151,13 @@ async def test_hand_edited_service_is_restored(cluster: Cluster) -> None:
     [
         ("bad-model", {"server": {"model": "gpt-9"}}, "UnknownModel", "gpt-9"),
         (
+            "bad-model-path",
+            {"server": {"model": {"persistentVolumeClaim": {"claimName": "weights"},
+                                  "path": "../etc/passwd"}}},
+            "InvalidModelReference",
+            "..",
+        ),
+        (
             "bad-bounds",
             {"batching": {"maxBatchSize": {"initial": 80, "min": 1, "max": 64}}},
             "InvalidBounds",
