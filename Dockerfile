@@ -24,7 +24,7 @@ RUN pip install . && python -c "import batchpilot_server, batchpilot_operator, t
 # baseline versions and picks one at load time, so the image runs on any node.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && XDG_CACHE_HOME=/opt/venv/cache python -c \
-    "from batchpilot_server.paged_kernel import paged_decode_kernel; paged_decode_kernel()"
+    "from batchpilot_server.attention_kernel_build import paged_decode_kernel; paged_decode_kernel()"
 
 FROM python:${PYTHON_VERSION}-slim
 RUN groupadd --gid 10001 batchpilot \

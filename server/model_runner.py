@@ -8,10 +8,10 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
+from batchpilot_server.attention_kernel import NativeDecodeAttention, native_kernel_for
 from batchpilot_server.engine_api import AttentionBackend
 from batchpilot_server.kv_cache import KVCache
 from batchpilot_server.models import Decoder
-from batchpilot_server.native_attention import NativeDecodeAttention, native_kernel_for
 from batchpilot_server.sequence import Sequence
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 from aiohttp import web
 from batchpilot_server.admin_token import TokenFile, TokenFileError
 from batchpilot_server.app import begin_drain, build_app, wait_drained
+from batchpilot_server.attention_kernel_build import KernelUnavailableError
 from batchpilot_server.batching_config import MODES, BatchingConfig, ConfigError
 from batchpilot_server.connections import ConnectionGuard, ConnectionLimits
 from batchpilot_server.engine_api import ATTENTION_BACKENDS, DTYPES, EngineOptions
 from batchpilot_server.model_presets import PRESET_NAMES
-from batchpilot_server.paged_kernel import KernelUnavailableError
 from batchpilot_server.protocol import Limits
 
 log = logging.getLogger("batchpilot.serve")

@@ -7,7 +7,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from batchpilot_server.kv_cache import BlockPool, KVAccountingError, KVCache, bytes_per_block
+from batchpilot_server.block_pool import BlockPool, KVAccountingError
+from batchpilot_server.kv_cache import KVCache, bytes_per_block
 from batchpilot_server.models import get_spec
 
 

@@ -1,5 +1,5 @@
 """Decode attention through the native C kernel (`csrc/paged_attention.c`, built
-and loaded by `paged_kernel`): one call per layer, its rows shared among the
+and loaded by `attention_kernel_build`): one call per layer, its rows shared among the
 engine's threads when a step is long enough, and the choice between this path
 and the torch one (`model_runner.PagedDecodeAttention`)."""
 
@@ -12,9 +12,10 @@ from itertools import pairwise
 
 import numpy as np
 import torch
+from batchpilot_server.attention_kernel_build import KernelUnavailableError, paged_decode_kernel
+from batchpilot_server.block_pool import KVAccountingError
 from batchpilot_server.engine_api import ATTENTION_BACKENDS, AttentionBackend
-from batchpilot_server.kv_cache import KVAccountingError, KVCache
-from batchpilot_server.paged_kernel import KernelUnavailableError, paged_decode_kernel
+from batchpilot_server.kv_cache import KVCache
 from batchpilot_server.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def row_parts(lengths: np.ndarray, most: int, min_tokens: int) -> list[tuple[int
 
 
 class NativeDecodeAttention:
-    """The same step as `PagedDecodeAttention` in one C call per layer (paged_kernel):
+    """The same step as `PagedDecodeAttention` in one C call per layer (csrc/paged_attention.c):
     store the new K/V, then each row's queries read its own blocks in place, each KV
     head once for the query heads that share it."""
 
