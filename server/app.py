@@ -24,7 +24,6 @@ from batchpilot_server.engine_api import (
     EngineStats,
     EngineStoppedError,
     FinishReason,
-    InvalidRequestError,
     PromptTooLongError,
     QueueFullError,
     SamplingParams,
@@ -76,7 +75,10 @@ class EngineLike(Protocol):
     """The part of `batchpilot_server.engine.Engine` the app uses."""
 
     @property
-    def config(self) -> BatchingConfig: ...
+    def config(self) -> BatchingConfig:
+        """The batching config in force: the app keeps no copy."""
+        ...
+
     @property
     def tokenizer(self) -> Tokenizer: ...
     @property
@@ -86,6 +88,7 @@ class EngineLike(Protocol):
 
     async def start(self) -> None: ...
     async def shutdown(self) -> None: ...
+    def abort(self, reason: str) -> None: ...
     def submit(
         self, prompt_token_ids: list[int], params: SamplingParams, *, deadline_s: float | None
     ) -> RequestStream: ...
@@ -125,8 +128,7 @@ class ServerState:
     metrics: ServerMetrics
     limits: Limits
     admin_token: Callable[[], str] | None  # the token in force now (TokenFile.current)
-    config: BatchingConfig
-    config_version: int = 1
+    config_version: int = 1  # of the engine's config: increases with every accepted PUT
     ready: bool = False
     draining: bool = False
     inflight: InFlight = field(default_factory=InFlight)
@@ -152,9 +154,8 @@ def create_app(
         metrics=metrics,
         limits=limits,
         admin_token=(lambda: admin_token) if isinstance(admin_token, str) else admin_token,
-        config=engine.config,
     )
-    metrics.set_config(state.config)
+    metrics.set_config(engine.config)
     app = web.Application(
         client_max_size=limits.max_body_bytes,
         middlewares=[error_middleware],
@@ -187,6 +188,15 @@ def begin_drain(app: web.Application) -> None:
 async def wait_drained(app: web.Application, timeout_s: float) -> bool:
     """Graceful shutdown, step two: True when in-flight requests all finished in time."""
     return await app[STATE].inflight.wait_idle(timeout_s)
+
+
+def end_in_flight(app: web.Application, reason: str) -> int:
+    """Graceful shutdown, step three, when the grace ran out: every admitted request
+    ends now with `reason`, a 503 (or, once a stream has begun, its final error event
+    and `data: [DONE]`). Returns how many requests were in flight."""
+    state = app[STATE]
+    state.engine.abort(reason)
+    return state.inflight.count
 
 
 async def _start_engine(app: web.Application) -> None:
@@ -370,18 +380,16 @@ class Generation:
         except QueueFullError as exc:
             raise ApiError(
                 429,
-                f"the waiting queue is full ({self.state.config.max_queue_size} requests); "
+                f"the waiting queue is full ({self.state.engine.config.max_queue_size} requests); "
                 f"retry after {limits.retry_after_s} s",
                 type_="rate_limit_error",
                 code="queue_full",
                 headers={"Retry-After": str(limits.retry_after_s)},
             ) from exc
-        except PromptTooLongError as exc:
+        except PromptTooLongError as exc:  # protocol.py refuses it first; the engine guards
             raise invalid(str(exc), code="context_length_exceeded", param="prompt") from exc
-        except InvalidRequestError as exc:  # what the engine checks beyond protocol.py
-            raise invalid(str(exc)) from exc
         except EngineStoppedError as exc:
-            raise _engine_stopped(self.state, "rejected") from exc
+            raise _engine_stopped(self.state, exc, "rejected") from exc
 
     @property
     def prompt_tokens(self) -> int:
@@ -419,7 +427,7 @@ class Generation:
                 headers={"Retry-After": str(self.state.limits.retry_after_s)},
             ) from exc
         except EngineStoppedError as exc:
-            raise _engine_stopped(self.state, "error") from exc
+            raise _engine_stopped(self.state, exc, "error") from exc
         return self._record(event)
 
     def _record(self, event: TokenEvent) -> str:
@@ -449,11 +457,12 @@ class Generation:
         self._stream.cancel()
 
 
-def _engine_stopped(state: ServerState, outcome: str) -> ApiError:
+def _engine_stopped(state: ServerState, error: EngineStoppedError, outcome: str) -> ApiError:
+    """503: the engine failed (the reason), or is shutting down (why this request ends)."""
     failure = state.engine.failure
     return ApiError(
         503,
-        f"{failure or 'the engine is shutting down'}; retry on another replica",
+        f"{failure or error}; retry on another replica",
         type_="service_unavailable_error",
         code="engine_failed" if failure else "shutting_down",
         headers={"Retry-After": str(state.limits.retry_after_s)},
@@ -631,7 +640,7 @@ async def openapi(request: web.Request) -> web.Response:
 
 def _batching_state(state: ServerState) -> BatchingState:
     return BatchingState(
-        **state.config.to_dict(), mode=state.metrics.mode, version=state.config_version
+        **state.engine.config.to_dict(), mode=state.metrics.mode, version=state.config_version
     )
 
 
@@ -644,11 +653,10 @@ async def put_batching(request: web.Request) -> web.Response:
     _authorize(request, state.admin_token)
     changes = read_batching_update(await read_json(request))
     try:
-        config = state.config.merged(dict(changes))
+        config = state.engine.config.merged(dict(changes))
     except ConfigError as exc:  # BatchingConfig's own checks, were they stricter than the schema
         raise invalid(str(exc)) from exc
     state.engine.reconfigure(config)
-    state.config = config
     state.config_version += 1
     state.metrics.set_config(config)
     log.info("batching config version %d: %s", state.config_version, config.to_dict())

@@ -1,14 +1,19 @@
 """The engine: an asyncio front over a model loop that runs in its own thread.
 
-`submit` (event loop) appends to the waiting queue under a lock and returns a
-`RequestStream`; the engine thread asks the scheduler for a step, runs the
-model outside the lock, and hands the step's events to the loop in one
-`call_soon_threadsafe`, so HTTP keeps answering while the model computes.
+`submit` (event loop) hands a request to the scheduler under a lock and returns
+a `RequestStream`. The engine thread loops: the scheduler plans a step, the
+model runs it outside the lock, and the scheduler takes the sampled tokens
+back and says which events go out; they reach the loop in one
+`call_soon_threadsafe`, so HTTP keeps answering while the model computes. The
+scheduler (`scheduler.py`) owns every queue and every policy decision; the
+engine owns the model, the request streams and the thread.
 
 Shutdown: `shutdown()` stops admitting new requests; requests already
 scheduled (running, or preempted and waiting to be recomputed) run to the end;
 requests never scheduled end with `EngineStoppedError` at once.
 `shutdown(drain=True)` instead serves every admitted request before stopping.
+`abort(reason)` ends every admitted request now with `EngineStoppedError(reason)`
+(a shutdown grace period ran out); `shutdown()` then returns after one step.
 """
 
 from __future__ import annotations
@@ -21,33 +26,30 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
 
 import torch
-from batchpilot_server.batching import BatchingConfig, Mode
+from batchpilot_server.batching_config import MODES, BatchingConfig, Mode
+from batchpilot_server.block_pool import BlockPool
 from batchpilot_server.engine_api import (
-    DeadlineExceededError,
     EngineError,
     EngineObserver,
     EngineOptions,
     EngineStats,
     EngineStoppedError,
-    InvalidRequestError,
     NullObserver,
     PromptTooLongError,
-    QueueFullError,
     SamplingParams,
     TokenEvent,
 )
-from batchpilot_server.kv_cache import KVCache
+from batchpilot_server.kv_cache import KVCache, bytes_per_block
 from batchpilot_server.model_runner import ModelRunner
 from batchpilot_server.models import ModelSpec, resolve_device
 from batchpilot_server.sampling import make_generator, sample
+from batchpilot_server.scheduler import Output, Scheduler, StepPlan
 from batchpilot_server.scheduler_continuous import ContinuousScheduler
 from batchpilot_server.scheduler_dynamic import DynamicScheduler
-from batchpilot_server.scheduling import Scheduler, StepPlan
-from batchpilot_server.sequence import Sequence, Status
+from batchpilot_server.sequence import Sequence
 from batchpilot_server.tokenizer import Tokenizer
 from batchpilot_server.weights import LoadedModel, load_model
 
@@ -114,26 +116,21 @@ class RequestStream:
 
 class Engine:
     def __init__(self, options: EngineOptions, observer: EngineObserver | None = None) -> None:
-        if options.mode not in ("dynamic", "continuous"):
+        if options.mode not in MODES:
             raise ValueError(f"mode must be dynamic or continuous, got {options.mode!r}")
         self._options = options
         self._observer: EngineObserver = observer or NullObserver()
         self._device = resolve_device(options.device)
         self._loaded: LoadedModel | None = None  # by `start`: loading may take minutes
-        self._config = options.config
+        self._max_model_len = 0  # by `start`: the model's context, capped to the KV pool
         self._cond = threading.Condition()
-        self._waiting: deque[Sequence] = deque()
         self._streams: dict[Sequence, RequestStream] = {}
-        self._final_events: dict[Sequence, TokenEvent] = {}  # dynamic: held until batch end
-        self._cancelled: list[Sequence] = []
         self._outbox: Delivery = []  # items for the event loop, in order
         self._outbox_lock = threading.Lock()
         self._wakeup_pending = False
         self._state = "new"  # new -> running -> stopping -> stopped
-        self._drain = False
+        self._abort: EngineError | None = None  # end every request with this, then stop
         self._failure: str | None = None
-        self._steps = 0
-        self._preemptions = 0
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -159,7 +156,11 @@ class Engine:
 
     @property
     def max_model_len(self) -> int:
-        return self._spec.max_seq_len
+        """Tokens one request may hold, prompt + output: the model's context (or
+        --max-model-len), capped to what the KV pool holds for one sequence."""
+        if not self._max_model_len:
+            raise RuntimeError("the engine sizes its context in start(); not started yet")
+        return self._max_model_len
 
     @property
     def model_name(self) -> str:
@@ -176,7 +177,9 @@ class Engine:
 
     @property
     def config(self) -> BatchingConfig:
-        return self._config
+        """The batching config in force: the scheduler's (before start, the one it
+        will start with)."""
+        return self._options.config if self._scheduler is None else self._scheduler.config
 
     @property
     def failure(self) -> str | None:
@@ -191,13 +194,14 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._cond:
             pool = self._cache.pool if self._cache else None
+            scheduler = self._scheduler
             return EngineStats(
-                running=self._scheduler.num_running if self._scheduler else 0,
-                waiting=len(self._waiting),
+                running=scheduler.num_running if scheduler else 0,
+                waiting=scheduler.num_waiting if scheduler else 0,
                 kv_blocks_total=pool.num_blocks if pool else 0,
                 kv_blocks_used=pool.num_used if pool else 0,
-                steps=self._steps,
-                preemptions=self._preemptions,
+                steps=scheduler.steps if scheduler else 0,
+                preemptions=scheduler.preemptions if scheduler else 0,
             )
 
     # ---- lifecycle --------------------------------------------------------
@@ -219,14 +223,12 @@ class Engine:
             self._cache.pool.num_blocks,
             self._runner.attention,
         )
-        pool, waiting = self._cache.pool, self._waiting
-        self._scheduler = (
-            DynamicScheduler(pool, waiting)
-            if self.mode == "dynamic"
-            else ContinuousScheduler(pool, waiting, self._options.prefill_token_budget)
-        )
+        self._max_model_len = self._context_length(self._cache)
+        self._scheduler = self._new_scheduler(self._cache.pool)
         self._state = "running"
-        self._thread = threading.Thread(target=self._run, name="batchpilot-engine", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(self._scheduler,), name="batchpilot-engine", daemon=True
+        )
         self._thread.start()
 
     def _build(self, threads: int) -> tuple[KVCache, ModelRunner]:
@@ -243,30 +245,81 @@ class Engine:
         if self._device == "cuda" and options.gpu_memory_fraction is not None:
             free, _ = torch.cuda.mem_get_info()
             budget = free * options.gpu_memory_fraction
-        # float32 on the CPU whatever the weights (the native kernel reads float32)
-        dtype = model.lm_head.weight.dtype if self._device == "cuda" else torch.float32
-        cache = KVCache.sized(self._spec, budget, options.block_size, self._device, dtype)
+        cache = KVCache.sized(self._spec, budget, options.block_size, self._device, self._kv_dtype)
         return cache, ModelRunner(model, cache, options.attention, threads)
+
+    @property
+    def _kv_dtype(self) -> torch.dtype:
+        # float32 on the CPU whatever the weights (the native kernel reads float32)
+        return self._model.model.lm_head.weight.dtype if self._device == "cuda" else torch.float32
+
+    def _context_length(self, cache: KVCache) -> int:
+        """The model's context, or fewer tokens if the whole pool holds fewer: a longer
+        request could never be scheduled (as vLLM, but a warning rather than an error,
+        so that a small default pool still serves)."""
+        context, size = self._spec.max_seq_len, cache.block_size
+        pool_tokens = cache.pool.num_blocks * size
+        if pool_tokens >= context:
+            return context
+        needed = cache.pool.blocks_for(context) * bytes_per_block(self._spec, size, self._kv_dtype)
+        log.warning(
+            "the KV cache holds %d tokens, fewer than the model's context of %d: "
+            "max_model_len is %d tokens (prompt + output). Raise --kv-cache-mb (%.0f MiB "
+            "holds the whole context) or lower --max-model-len",
+            pool_tokens,
+            context,
+            pool_tokens,
+            needed / 2**20,
+        )
+        return pool_tokens
+
+    def _new_scheduler(self, pool: BlockPool) -> Scheduler:
+        """The batching policy `mode` names."""
+        options, eos_ids = self._options, self.tokenizer.eos_ids
+        policies: dict[Mode, Callable[[], Scheduler]] = {
+            "dynamic": lambda: DynamicScheduler(pool, options.config, eos_ids),
+            "continuous": lambda: ContinuousScheduler(
+                pool, options.config, eos_ids, options.prefill_token_budget
+            ),
+        }
+        return policies[options.mode]()
 
     async def shutdown(self, drain: bool = False) -> None:
         """Stop; see the module docstring for what happens to admitted requests."""
         with self._cond:
             if self._state == "new":
                 self._state = "stopped"
-            if self._state != "running":
-                thread = self._thread
-            else:
-                self._state, self._drain, thread = "stopping", drain, self._thread
+            if self._state == "running":
+                assert self._scheduler is not None
+                self._scheduler.stop(drain)
+                self._state = "stopping"
                 self._cond.notify_all()
+            thread = self._thread
         if thread is not None:
             await asyncio.to_thread(thread.join)
+
+    def abort(self, reason: str) -> None:
+        """End every admitted request now with EngineStoppedError(reason) and stop
+        admitting. Their streams are answered at once; the scheduler frees their
+        blocks once the step in progress ends, and `shutdown()` waits for that."""
+        error = EngineStoppedError(reason)
+        with self._cond:
+            if self._state not in ("running", "stopping"):
+                return
+            self._abort, self._state = error, "stopping"
+            out: Delivery = [(stream, error) for stream in self._streams.values()]
+            self._streams.clear()
+            self._cond.notify_all()
+        self._send(out)
 
     # ---- requests ---------------------------------------------------------
 
     def reconfigure(self, config: BatchingConfig) -> None:
         """Takes effect at the next scheduling decision; no admitted request fails."""
         with self._cond:
-            self._config = config
+            if self._scheduler is None:
+                raise RuntimeError("the engine applies a config once started")
+            self._scheduler.reconfigure(config)
             self._cond.notify_all()
 
     def submit(
@@ -276,7 +329,8 @@ class Engine:
         *,
         deadline_s: float | None = None,
     ) -> RequestStream:
-        self._check_request(prompt_token_ids, params, deadline_s)
+        """A request the API validated (token ids, sampling values); raises
+        QueueFullError, PromptTooLongError or EngineStoppedError."""
         now = time.monotonic()
         seq = Sequence(
             request_id=f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}",
@@ -288,164 +342,83 @@ class Engine:
         )
         stream = RequestStream(seq.request_id, lambda: self._cancel(seq))
         with self._cond:
-            if self._state != "running":
+            if self._state != "running" or self._scheduler is None:
                 raise EngineStoppedError(self._stopped_message())
-            limit = self._config.max_queue_size
-            if len(self._waiting) >= limit:
-                raise QueueFullError(
-                    f"waiting queue is full ({len(self._waiting)} requests, "
-                    f"max_queue_size {limit}); retry later"
-                )
-            self._waiting.append(seq)
+            self._check_fits(seq)
+            self._scheduler.add(seq)
             self._streams[seq] = stream
             self._cond.notify_all()
         return stream
+
+    def _check_fits(self, seq: Sequence) -> None:
+        """Guards the KV pool: a request longer than max_model_len could never be
+        scheduled (the API refuses it first, with the field at fault)."""
+        if seq.max_total_tokens > self._max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({seq.num_prompt} tokens) + max_tokens ({seq.params.max_tokens}) = "
+                f"{seq.max_total_tokens} exceeds the context of {self._max_model_len} tokens"
+            )
 
     def _stopped_message(self) -> str:
         if self._failure:
             return f"engine stopped after an internal error: {self._failure}"
         return "engine is not running (not started or shutting down)"
 
-    def _check_request(
-        self, prompt: list[int], params: SamplingParams, deadline_s: float | None
-    ) -> None:
-        if self._loaded is None:
-            raise EngineStoppedError(self._stopped_message())
-        vocab = self._spec.vocab_size
-        if not prompt:
-            raise InvalidRequestError("prompt must hold at least one token")
-        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary 0..{vocab - 1}")
-        if params.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {params.max_tokens}")
-        if params.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {params.temperature}")
-        if not 0 < params.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {params.top_p}")
-        if deadline_s is not None and deadline_s <= 0:
-            raise InvalidRequestError(f"deadline_s must be positive, got {deadline_s}")
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise PromptTooLongError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                f"exceeds the model context of {self.max_model_len} tokens"
-            )
-        if self._cache is not None and self._cache.pool.blocks_for(total) > (
-            blocks := self._cache.pool.num_blocks
-        ):
-            raise PromptTooLongError(
-                f"prompt + max_tokens = {total} tokens needs more KV blocks than the whole "
-                f"pool holds ({blocks} blocks of {self._cache.block_size} tokens)"
-            )
-
     def _cancel(self, seq: Sequence) -> None:
         with self._cond:
             self._streams.pop(seq, None)
-            self._cancelled.append(seq)
+            if self._scheduler is not None:
+                self._scheduler.cancel(seq)
             self._cond.notify_all()
 
     # ---- engine thread ----------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, scheduler: Scheduler) -> None:
+        """Each step: schedule, run the model, hand the results back."""
         try:
-            while True:
+            while (plan := self._next_plan(scheduler)) is not None:
+                rows, tokens, logprobs = self._run_model(plan)
                 with self._cond:
-                    plan, wake_at = self._decide()
-                    if plan is None:
-                        if wake_at is None and self._state == "stopping" and self._idle():
-                            break
-                        timeout = None if wake_at is None else max(0.0, wake_at - time.monotonic())
-                        self._cond.wait(timeout)
-                        continue
-                self._execute(plan)
+                    outputs = scheduler.postprocess(rows, tokens, logprobs, time.monotonic())
+                    delivery = self._delivery(outputs)
+                self._send(delivery)
         except Exception as exc:
             log.exception("engine thread failed")
             self._failure = f"{type(exc).__name__}: {exc}"
         finally:
-            self._stop()
+            self._stop(scheduler)
 
-    def _idle(self) -> bool:
-        assert self._scheduler is not None
-        return self._scheduler.num_running == 0 and not self._waiting
+    def _next_plan(self, scheduler: Scheduler) -> StepPlan | None:
+        """The next step to run, once there is one; None: stop. Requests that end
+        meanwhile (cancelled, past their deadline, refused) are answered at once."""
+        with self._cond:
+            while True:
+                if self._abort is not None:
+                    error, self._abort = self._abort, None
+                    self._send(self._delivery(scheduler.abort(error)))
+                plan = scheduler.schedule(time.monotonic())
+                self._send(self._delivery(plan.ended))
+                if plan.size:
+                    return plan
+                if self._state == "stopping" and scheduler.idle:
+                    return None
+                wake_at = scheduler.wake_at()
+                self._cond.wait(None if wake_at is None else max(0.0, wake_at - time.monotonic()))
 
-    def _decide(self) -> tuple[StepPlan | None, float | None]:
-        """Under the lock: apply cancellations and deadlines, then ask the scheduler."""
-        assert self._scheduler is not None
-        now = time.monotonic()
-        out: Delivery = []
-        self._apply_cancellations(out)
-        self._expire_deadlines(now, out)
-        stopping = self._state == "stopping"
-        if stopping and not self._drain:
-            self._refuse_unscheduled(out)
-        self._send(out)
-        plan = self._scheduler.schedule(now, self._config, flush=stopping)
-        if plan is not None:
-            return plan, None
-        deadlines = [s.deadline for s in self._waiting if s.deadline and s.first_scheduled is None]
-        wakes = [t for t in (self._scheduler.wake_at(self._config), *deadlines) if t is not None]
-        return None, min(wakes) if wakes else None
-
-    def _apply_cancellations(self, out: Delivery) -> None:
-        assert self._scheduler is not None
-        cancelled, self._cancelled = self._cancelled, []
-        for seq in cancelled:
-            if seq.status is Status.FINISHED:
-                continue
-            if seq in self._waiting:
-                self._waiting.remove(seq)
-                seq.status = Status.FINISHED
-            elif seq.status is Status.RUNNING:
-                self._final_events.pop(seq, None)  # a dynamic batch may hold its last event
-                self._release(self._scheduler.cancel(seq), time.monotonic(), out)
-                seq.status = Status.FINISHED
-
-    def _expire_deadlines(self, now: float, out: Delivery) -> None:
-        expired = [
-            s
-            for s in self._waiting
-            if s.first_scheduled is None and s.deadline is not None and now >= s.deadline
-        ]
-        for seq in expired:
-            self._waiting.remove(seq)
-            waited, allowed = now - seq.arrival, (seq.deadline or now) - seq.arrival
-            message = (
-                f"request waited {waited:.3f}s in the queue without being scheduled "
-                f"(deadline {allowed:.3f}s)"
-            )
-            self._end(seq, DeadlineExceededError(message), out)
-
-    def _refuse_unscheduled(self, out: Delivery) -> None:
-        for seq in [s for s in self._waiting if s.first_scheduled is None]:
-            self._waiting.remove(seq)
-            self._end(seq, EngineStoppedError("engine is shutting down; request not started"), out)
-
-    def _end(self, seq: Sequence, error: EngineError, out: Delivery) -> None:
-        seq.status = Status.FINISHED
-        stream = self._streams.pop(seq, None)
-        if stream is not None:
-            out.append((stream, error))
-
-    def _execute(self, plan: StepPlan) -> None:
-        """Outside the lock: run the plan's forwards and hand out their tokens."""
-        assert self._runner is not None and self._scheduler is not None
-        observer = self._observer
-        start = time.monotonic()
+    def _run_model(self, plan: StepPlan) -> tuple[list[Sequence], list[int], list[float]]:
+        """Outside the lock: the plan's forwards; the rows that sampled a token, the
+        tokens and their log-probabilities."""
+        assert self._runner is not None
+        observer, runner = self._observer, self._runner
         for _ in plan.preempted:
-            self._preemptions += 1
             observer.on_preemption()
-        for seq in plan.prefill:
-            if seq.first_scheduled is None:
-                seq.first_scheduled = start
-                observer.on_scheduled(start - seq.arrival)
-        if plan.fired:
-            observer.on_batch(plan.fired)
-        elif self.mode == "continuous":
-            observer.on_batch(plan.size)
-        self._steps += 1
-        events: list[tuple[Sequence, TokenEvent]] = []
-        runner = self._runner
+        for seq in plan.first_scheduled:
+            observer.on_scheduled((seq.first_scheduled or seq.arrival) - seq.arrival)
+        if plan.batch_size:
+            observer.on_batch(plan.batch_size)
+        rows: list[Sequence] = []
+        tokens: list[int] = []
+        logprobs: list[float] = []
         prefill = partial(runner.prefill, chunks=plan.chunks)
         for seqs, forward in ((plan.prefill, prefill), (plan.decode, runner.decode)):
             if seqs:
@@ -454,51 +427,29 @@ class Engine:
                 # a prefill chunk that leaves part of its prompt for later samples nothing
                 ready = [seq for seq in seqs if seq.ready_to_sample]
                 if ready:
-                    tokens, logprobs = sample(logits, ready)
-                    events += self._append(ready, tokens, logprobs)
+                    sampled, logps = sample(logits, ready)
+                    rows += ready
+                    tokens += sampled
+                    logprobs += logps
                 observer.on_step(len(seqs), time.perf_counter() - began)
-        self._publish(events)
+        return rows, tokens, logprobs
 
-    def _append(
-        self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]
-    ) -> list[tuple[Sequence, TokenEvent]]:
-        events = []
-        eos, step = self.tokenizer.eos_ids, self._steps
-        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
-            seq.token_ids.append(token)
-            reason = seq.finish_reason_after(token, eos)
-            seq.finish_reason = reason
-            events.append((seq, TokenEvent(token, seq.num_output - 1, reason, logprob, step)))
-        return events
-
-    def _publish(self, events: list[tuple[Sequence, TokenEvent]]) -> None:
-        assert self._scheduler is not None
+    def _delivery(self, outputs: list[Output]) -> Delivery:
+        """Under the lock: each output paired with its request's stream (none once the
+        client cancelled); a final output closes the stream."""
         out: Delivery = []
-        now = time.monotonic()
-        finished = [seq for seq, event in events if event.finish_reason is not None]
-        with self._cond:
-            for seq, event in events:
-                stream = self._streams.get(seq)
-                if event.finish_reason is not None:
-                    seq.finished_at = now
-                    self._final_events[seq] = event  # completes when the scheduler says so
-                elif stream is not None:
-                    out.append((stream, event))
-            self._release(self._scheduler.finish(finished), now, out)
-        self._send(out)
-
-    def _release(self, done: list[Sequence], now: float, out: Delivery) -> None:
-        """Complete the responses of sequences the scheduler let go."""
-        for seq in done:
-            seq.status = Status.FINISHED
-            event = self._final_events.pop(seq, None)
-            stream = self._streams.pop(seq, None)
-            if event is None:
-                continue
-            if self.mode == "dynamic" and seq.finished_at is not None:
-                self._observer.on_hostage(now - seq.finished_at)
-            if stream is not None:
-                out += [(stream, replace(event, step=self._steps)), (stream, _END)]
+        for output in outputs:
+            if output.held_s is not None:
+                self._observer.on_hostage(output.held_s)
+            if not output.final:
+                stream = self._streams.get(output.seq)
+                if stream is not None:
+                    out.append((stream, output.item))
+            elif (stream := self._streams.pop(output.seq, None)) is not None:
+                out.append((stream, output.item))
+                if isinstance(output.item, TokenEvent):
+                    out.append((stream, _END))
+        return out
 
     def _send(self, out: Delivery) -> None:
         """Queue items for the event loop; wake it only if no wake-up is pending.
@@ -525,8 +476,9 @@ class Engine:
         for stream, item in items:
             stream._push(item)
 
-    def _stop(self) -> None:
-        """Thread exit: every stream still open ends with an error."""
+    def _stop(self, scheduler: Scheduler) -> None:
+        """Thread exit: every stream still open ends with an error (after a failure,
+        the scheduler's state is not to be trusted to find them)."""
         if self._runner is not None:
             self._runner.close()
         with self._cond:
@@ -534,5 +486,6 @@ class Engine:
             error = EngineStoppedError(self._stopped_message())
             out: Delivery = [(stream, error) for stream in self._streams.values()]
             self._streams.clear()
-            self._waiting.clear()
         self._send(out)
+        with self._cond:
+            scheduler.abort(error)  # frees what a failed step left behind

@@ -11,11 +11,15 @@ Torch-free. `batchpilot_server.engine.Engine` implements it:
     engine.reconfigure(BatchingConfig(...))   # applies at the next scheduling decision
     await engine.shutdown()           # running requests finish; never-scheduled ones end
                                       # with EngineStoppedError (drain=True serves them all)
+    engine.abort("grace period over") # every admitted request ends now with that reason
 
-`submit` raises synchronously: QueueFullError, PromptTooLongError,
-InvalidRequestError, EngineStoppedError. A stream raises DeadlineExceededError
-(waited past `deadline_s` unscheduled) or EngineStoppedError (shutdown, or the
-engine thread failed: the message carries the reason).
+The engine trusts its input: the HTTP API (protocol.py) validates token ids and
+sampling values once, at the boundary. `submit` raises synchronously:
+QueueFullError, PromptTooLongError (prompt + max_tokens beyond `max_model_len`,
+which the API refuses first), EngineStoppedError. A stream raises
+DeadlineExceededError (waited past `deadline_s` unscheduled) or
+EngineStoppedError (shutdown, abort, or the engine thread failed: the message
+carries the reason).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from batchpilot_server.model_presets import default_served_name
 
 FinishReason = Literal["stop", "length"]
 # decode attention: native (the C kernel, CPU float32), torch, or auto (native
-# where it applies and builds, else torch); see native_attention
+# where it applies and builds, else torch); see attention_kernel
 AttentionBackend = Literal["auto", "native", "torch"]
 ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = ("auto", "native", "torch")
 # the weights' dtype; auto: float32 on the CPU, bfloat16 (else float16) on a GPU
@@ -53,11 +57,8 @@ class EngineStoppedError(EngineError):
 
 
 class PromptTooLongError(EngineError):
-    """`submit` refused: prompt + max_tokens exceed the model's context or the KV pool."""
-
-
-class InvalidRequestError(EngineError):
-    """`submit` refused: empty prompt, token id outside the vocabulary, bad sampling values."""
+    """`submit` refused: prompt + max_tokens exceed `max_model_len` (the model's context,
+    capped to what the KV pool holds for one sequence)."""
 
 
 # Below this, sampling is greedy (vLLM's choice): logits divided by a temperature

@@ -698,6 +698,8 @@ def _check_lengths(
 ) -> None:
     prompt_field, field = fields
     limits = served.limits
+    if prompt_len == 0:  # a tokenizer may encode some text to nothing
+        raise invalid(f"{prompt_field} encodes to no tokens", param=prompt_field)
     if limits.max_prompt_tokens is not None and prompt_len > limits.max_prompt_tokens:
         raise invalid(
             f"prompt has {prompt_len} tokens; this server accepts at most "

@@ -10,25 +10,29 @@ tokens; only its last chunk yields a token. When blocks run out mid-decode the
 newest running sequence is preempted: its blocks are freed and it is recomputed
 later from its tokens so far, its prefill starting again from the first token.
 `batch_timeout_ms` is how long an idle engine waits for more arrivals before its
-first step.
+first step. A finished sequence leaves, and its response completes, at once.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
-from batchpilot_server.batching import BatchingConfig
-from batchpilot_server.kv_cache import BlockPool
-from batchpilot_server.scheduling import StepPlan, timeout_at
+from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.block_pool import BlockPool
+from batchpilot_server.engine_api import TokenEvent
+from batchpilot_server.scheduler import Output, QueueScheduler, StepPlan, timeout_at
 from batchpilot_server.sequence import Sequence, Status
 
 
-class ContinuousScheduler:
-    def __init__(self, pool: BlockPool, waiting: deque[Sequence], prefill_budget: int) -> None:
+class ContinuousScheduler(QueueScheduler):
+    def __init__(
+        self,
+        pool: BlockPool,
+        config: BatchingConfig,
+        eos_ids: frozenset[int],
+        prefill_budget: int,
+    ) -> None:
         if prefill_budget < 1:
             raise ValueError(f"the prefill token budget must be positive, got {prefill_budget}")
-        self.pool = pool
-        self.waiting = waiting
+        super().__init__(pool, config, eos_ids)
         self.prefill_budget = prefill_budget
         self.running: list[Sequence] = []  # oldest first
 
@@ -36,10 +40,9 @@ class ContinuousScheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def schedule(self, now: float, config: BatchingConfig, flush: bool) -> StepPlan | None:
-        """The next step; None when nothing may run yet. `flush` skips the idle wait."""
-        if not self.running and self.waiting and not flush and not self._due(now, config):
-            return None
+    def _plan(self, now: float, flush: bool) -> StepPlan:
+        if not self.running and self.waiting and not flush and not self._due(now):
+            return StepPlan()
         preempted = self._make_room_for_decode()
         # one uncomputed token is the newest one: a decode computes it, also when it
         # is the last of a prompt whose chunks left exactly that
@@ -50,7 +53,7 @@ class ContinuousScheduler:
             if budget and seq.num_uncomputed > 1:
                 chunks.append((seq, min(seq.num_uncomputed, budget)))
                 budget -= chunks[-1][1]
-        while budget and self.waiting and len(self.running) < config.max_batch_size:
+        while budget and self.waiting and len(self.running) < self.config.max_batch_size:
             head = self.waiting[0]
             # blocks for the whole prompt (and its first token) now: later chunks
             # never wait for blocks, and the usage ratio counts the prompt at once
@@ -66,12 +69,13 @@ class ContinuousScheduler:
             preempted=preempted,
             chunks=[size for _, size in chunks],
         )
-        return plan if plan.size else None
+        plan.batch_size = plan.size
+        return plan
 
-    def _due(self, now: float, config: BatchingConfig) -> bool:
+    def _due(self, now: float) -> bool:
         return (
-            len(self.waiting) >= config.max_batch_size
-            or now >= timeout_at(self.waiting, config)
+            len(self.waiting) >= self.config.max_batch_size
+            or now >= timeout_at(self.waiting, self.config)
             # a preempted sequence (in front) waited for its first step already
             or self.waiting[0].first_scheduled is not None
         )
@@ -98,21 +102,29 @@ class ContinuousScheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)  # victims go newest first: the oldest ends up in front
 
-    def wake_at(self, config: BatchingConfig) -> float | None:
+    def _policy_wake_at(self) -> float | None:
         """When an idle engine stops waiting for more arrivals (None: nothing waits)."""
         if self.running or not self.waiting:
             return None
-        return timeout_at(self.waiting, config)
+        return timeout_at(self.waiting, self.config)
 
-    def finish(self, finished: list[Sequence]) -> list[Sequence]:
+    def _finish(self, finished: list[tuple[Sequence, TokenEvent]], now: float) -> list[Output]:
         """Finished sequences leave at once and their blocks return to the pool."""
-        for seq in finished:
-            self.running.remove(seq)
-            self.pool.release(seq.block_table)
-        return finished
+        for seq, _ in finished:
+            self._leave(seq)
+        return [Output(seq, event) for seq, event in finished]
 
-    def cancel(self, seq: Sequence) -> list[Sequence]:
-        if seq in self.running:
-            self.running.remove(seq)
-            self.pool.release(seq.block_table)
+    def _drop(self, seq: Sequence, now: float) -> list[Output]:
+        self._leave(seq)
         return []
+
+    def _release_running(self) -> list[Sequence]:
+        released = list(self.running)
+        for seq in released:
+            self._leave(seq)
+        return released
+
+    def _leave(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.block_table)
+        seq.status = Status.FINISHED

@@ -2,38 +2,40 @@
 requests wait or the oldest has waited `batch_timeout_ms`, then runs as one
 unit until its longest sequence ends. KV for prompt + max_tokens of every
 member is reserved when the batch fires; a batch that would not fit is cut,
-and the requests cut off fire as the next batch without waiting again.
+and the requests cut off fire as the next batch without waiting again. A member
+that finishes early keeps its final event (and its blocks) until the batch
+ends: the hostage effect, reported as each event's `held_s`.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from dataclasses import replace
 
-from batchpilot_server.batching import BatchingConfig
-from batchpilot_server.kv_cache import BlockPool
-from batchpilot_server.scheduling import StepPlan, timeout_at
+from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.block_pool import BlockPool
+from batchpilot_server.engine_api import TokenEvent
+from batchpilot_server.scheduler import Output, QueueScheduler, StepPlan, timeout_at
 from batchpilot_server.sequence import Sequence, Status
 
 
-class DynamicScheduler:
-    def __init__(self, pool: BlockPool, waiting: deque[Sequence]) -> None:
-        self.pool = pool
-        self.waiting = waiting
+class DynamicScheduler(QueueScheduler):
+    def __init__(self, pool: BlockPool, config: BatchingConfig, eos_ids: frozenset[int]) -> None:
+        super().__init__(pool, config, eos_ids)
         self.batch: list[Sequence] = []  # the batch in flight, finished members included
+        self.held: dict[Sequence, TokenEvent] = {}  # finished members' final events
         self.cut_off = 0  # requests left out of the last batch for lack of KV: due at once
 
     @property
     def num_running(self) -> int:
         return len(self.batch)
 
-    def schedule(self, now: float, config: BatchingConfig, flush: bool) -> StepPlan | None:
-        """The next step; None when nothing may run yet. `flush` fires without waiting."""
+    def _plan(self, now: float, flush: bool) -> StepPlan:
         if self.batch:
             return StepPlan(decode=[s for s in self.batch if s.finish_reason is None])
-        if not self.waiting or not (flush or self._due(now, config)):
-            return None
+        if not self.waiting or not (flush or self._due(now)):
+            return StepPlan()
         batch: list[Sequence] = []
-        while self.waiting and len(batch) < config.max_batch_size:
+        while self.waiting and len(batch) < self.config.max_batch_size:
             head = self.waiting[0]
             if not self.pool.grow(head.block_table, head.max_total_tokens):
                 break  # cut: the rest waits for the next batch
@@ -41,41 +43,52 @@ class DynamicScheduler:
             head.status = Status.RUNNING
         if not batch:
             raise RuntimeError("the KV pool cannot hold a request that passed the size check")
-        self.cut_off = min(len(self.waiting), config.max_batch_size - len(batch))
+        self.cut_off = min(len(self.waiting), self.config.max_batch_size - len(batch))
         self.batch = batch
-        return StepPlan(prefill=batch, fired=len(batch))
+        return StepPlan(prefill=batch, batch_size=len(batch))
 
-    def _due(self, now: float, config: BatchingConfig) -> bool:
+    def _due(self, now: float) -> bool:
         return (
             self.cut_off > 0
-            or len(self.waiting) >= config.max_batch_size
-            or now >= timeout_at(self.waiting, config)
+            or len(self.waiting) >= self.config.max_batch_size
+            or now >= timeout_at(self.waiting, self.config)
         )
 
-    def wake_at(self, config: BatchingConfig) -> float | None:
+    def _policy_wake_at(self) -> float | None:
         """When the oldest waiting request's timeout fires (None: nothing waits)."""
         if self.batch or not self.waiting:
             return None
         if self.cut_off:
             return 0.0
-        return timeout_at(self.waiting, config)
+        return timeout_at(self.waiting, self.config)
 
-    def finish(self, finished: list[Sequence]) -> list[Sequence]:
-        """Members whose responses may complete now: all of them once the batch is done."""
-        return self._end_if_done()
+    def _finish(self, finished: list[tuple[Sequence, TokenEvent]], now: float) -> list[Output]:
+        """Held until the whole batch is done; then every member completes."""
+        self.held.update(finished)
+        return self._end_if_done(now)
 
-    def cancel(self, seq: Sequence) -> list[Sequence]:
-        """Drop a cancelled member (its blocks return at once); may end the batch."""
-        if seq not in self.batch:
-            return []
+    def _drop(self, seq: Sequence, now: float) -> list[Output]:
+        """A cancelled member's blocks return at once; it may end the batch."""
         self.batch.remove(seq)
+        self.held.pop(seq, None)
         self.pool.release(seq.block_table)
-        return self._end_if_done()
+        return self._end_if_done(now)
 
-    def _end_if_done(self) -> list[Sequence]:
+    def _end_if_done(self, now: float) -> list[Output]:
         if any(s.finish_reason is None for s in self.batch):
             return []
         released, self.batch = self.batch, []
+        outputs = []
+        for seq in released:
+            self.pool.release(seq.block_table)
+            seq.status = Status.FINISHED
+            # every final event of a batch carries the step that ended it
+            event = replace(self.held.pop(seq), step=self.steps)
+            outputs.append(Output(seq, event, held_s=now - (seq.finished_at or now)))
+        return outputs
+
+    def _release_running(self) -> list[Sequence]:
+        released, self.batch, self.held = self.batch, [], {}
         for seq in released:
             self.pool.release(seq.block_table)
         return released

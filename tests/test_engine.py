@@ -4,6 +4,7 @@ request errors, reconfiguration and shutdown."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -13,12 +14,12 @@ from batchpilot_server.engine_api import (
     DeadlineExceededError,
     EngineOptions,
     EngineStoppedError,
-    InvalidRequestError,
     PromptTooLongError,
     QueueFullError,
     SamplingParams,
 )
-from batchpilot_server.models import build_model
+from batchpilot_server.kv_cache import bytes_per_block
+from batchpilot_server.models import build_model, get_spec
 from engine_helpers import ATTENTIONS, RecordingObserver, collect, prompt, started
 
 MODES = ("dynamic", "continuous")
@@ -127,25 +128,27 @@ async def test_a_request_waiting_past_its_deadline_fails(mode: str) -> None:
         await engine.shutdown()
 
 
-async def test_requests_that_can_never_run_are_refused_with_a_reason() -> None:
-    engine = await started("continuous", kv_cache_mb=0.5)  # 8 blocks of 16 tokens
+async def test_a_small_kv_pool_caps_the_context_and_longer_requests_are_refused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A request the pool could never hold is refused at once (it would wait forever):
+    max_model_len is the model's context capped to the pool, and start says so."""
+    spec = get_spec("tiny")
+    pool_tokens = 8 * 16  # 0.5 MiB: 8 blocks of 16 tokens
+    assert 8 * bytes_per_block(spec, 16, torch.float32) == 0.5 * 2**20
+    with caplog.at_level(logging.WARNING, logger="batchpilot_server.engine"):
+        engine = await started("continuous", kv_cache_mb=0.5)
     try:
-        with pytest.raises(PromptTooLongError, match="model context of 1024"):
-            engine.submit([1] * 1000, SamplingParams(max_tokens=25))
-        with pytest.raises(PromptTooLongError, match="8 blocks"):
-            engine.submit([1] * 100, SamplingParams(max_tokens=29))
-        with pytest.raises(InvalidRequestError, match="at least one token"):
-            engine.submit([], GREEDY_16)
-        with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
-            engine.submit([1, 9999], GREEDY_16)
-        with pytest.raises(InvalidRequestError, match="max_tokens"):
-            engine.submit([1], SamplingParams(max_tokens=0))
-        with pytest.raises(InvalidRequestError, match="top_p"):
-            engine.submit([1], SamplingParams(max_tokens=1, temperature=1.0, top_p=0.0))
+        assert engine.max_model_len == pool_tokens < spec.max_seq_len
+        warning = " ".join(r.getMessage() for r in caplog.records)
+        assert f"holds {pool_tokens} tokens" in warning and f"of {spec.max_seq_len}" in warning
+        assert "--kv-cache-mb" in warning
+        with pytest.raises(PromptTooLongError, match=f"exceeds the context of {pool_tokens}"):
+            engine.submit([1] * 100, SamplingParams(max_tokens=pool_tokens - 99))
         fits = await collect(
-            engine.submit([1] * 100, SamplingParams(max_tokens=28, ignore_eos=True))
+            engine.submit([1] * 100, SamplingParams(max_tokens=pool_tokens - 100, ignore_eos=True))
         )
-        assert len(fits) == 28
+        assert len(fits) == pool_tokens - 100
     finally:
         await engine.shutdown()
 

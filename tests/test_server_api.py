@@ -13,6 +13,7 @@ from batchpilot_server import metric_names as names
 from batchpilot_server.app import STATE
 from batchpilot_server.engine_api import EngineOptions
 from batchpilot_server.model_runner import ModelRunner
+from batchpilot_server.models import get_spec
 from openapi_spec_validator import validate
 
 from tests.servers import complete, scrape, serve_in_process, stream_events
@@ -241,15 +242,27 @@ async def test_server_limits_on_prompt_and_max_tokens() -> None:
     assert default[0] == 200 and default[1]["usage"]["completion_tokens"] == 4
 
 
-async def test_request_larger_than_the_kv_pool_is_refused_with_400() -> None:
+async def test_a_small_kv_pool_caps_the_context_so_the_chat_default_fits() -> None:
+    """1 MiB holds 256 of tiny's 1024 tokens: the context served is 256, a longer
+    request gets a 400 at once, and a chat without max_tokens (what the context
+    leaves after the prompt) is served rather than refused."""
     async with serve_in_process(kv_cache_mb=1) as server, aiohttp.ClientSession() as session:
         pool_tokens = server.app[STATE].engine.stats().kv_blocks_total * EngineOptions.block_size
+        async with session.get(f"{server.url}/v1/models") as models:
+            listed = (await models.json())["data"][0]["max_model_len"]
         status, answer, _ = await complete(
             session, server.url, prompt="x" * pool_tokens, max_tokens=16
         )
+        chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+        async with session.post(f"{server.url}/v1/chat/completions", json=chat) as response:
+            chat_status, chat_answer = response.status, await response.json()
+    assert pool_tokens < get_spec("tiny").max_seq_len
+    assert listed == pool_tokens
     assert status == 400
     assert answer["error"]["code"] == "context_length_exceeded"
-    assert "needs more KV blocks than the whole pool holds" in answer["error"]["message"]
+    assert f"maximum context length is {pool_tokens} tokens" in answer["error"]["message"]
+    assert chat_status == 200, chat_answer
+    assert chat_answer["usage"]["total_tokens"] == pool_tokens
 
 
 async def test_openapi_document_is_valid_and_covers_every_route() -> None:

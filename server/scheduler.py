@@ -1,0 +1,305 @@
+"""The scheduler: owner of every admitted request until its response completes.
+
+A scheduler holds the waiting queue and the running sequences, admits requests
+(refusing them when the queue is full), applies cancellations, fails requests
+that waited past their deadline, refuses or ends requests on shutdown, plans
+each engine step (`StepPlan`), takes the step's sampled tokens back and
+decides when each response completes. The engine around it only runs the
+model and carries `Output`s to the request streams:
+
+    plan = scheduler.schedule(now)              # also ends requests (plan.ended)
+    tokens = run the model on plan.prefill and plan.decode, sample the ready rows
+    outputs = scheduler.postprocess(rows, tokens, logprobs, now)
+
+Two policies implement it: `scheduler_dynamic.DynamicScheduler` and
+`scheduler_continuous.ContinuousScheduler`. Torch-free and thread-free: time is
+the `now` each call is given, so a simulation drives the same code under a
+virtual clock. Not thread-safe: the engine calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.block_pool import BlockPool
+from batchpilot_server.engine_api import (
+    DeadlineExceededError,
+    EngineError,
+    EngineStoppedError,
+    QueueFullError,
+    TokenEvent,
+)
+from batchpilot_server.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class Output:
+    """What one request's stream receives: a token event, or the error it ends with.
+    A response completes with an event whose finish_reason is set, or an error."""
+
+    seq: Sequence
+    item: TokenEvent | EngineError
+    # a final event held back until its batch ended: for how long (the hostage time)
+    held_s: float | None = None
+
+    @property
+    def final(self) -> bool:
+        return isinstance(self.item, EngineError) or self.item.finish_reason is not None
+
+
+@dataclass
+class StepPlan:
+    prefill: list[Sequence] = field(default_factory=list)  # compute tokens from num_computed
+    decode: list[Sequence] = field(default_factory=list)  # feed the newest token
+    preempted: list[Sequence] = field(default_factory=list)  # evicted to make room
+    # how many tokens each prefill row computes this step, a long prompt a chunk at a
+    # time so that running sequences keep decoding meanwhile (continuous). None: each
+    # row computes all it has left (dynamic: its batch runs as one unit, no other
+    # sequence decodes meanwhile, and every member's first token waits for the whole
+    # batch's prefill anyway, so chunks would only add steps).
+    chunks: list[int] | None = None
+    # the batch size this step records (the batch-size metric), 0: none. Dynamic: the
+    # batch that fires with this step; continuous: every step's rows.
+    batch_size: int = 0
+    # rows scheduled for the first time with this step (not recomputed ones)
+    first_scheduled: list[Sequence] = field(default_factory=list)
+    # requests that ended while this step was planned (cancellation of a batch
+    # member releasing the rest, a missed deadline, shutdown): deliver at once
+    ended: list[Output] = field(default_factory=list)
+
+    @property
+    def size(self) -> int:
+        return len(self.prefill) + len(self.decode)
+
+
+class Scheduler(Protocol):
+    """What the engine (and a simulation) drives; see the module docstring."""
+
+    @property
+    def config(self) -> BatchingConfig: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def steps(self) -> int:
+        """Steps planned so far; a token event carries the step that made it."""
+        ...
+
+    @property
+    def preemptions(self) -> int: ...
+    @property
+    def idle(self) -> bool:
+        """Nothing waits or runs."""
+        ...
+
+    def reconfigure(self, config: BatchingConfig) -> None:
+        """Takes effect at the next `schedule`; no admitted request fails."""
+        ...
+
+    def add(self, seq: Sequence) -> None:
+        """Admit a request; raises QueueFullError when `max_queue_size` requests wait."""
+        ...
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drop a request (its stream is gone); applied, and its blocks freed, at the
+        next `schedule`, since the model may be computing it now."""
+        ...
+
+    def stop(self, drain: bool) -> None:
+        """Shutdown: from now on steps fire without waiting for more arrivals, and
+        unless `drain`, requests never scheduled end with EngineStoppedError."""
+        ...
+
+    def abort(self, error: EngineError) -> list[Output]:
+        """End every admitted request with `error` now and free its blocks."""
+        ...
+
+    def schedule(self, now: float) -> StepPlan:
+        """The next step (`size` 0: nothing may run yet) and the requests that ended."""
+        ...
+
+    def postprocess(
+        self, seqs: list[Sequence], tokens: list[int], logprobs: list[float], now: float
+    ) -> list[Output]:
+        """Append each sampled token to its row; the events to hand out now."""
+        ...
+
+    def wake_at(self) -> float | None:
+        """When `schedule` may answer differently without new events (None: never)."""
+        ...
+
+
+class QueueScheduler(ABC):
+    """The part both policies share: the waiting queue and what happens to requests in
+    it (admission, cancellation, deadlines, shutdown), counters, and turning sampled
+    tokens into events. A policy plans steps (`_plan`), and decides when finished
+    sequences' responses complete (`_finish`) and what a cancelled running sequence
+    leaves (`_drop`)."""
+
+    def __init__(self, pool: BlockPool, config: BatchingConfig, eos_ids: frozenset[int]) -> None:
+        self.pool = pool
+        self._config = config
+        self.eos_ids = eos_ids
+        self.waiting: deque[Sequence] = deque()
+        self._cancelled: list[Sequence] = []
+        self._stopping = False
+        self._drain = False
+        self.steps = 0
+        self.preemptions = 0
+
+    @property
+    def config(self) -> BatchingConfig:
+        return self._config
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    @abstractmethod
+    def num_running(self) -> int: ...
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and self.num_running == 0
+
+    def reconfigure(self, config: BatchingConfig) -> None:
+        self._config = config
+
+    def add(self, seq: Sequence) -> None:
+        limit = self._config.max_queue_size
+        if len(self.waiting) >= limit:
+            raise QueueFullError(
+                f"waiting queue is full ({len(self.waiting)} requests, "
+                f"max_queue_size {limit}); retry later"
+            )
+        self.waiting.append(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        self._cancelled.append(seq)
+
+    def stop(self, drain: bool) -> None:
+        self._stopping, self._drain = True, drain
+
+    def abort(self, error: EngineError) -> list[Output]:
+        waiting, self._cancelled = list(self.waiting), []
+        self.waiting.clear()
+        return [self._end(seq, error) for seq in [*waiting, *self._release_running()]]
+
+    def schedule(self, now: float) -> StepPlan:
+        ended = self._apply_cancellations(now)
+        ended += self._expire_deadlines(now)
+        if self._stopping and not self._drain:
+            ended += self._refuse_unscheduled()
+        plan = self._plan(now, flush=self._stopping)
+        plan.ended = ended
+        if plan.size:
+            self.steps += 1
+            self.preemptions += len(plan.preempted)
+            plan.first_scheduled = [s for s in plan.prefill if s.first_scheduled is None]
+            for seq in plan.first_scheduled:
+                seq.first_scheduled = now
+        return plan
+
+    def postprocess(
+        self, seqs: list[Sequence], tokens: list[int], logprobs: list[float], now: float
+    ) -> list[Output]:
+        outputs: list[Output] = []
+        finished: list[tuple[Sequence, TokenEvent]] = []
+        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+            seq.token_ids.append(token)
+            reason = seq.finish_reason_after(token, self.eos_ids)
+            seq.finish_reason = reason
+            event = TokenEvent(token, seq.num_output - 1, reason, logprob, self.steps)
+            if reason is None:
+                outputs.append(Output(seq, event))
+            else:
+                seq.finished_at = now
+                finished.append((seq, event))
+        return outputs + self._finish(finished, now)
+
+    def wake_at(self) -> float | None:
+        deadlines = [seq.deadline for seq in self.waiting if self._may_expire(seq)]
+        wakes = [t for t in (self._policy_wake_at(), *deadlines) if t is not None]
+        return min(wakes, default=None)
+
+    # ---- what happens to waiting requests ------------------------------------
+
+    def _apply_cancellations(self, now: float) -> list[Output]:
+        released: list[Output] = []
+        cancelled, self._cancelled = self._cancelled, []
+        for seq in cancelled:
+            if seq.status is Status.FINISHED:
+                continue
+            if seq.status is Status.WAITING:
+                self.waiting.remove(seq)
+            else:
+                released += self._drop(seq, now)
+            seq.status = Status.FINISHED
+        return released
+
+    def _expire_deadlines(self, now: float) -> list[Output]:
+        expired = [s for s in self.waiting if self._may_expire(s) and now >= (s.deadline or now)]
+        for seq in expired:
+            self.waiting.remove(seq)
+        return [self._end(seq, _deadline_error(seq, now)) for seq in expired]
+
+    @staticmethod
+    def _may_expire(seq: Sequence) -> bool:
+        """A deadline applies until the request is first scheduled."""
+        return seq.deadline is not None and seq.first_scheduled is None
+
+    def _refuse_unscheduled(self) -> list[Output]:
+        """Shutdown without drain: requests never scheduled end now (preempted ones,
+        already started, are served)."""
+        refused = [seq for seq in self.waiting if seq.first_scheduled is None]
+        for seq in refused:
+            self.waiting.remove(seq)
+        error = EngineStoppedError("engine is shutting down; request not started")
+        return [self._end(seq, error) for seq in refused]
+
+    @staticmethod
+    def _end(seq: Sequence, error: EngineError) -> Output:
+        seq.status = Status.FINISHED
+        return Output(seq, error)
+
+    # ---- the policy's part ---------------------------------------------------
+
+    @abstractmethod
+    def _plan(self, now: float, flush: bool) -> StepPlan:
+        """The step to run now; `flush`: fire without waiting for more arrivals."""
+
+    @abstractmethod
+    def _policy_wake_at(self) -> float | None:
+        """When `_plan` may fire without new events (None: not before one)."""
+
+    @abstractmethod
+    def _finish(self, finished: list[tuple[Sequence, TokenEvent]], now: float) -> list[Output]:
+        """Sequences that just sampled their last token, with that final event."""
+
+    @abstractmethod
+    def _drop(self, seq: Sequence, now: float) -> list[Output]:
+        """A running sequence was cancelled: free it; responses that complete now."""
+
+    @abstractmethod
+    def _release_running(self) -> list[Sequence]:
+        """Abort: free every running sequence (finished members of a batch too) and
+        forget it; returns them."""
+
+
+def timeout_at(waiting: deque[Sequence], config: BatchingConfig) -> float:
+    """When the oldest waiting request has waited `batch_timeout_ms` (both policies fire then)."""
+    return waiting[0].arrival + config.batch_timeout_s
+
+
+def _deadline_error(seq: Sequence, now: float) -> DeadlineExceededError:
+    allowed = (seq.deadline or now) - seq.arrival
+    return DeadlineExceededError(
+        f"request waited {now - seq.arrival:.3f}s in the queue without being scheduled "
+        f"(deadline {allowed:.3f}s)"
+    )

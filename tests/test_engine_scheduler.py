@@ -1,0 +1,148 @@
+"""The scheduler protocol on its own: no model, no threads, no torch, a virtual clock.
+
+A simulation drives the real schedulers this way: `schedule(now)`, compute what
+the plan says (here: mark the rows computed and sample a fixed token),
+`postprocess(rows, tokens, logprobs, now)`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.block_pool import BlockPool
+from batchpilot_server.engine_api import (
+    DeadlineExceededError,
+    EngineStoppedError,
+    QueueFullError,
+    SamplingParams,
+    TokenEvent,
+)
+from batchpilot_server.scheduler import Output, QueueScheduler, StepPlan
+from batchpilot_server.scheduler_continuous import ContinuousScheduler
+from batchpilot_server.scheduler_dynamic import DynamicScheduler
+from batchpilot_server.sequence import Sequence
+
+BLOCK = 16
+EOS = 99
+CONFIG = BatchingConfig(max_batch_size=4, batch_timeout_ms=10, max_queue_size=8)
+
+
+def request(n: int, arrival: float, max_tokens: int, deadline: float | None = None) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Sequence(f"r{n}", [1] * (10 + n), params, arrival, deadline, None)
+
+
+def dynamic(blocks: int = 64) -> DynamicScheduler:
+    return DynamicScheduler(BlockPool(blocks, BLOCK), CONFIG, frozenset({EOS}))
+
+
+def continuous(blocks: int = 64, budget: int = 2048) -> ContinuousScheduler:
+    return ContinuousScheduler(BlockPool(blocks, BLOCK), CONFIG, frozenset({EOS}), budget)
+
+
+def run(scheduler: QueueScheduler, now: float) -> tuple[StepPlan, list[Output]]:
+    """One step at virtual time `now`: what the model runner would compute, token 7."""
+    plan = scheduler.schedule(now)
+    for seq, chunk in zip(plan.prefill, plan.chunks or [None] * len(plan.prefill), strict=True):
+        seq.num_computed = seq.num_tokens if chunk is None else seq.num_computed + chunk
+    for seq in plan.decode:
+        seq.num_computed = seq.num_tokens
+    rows = [seq for seq in [*plan.prefill, *plan.decode] if seq.ready_to_sample]
+    return plan, scheduler.postprocess(rows, [7] * len(rows), [0.0] * len(rows), now)
+
+
+def test_the_schedulers_import_without_torch() -> None:
+    code = (
+        "import sys, batchpilot_server.scheduler_dynamic, batchpilot_server.scheduler_continuous;"
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_dynamic_batch_fires_at_its_timeout_and_holds_every_response_to_its_end() -> None:
+    scheduler = dynamic()
+    seqs = [request(n, arrival=0.0, max_tokens=n + 1) for n in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    assert scheduler.schedule(0.005).size == 0  # 3 of 4 wait: the timeout has not passed
+    assert scheduler.wake_at() == pytest.approx(0.010)
+    outputs: list[Output] = []
+    plan, step_outputs = run(scheduler, 0.010)
+    assert (plan.batch_size, plan.first_scheduled, plan.chunks) == (3, seqs, None)
+    outputs += step_outputs
+    for t in (0.020, 0.030):
+        outputs += run(scheduler, t)[1]
+    finals = [o for o in outputs if o.final]
+    # every final event waits for the longest member: all out at the third step
+    assert [o.seq for o in finals] == seqs
+    assert {o.item.step for o in finals if isinstance(o.item, TokenEvent)} == {3}
+    assert [o.held_s for o in finals] == pytest.approx([0.020, 0.010, 0.0])
+    assert scheduler.idle and scheduler.pool.num_used == 0 and scheduler.steps == 3
+
+
+def test_continuous_completes_each_response_at_its_own_step() -> None:
+    scheduler = continuous()
+    seqs = [request(n, arrival=0.0, max_tokens=n + 1) for n in range(4)]
+    for seq in seqs:
+        scheduler.add(seq)  # four: max_batch_size, so the first step fires at once
+    finished_at = {}
+    for step in range(1, 5):
+        for output in run(scheduler, step * 0.01)[1]:
+            if output.final:
+                assert output.held_s is None
+                finished_at[output.seq.request_id] = step
+    assert finished_at == {"r0": 1, "r1": 2, "r2": 3, "r3": 4}
+    assert scheduler.idle and scheduler.pool.num_used == 0
+
+
+@pytest.mark.parametrize("make", [dynamic, continuous])
+def test_queue_limit_deadline_cancellation_and_shutdown(
+    make: Callable[[], QueueScheduler],
+) -> None:
+    scheduler = make()
+    scheduler.reconfigure(replace(CONFIG, max_queue_size=3))  # 3 wait: no batch is due
+    for n in range(3):
+        scheduler.add(request(n, arrival=0.0, max_tokens=4, deadline=0.004 if n == 1 else None))
+    with pytest.raises(QueueFullError, match="max_queue_size 3"):
+        scheduler.add(request(9, arrival=0.0, max_tokens=4))
+    first, late, cancelled = scheduler.waiting
+    scheduler.cancel(cancelled)
+    assert scheduler.wake_at() == pytest.approx(0.004)  # the deadline comes first
+    plan = scheduler.schedule(0.005)  # no batch due: only the deadline and the cancel apply
+    assert plan.size == 0 and [o.seq for o in plan.ended] == [late]
+    assert isinstance(plan.ended[0].item, DeadlineExceededError)
+    assert scheduler.num_waiting == 1 and scheduler.wake_at() == pytest.approx(0.010)
+    plan, _ = run(scheduler, 0.010)  # the batch timeout
+    assert plan.first_scheduled == [first] and scheduler.num_running == 1
+    unscheduled = [request(n, arrival=0.010, max_tokens=4) for n in (3, 4)]
+    for seq in unscheduled:
+        scheduler.add(seq)
+    scheduler.stop(drain=False)
+    plan, _ = run(scheduler, 0.011)
+    assert [o.seq for o in plan.ended] == unscheduled
+    assert all(isinstance(o.item, EngineStoppedError) for o in plan.ended)
+    assert plan.decode == [first]  # what was scheduled runs on
+    aborted = scheduler.abort(EngineStoppedError("grace over"))
+    assert [o.seq for o in aborted] == [first]
+    assert scheduler.idle and scheduler.pool.num_used == 0
+
+
+def test_preemption_under_a_virtual_clock_frees_and_recomputes() -> None:
+    # room for four prompts plus their first tokens in one block each, not their growth
+    scheduler = continuous(blocks=4)
+    seqs = [Sequence(f"r{n}", [1] * 14, SamplingParams(8), 0.0, None, None) for n in range(4)]
+    for seq in seqs:
+        scheduler.add(seq)
+    preempted = 0
+    for step in range(1, 100):
+        plan, _ = run(scheduler, step * 0.01)
+        preempted += len(plan.preempted)
+        if scheduler.idle:
+            break
+    assert preempted > 0 and scheduler.preemptions == preempted
+    assert [seq.num_output for seq in seqs] == [8] * 4
+    assert scheduler.pool.num_used == 0
