@@ -11,7 +11,7 @@ from pathlib import Path
 
 from aiohttp import web
 from batchpilot_server.admin_token import TokenFile, TokenFileError
-from batchpilot_server.app import begin_drain, build_app, wait_drained
+from batchpilot_server.app import begin_drain, build_app, end_in_flight, wait_drained
 from batchpilot_server.attention_kernel_build import KernelUnavailableError
 from batchpilot_server.batching_config import MODES, BatchingConfig, ConfigError
 from batchpilot_server.connections import ConnectionGuard, ConnectionLimits
@@ -23,6 +23,13 @@ log = logging.getLogger("batchpilot.serve")
 
 # Share of free GPU memory the KV pool takes when --kv-cache-mb is not given.
 GPU_MEMORY_FRACTION = 0.8
+# Once the shutdown grace runs out, how long the error answers may take to be
+# written, and then how long connections that do not take them stay open.
+ANSWER_MARGIN_S = 1.0
+# The process exits within the grace plus this: both answer margins, then the model
+# step in progress and the interpreter's exit (a step longer than that, such as a
+# long prefill on a CPU, adds what it lasts beyond).
+EXIT_MARGIN_S = 2 * ANSWER_MARGIN_S + 1.0
 
 
 class UsageError(Exception):
@@ -106,7 +113,9 @@ def parser() -> argparse.ArgumentParser:
         "--shutdown-grace-s",
         type=float,
         default=30.0,
-        help="on SIGTERM, how long in-flight requests may take to finish",
+        help="on SIGTERM, how long in-flight requests may take to finish; then each "
+        "gets a 503 (a stream that has begun, a final error event and [DONE]) and the "
+        f"process exits within {EXIT_MARGIN_S:g} s more (default: 30)",
     )
     connections = ConnectionLimits()
     p.add_argument(
@@ -225,7 +234,7 @@ async def serve(
         app,
         handler_cancellation=True,
         access_log=None,
-        shutdown_timeout=5,
+        shutdown_timeout=ANSWER_MARGIN_S,
         keepalive_timeout=connections.keepalive_timeout_s,
     )
     await runner.setup()  # starts the engine
@@ -240,16 +249,30 @@ async def serve(
             args.port,
         )
         await _wait_for_signal()
-        begin_drain(app)
-        log.info("draining: waiting up to %gs for in-flight requests", args.shutdown_grace_s)
-        if not await wait_drained(app, args.shutdown_grace_s):
-            log.warning("grace period over with requests still in flight; stopping anyway")
+        await _drain(app, args.shutdown_grace_s)
     finally:
         if listener is not None:
             listener.close()  # no new connections while the open ones drain
         await runner.cleanup()  # stops the engine
     log.info("stopped")
     return 0
+
+
+async def _drain(app: web.Application, grace_s: float) -> None:
+    """Not ready, admit nothing new, let in-flight requests finish within `grace_s`;
+    then end the rest with an answer each, so that none is cut without a word."""
+    begin_drain(app)
+    log.info("draining: waiting up to %gs for in-flight requests", grace_s)
+    if await wait_drained(app, grace_s):
+        return
+    ended = end_in_flight(
+        app,
+        f"the server is shutting down and its grace period of {grace_s:g} s ran out "
+        "before this request finished",
+    )
+    log.warning("grace period over: %d requests in flight end with an error", ended)
+    if not await wait_drained(app, ANSWER_MARGIN_S):
+        log.warning("some error answers were not written in time; closing their connections")
 
 
 async def _wait_for_signal() -> None:

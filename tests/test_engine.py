@@ -200,6 +200,24 @@ async def test_shutdown_with_drain_serves_every_admitted_request() -> None:
     assert [len(await collect(s)) for s in streams] == [16, 16, 16]
 
 
+@pytest.mark.parametrize("mode", MODES)
+async def test_abort_ends_every_admitted_request_at_once_and_frees_the_pool(mode: str) -> None:
+    engine = await started(mode, max_batch_size=2, batch_timeout_ms=0)
+    long = SamplingParams(max_tokens=900, ignore_eos=True)
+    streams = [engine.submit(prompt(engine, n), long) for n in range(5)]
+    await streams[0].__anext__()  # a batch of two runs, three wait
+    engine.abort("grace period over")
+    for stream in streams:
+        with pytest.raises(EngineStoppedError, match="grace period over"):
+            await collect(stream)
+    await engine.shutdown()
+    stats = engine.stats()
+    assert (stats.running, stats.waiting, stats.kv_blocks_used) == (0, 0, 0)
+    assert stats.steps < 900  # nothing ran to its end
+    with pytest.raises(EngineStoppedError):
+        engine.submit(prompt(engine, 9), GREEDY_16)
+
+
 async def test_engine_reports_what_the_server_needs() -> None:
     observer = RecordingObserver()
     engine = Engine(
