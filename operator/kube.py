@@ -1,22 +1,54 @@
-"""A small async Kubernetes API client for the operator's own calls (aiohttp).
+"""The operator's own Kubernetes API calls, through the official `kubernetes` client.
 
 Every request goes through `Client._call`, which refuses any (kind, verb) not
 declared in `PERMISSIONS`: that table is the operator's whole footprint on the
 API, and tests/test_rbac.py checks the ClusterRole in manifests/ against it.
 Kopf's own calls (watching, its progress annotations, its events) are listed
 separately in `batchpilot_operator.handlers.KOPF_PERMISSIONS`.
+
+Login (`load_configuration`) is the client's, as kubectl finds credentials: the
+pod's service account in a cluster, else the kubeconfig ($KUBECONFIG or
+~/.kube/config) with whatever its user holds: a token, client certificates, an
+`exec` plugin (EKS, GKE, AKS) or an auth provider (OIDC, GCP). Kopf logs in
+through the same loader (`connection_info`, its login handler), so one set of
+credentials serves both. A token that carries an expiry is fetched again by the
+client once it expires; Kopf asks `connection_info` again after a 401.
+
+The synchronous client runs in a small thread pool rather than
+kubernetes_asyncio (or `kubernetes.aio`), because:
+- its login is synchronous and refreshes itself: on every call a hook runs the
+  exec plugin again, or re-reads the service account token, once the old one
+  expired. The asyncio loaders set no such hook; refreshing is a background
+  task left to the caller.
+- it is the client Kopf piggybacks on (`kopf.login_via_client`), and it keeps
+  `connection_info` and `Client.login` plain functions, callable from Kopf's
+  login handler and from its async startup alike.
+- the operator makes a handful of calls per reconcile or tuning round; a few
+  threads cost nothing at that rate.
+The price: cancelling a handler does not stop a request in flight (it ends
+within REQUEST_TIMEOUT_S), and transport errors are urllib3's, which `_call`
+turns into `Unreachable`, a `KubeError` like every other failed call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import functools
+import json
+import os
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
-import aiohttp
 import kopf
+import pydantic
+import urllib3
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
 
 Verb = Literal["get", "list", "watch", "create", "patch", "delete"]
 
@@ -64,6 +96,28 @@ PERMISSIONS: Mapping[tuple[Kind, str | None], frozenset[Verb]] = {
 
 EVENT_COMPONENT = "batchpilot-operator"
 USER_AGENT = "batchpilot-operator"
+# (connect, read): a hung API server fails the call instead of holding a thread.
+REQUEST_TIMEOUT_S = (5.0, 30.0)
+# client-go's rule: a GET answered 429 or 5xx with Retry-After is sent again after
+# that delay, this many times. Writes are not retried: the handlers retry them whole.
+MAX_RETRIES = 3
+MAX_CONCURRENT_CALLS = 8
+MERGE_PATCH = "application/merge-patch+json"
+DEFAULT_KUBECONFIG = "~/.kube/config"
+
+# The client's typed API of each built-in kind and the noun in its method names
+# (read_namespaced_config_map, ...). Any other kind is a custom resource.
+_BUILT_IN: Mapping[Kind, tuple[Callable[[k8s.ApiClient], Any], str]] = {
+    DEPLOYMENTS: (k8s.AppsV1Api, "deployment"),
+    SERVICES: (k8s.CoreV1Api, "service"),
+    CONFIGMAPS: (k8s.CoreV1Api, "config_map"),
+    SECRETS: (k8s.CoreV1Api, "secret"),
+    PODS: (k8s.CoreV1Api, "pod"),
+    EVENTS: (k8s.CoreV1Api, "event"),
+}
+_BUILT_IN_VERBS: Mapping[str, str] = {
+    "get": "read", "list": "list", "create": "create", "patch": "patch",
+}
 
 
 class KubeError(Exception):
@@ -78,58 +132,122 @@ class Conflict(KubeError):
     """HTTP 409: the object already exists or changed meanwhile."""
 
 
+class Unreachable(KubeError):
+    """No HTTP answer (status 0): the connection failed or timed out, or TLS refused it."""
+
+
 class UndeclaredCall(RuntimeError):
     """The code tried a call missing from PERMISSIONS (and so from the ClusterRole)."""
 
 
-def connection_info(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
-    """Credentials as Kopf's built-in logins find them: the pod's service account, else
-    $KUBECONFIG or ~/.kube/config. Kopf and `Client` both use this, read at login time."""
+def load_configuration() -> k8s.Configuration:
+    """The client's endpoint and credentials: the pod's service account, else the kubeconfig.
+
+    Raises kopf.PermanentError when there are none: retrying would not bring them.
+    """
+    configuration = k8s.Configuration()
     try:
-        info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
-            settings=settings
-        )
-    except OSError as exc:  # a $KUBECONFIG that names no readable file
-        raise kopf.PermanentError(f"cannot read kubeconfig {exc.filename}: {exc.strerror}") from exc
-    if info is None:
+        k8s_config.load_incluster_config(client_configuration=configuration)
+    except k8s_config.ConfigException as not_in_pod:
+        _load_kubeconfig(configuration, not_in_pod)
+    return configuration
+
+
+def _load_kubeconfig(
+    configuration: k8s.Configuration, not_in_pod: k8s_config.ConfigException
+) -> None:
+    paths = _kubeconfig_paths()
+    if not paths:
         raise kopf.PermanentError(
-            "no Kubernetes credentials: not in a pod, and neither $KUBECONFIG nor ~/.kube/config"
+            "no Kubernetes credentials: not in a pod, and neither $KUBECONFIG nor "
+            f"{DEFAULT_KUBECONFIG} ({not_in_pod})"
         )
-    return info
+    for path in paths:  # the client skips unreadable files; a file named in vain is an error
+        try:
+            Path(path).read_bytes()
+        except OSError as exc:
+            raise kopf.PermanentError(
+                f"cannot read kubeconfig {exc.filename}: {exc.strerror}"
+            ) from exc
+    try:
+        k8s_config.load_kube_config(
+            config_file=os.pathsep.join(paths),
+            client_configuration=configuration,
+            persist_config=False,  # never write refreshed tokens into the user's file
+        )
+    except Exception as exc:  # any flaw in the file: retrying would not mend it
+        raise kopf.PermanentError(
+            f"cannot log in with kubeconfig {os.pathsep.join(paths)}: {exc}"
+        ) from exc
+
+
+def _kubeconfig_paths() -> list[str]:
+    """$KUBECONFIG's files, read at login (not at import), else ~/.kube/config if present."""
+    listed = os.environ.get("KUBECONFIG", "")
+    if listed:
+        return [os.path.expanduser(path) for path in listed.split(os.pathsep) if path]
+    default = os.path.expanduser(DEFAULT_KUBECONFIG)
+    return [default] if os.path.exists(default) else []
+
+
+def connection_info(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
+    """Kopf's credentials, from the client's loader: what `Client.login` uses too.
+
+    Kopf calls this again after a 401, so a rejected token is fetched anew
+    (an exec plugin runs again).
+    """
+    configuration = load_configuration()
+    header = configuration.get_api_key_with_prefix("BearerToken")  # refreshes if expired
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (parts[0], parts[1]) if len(parts) == 2 else (None, header or None)
+    return kopf.ConnectionInfo(
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        scheme=scheme,
+        token=token,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+        proxy_url=configuration.proxy,
+        trust_env=settings.networking.trust_env,
+    )
+
+
+def _with_retries(configuration: k8s.Configuration) -> k8s.Configuration:
+    configuration.retries = MAX_RETRIES
+    configuration.client_go_retries = True
+    configuration.connection_pool_maxsize = MAX_CONCURRENT_CALLS
+    return configuration
 
 
 class Client:
     """Namespaced get/list/create/merge-patch for the kinds in PERMISSIONS, plus Events."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
-        self._session = session
-        self._base_url = base_url.rstrip("/")
+    def __init__(self, api: k8s.ApiClient) -> None:
+        api.user_agent = USER_AGENT
+        self._api = api
+        self._threads = ThreadPoolExecutor(MAX_CONCURRENT_CALLS, thread_name_prefix="kube-api")
 
     @classmethod
     def for_url(cls, base_url: str, token: str | None = None) -> Client:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        return cls(aiohttp.ClientSession(headers={**headers, "User-Agent": USER_AGENT}), base_url)
-
-    @classmethod
-    def from_connection(cls, info: kopf.ConnectionInfo) -> Client:
-        session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(ssl=info.as_ssl_context()),
-            headers={**info.as_http_headers(), "User-Agent": USER_AGENT},
-            trust_env=info.trust_env,
-        )
-        return cls(session, info.server)
+        configuration = k8s.Configuration(host=base_url.rstrip("/"))
+        if token:
+            configuration.api_key["BearerToken"] = f"Bearer {token}"
+        return cls(k8s.ApiClient(_with_retries(configuration)))
 
     @classmethod
     def login(cls, settings: kopf.OperatorSettings) -> Client:
-        return cls.from_connection(connection_info(settings))
+        """Logged in as Kopf is (`connection_info`); `settings` keeps the two signatures alike."""
+        return cls(k8s.ApiClient(_with_retries(load_configuration())))
 
     async def close(self) -> None:
-        await self._session.close()
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._api.close()
 
     async def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""
         try:
-            return await self._call("get", kind, namespace, "GET", name=name)
+            return await self._call("get", kind, namespace, name=name)
         except KubeError as exc:
             if exc.status == 404:
                 return None
@@ -139,12 +257,11 @@ class Client:
         self, kind: Kind, namespace: str, labels: Mapping[str, str] | None = None
     ) -> list[dict[str, Any]]:
         selector = ",".join(f"{key}={value}" for key, value in (labels or {}).items())
-        params = {"labelSelector": selector} if selector else {}
-        body = await self._call("list", kind, namespace, "GET", params=params)
+        body = await self._call("list", kind, namespace, label_selector=selector or None)
         return list(body.get("items") or [])
 
     async def create(self, kind: Kind, namespace: str, body: Mapping[str, Any]) -> dict[str, Any]:
-        return await self._call("create", kind, namespace, "POST", body=body)
+        return await self._call("create", kind, namespace, body=dict(body))
 
     async def patch(
         self,
@@ -156,8 +273,8 @@ class Client:
     ) -> dict[str, Any]:
         """JSON merge-patch (RFC 7386): lists are replaced whole, `None` removes a key."""
         return await self._call(
-            "patch", kind, namespace, "PATCH", name=name, subresource=subresource, body=patch,
-            content_type="application/merge-patch+json",
+            "patch", kind, namespace, name=name, subresource=subresource, body=dict(patch),
+            _content_type=MERGE_PATCH,
         )
 
     async def create_event(
@@ -200,40 +317,62 @@ class Client:
         verb: Verb,
         kind: Kind,
         namespace: str,
-        method: str,
-        *,
-        name: str | None = None,
         subresource: str | None = None,
-        body: Mapping[str, Any] | None = None,
-        params: Mapping[str, str] | None = None,
-        content_type: str = "application/json",
+        **arguments: Any,
     ) -> dict[str, Any]:
         if verb not in PERMISSIONS.get((kind, subresource), frozenset()):
             raise UndeclaredCall(
                 f"{verb} {kind.plural}{'/' + subresource if subresource else ''} is not in "
                 "batchpilot_operator.kube.PERMISSIONS (and so not granted by the ClusterRole)"
             )
-        url = self._base_url + kind.path(namespace, name, subresource)
-        headers = {"Content-Type": content_type} if body is not None else {}
-        async with self._session.request(
-            method, url, json=body, params=params, headers=headers
-        ) as response:
-            payload = await _json_or_text(response)
-            if response.status >= 400:
-                raise _error(response.status, payload)
-            return payload
+        method, names_the_kind = self._method(verb, kind, subresource)
+        send = functools.partial(
+            method, namespace=namespace, **names_the_kind, **arguments,
+            _preload_content=False, _request_timeout=REQUEST_TIMEOUT_S,
+        )
+        return await asyncio.get_running_loop().run_in_executor(self._threads, _send, send)
+
+    def _method(
+        self, verb: Verb, kind: Kind, subresource: str | None
+    ) -> tuple[Callable[..., Any], dict[str, str]]:
+        """The client's typed method for the call, and the arguments that name the kind."""
+        suffix = f"_{subresource}" if subresource else ""
+        if kind in _BUILT_IN:
+            api, noun = _BUILT_IN[kind]
+            return getattr(api(self._api), f"{_BUILT_IN_VERBS[verb]}_namespaced_{noun}{suffix}"), {}
+        custom = k8s.CustomObjectsApi(self._api)
+        return getattr(custom, f"{verb}_namespaced_custom_object{suffix}"), {
+            "group": kind.group, "version": kind.version, "plural": kind.plural,
+        }
 
 
-async def _json_or_text(response: aiohttp.ClientResponse) -> dict[str, Any]:
+def _send(send: Callable[[], urllib3.BaseHTTPResponse]) -> dict[str, Any]:
+    """One request, in a worker thread; the answer's JSON, or the error it stands for."""
     try:
-        data = await response.json(content_type=None)
+        response = send()
+    except k8s.ApiException as exc:
+        raise _error(exc.status or 0, exc.reason or "", exc.body) from None
+    except urllib3.exceptions.HTTPError as exc:
+        raise Unreachable(0, type(exc).__name__, str(exc)) from exc
+    except pydantic.ValidationError as exc:  # the client checks a create's body against its model
+        raise KubeError(422, "Invalid", f"refused by the client before sending: {exc}") from exc
+    try:
+        return _json_or_text(response.data)
+    finally:
+        response.release_conn()
+
+
+def _json_or_text(raw: bytes | str | None) -> dict[str, Any]:
+    try:
+        data = json.loads(raw or "{}")
     except ValueError:
-        return {"message": await response.text()}
+        return {"message": raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)}
     return data if isinstance(data, dict) else {"message": str(data)}
 
 
-def _error(status: int, payload: Mapping[str, Any]) -> KubeError:
-    reason = str(payload.get("reason") or "")
+def _error(status: int, http_reason: str, body: bytes | str | None) -> KubeError:
+    payload = _json_or_text(body)
+    reason = str(payload.get("reason") or http_reason)
     message = str(payload.get("message") or payload)
-    cls = Conflict if status == 409 else KubeError
+    cls = {0: Unreachable, 409: Conflict}.get(status, KubeError)
     return cls(status, reason, message)
