@@ -13,11 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from batchpilot_server import engine as engine_module
+from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine import Engine
-from batchpilot_server.engine_api import SamplingParams, TokenEvent
+from batchpilot_server.engine_api import EngineOptions, SamplingParams, TokenEvent
 from batchpilot_server.kv_cache import KVCache, bytes_per_block
 from batchpilot_server.model_runner import ModelRunner
 from batchpilot_server.models import build_model, get_spec
+from batchpilot_server.protocol import Limits, Served, read_chat
 from batchpilot_server.sequence import Sequence
 from batchpilot_server.serve import batching_config, engine_options, parser
 from batchpilot_server.serve import main as serve_main
@@ -238,3 +241,30 @@ def test_the_budget_flag_reaches_the_engine_and_must_be_positive(
     assert engine_options(args, batching_config(args)).prefill_token_budget == 256
     assert serve_main(["--prefill-token-budget", "0", "--port", "0"]) == 2
     assert "--prefill-token-budget must be at least 1, got 0" in capsys.readouterr().err
+
+
+async def test_the_default_pool_caps_smollm2s_context_so_a_chat_without_max_tokens_runs(
+    smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SmolLM2's 8192-token context needs more than the default 64 MiB of float32 KV:
+    the engine serves what the pool holds, and the chat default (what the context
+    leaves after the prompt) is admitted and runs instead of being refused."""
+    monkeypatch.setattr(engine_module, "load_model", lambda source, **_: _load(source))
+    options = EngineOptions(
+        mode="continuous", config=BatchingConfig(), model=str(smollm2_dir), threads=1
+    )
+    engine = Engine(options)
+    await engine.start()
+    try:
+        spec = _load(str(smollm2_dir)).spec
+        per_block = bytes_per_block(spec, options.block_size, torch.float32)
+        pool_tokens = int(options.kv_cache_mb * 2**20 // per_block) * options.block_size
+        assert engine.max_model_len == pool_tokens < spec.max_seq_len
+        served = Served("smollm2", engine.max_model_len, engine.tokenizer, Limits())
+        chat = read_chat({"messages": [{"role": "user", "content": "Hi"}]}, served)
+        assert len(chat.prompt_ids) + chat.max_tokens == pool_tokens
+        stream = engine.submit(chat.prompt_ids, SamplingParams(max_tokens=chat.max_tokens))
+        assert (await anext(stream)).index == 0
+        stream.cancel()
+    finally:
+        await engine.shutdown()
