@@ -160,7 +160,7 @@ def _load_kubeconfig(
     if not paths:
         raise kopf.PermanentError(
             "no Kubernetes credentials: not in a pod, and neither $KUBECONFIG nor "
-            f"{DEFAULT_KUBECONFIG} ({not_in_pod})"
+            f"{DEFAULT_KUBECONFIG} (service account: {not_in_pod})"
         )
     for path in paths:  # the client skips unreadable files; a file named in vain is an error
         try:
