@@ -14,9 +14,12 @@ from typing import Any
 
 import aiohttp
 import pytest
+from batchpilot_operator import builders
+from batchpilot_operator.spec import parse_spec
 from batchpilot_server import metric_names as names
-from batchpilot_server.serve import EXIT_MARGIN_S
+from batchpilot_server.serve import EXIT_MARGIN_S, parser
 
+from tests.policies import policy_object
 from tests.servers import scrape, spawn_server, stream_events
 
 pytestmark = pytest.mark.timeout(180)
@@ -110,3 +113,16 @@ async def test_when_the_grace_runs_out_every_request_gets_an_answer(tmp_path: Pa
     assert len(cut) + len(refused) + len(plain_done) + len(finished) == REQUESTS
     assert exit_code == 0
     assert exit_time - signalled <= GRACE_S + EXIT_MARGIN_S, srv.stderr_tail()
+
+
+def test_the_pod_outlives_its_servers_shutdown() -> None:
+    """The kubelet kills a pod terminationGracePeriodSeconds after its termination
+    began, preStop pause included: the server's grace and exit margin must fit in
+    what is left, or a rolling update cuts requests without a word."""
+    body = policy_object("llm", "team", {}, uid="u-1")
+    pod = builders.build_deployment(body, parse_spec(body["spec"]))["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    _, pause = container["lifecycle"]["preStop"]["exec"]["command"]  # sleep N
+    assert container["args"][0] == "serve"
+    grace = parser().parse_args(container["args"][1:]).shutdown_grace_s
+    assert float(pause) + grace + EXIT_MARGIN_S < pod["terminationGracePeriodSeconds"]
