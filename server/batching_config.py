@@ -64,20 +64,31 @@ class BatchingConfig:
             data = json.loads(Path(path).read_text())
         except OSError as exc:
             raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise ConfigError(f"config file {path} is nested too deeply to read") from None
+        except ValueError as exc:  # JSONDecodeError, or a number past Python's digit limit
+            raise ConfigError(f"config file {path} is not valid JSON: {exc}") from None
         return cls.from_dict(data, base)
+
+
+def brief(value: Any) -> str:
+    """`value` for an error message, short; never converts a huge integer to digits
+    (Python refuses beyond 4300 digits, and no one wants to read them)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name} must be an integer, got {type(value).__name__}")
     if not low <= value <= high:
-        raise ConfigError(f"{name} must be between {low} and {high}, got {value}")
+        raise ConfigError(f"{name} must be between {low} and {high}, got {brief(value)}")
 
 
 def _check_number(name: str, value: Any, low: float, high: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{name} must be a number, got {type(value).__name__}")
     if not low <= value <= high:
-        raise ConfigError(f"{name} must be between {low:g} and {high:g}, got {value}")
+        raise ConfigError(f"{name} must be between {low:g} and {high:g}, got {brief(value)}")

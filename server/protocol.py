@@ -20,6 +20,7 @@ from batchpilot_server.batching_config import (
     MAX_BATCH_TIMEOUT_MS,
     MAX_QUEUE_SIZE_LIMIT,
     Mode,
+    brief,
 )
 from batchpilot_server.engine_api import GREEDY_BELOW_TEMPERATURE, FinishReason
 from batchpilot_server.tokenizer import ChatTemplateError, Tokenizer
@@ -99,15 +100,6 @@ def _default_outcome(status: int) -> str:
 
 def invalid(message: str, *, code: str = "invalid_value", param: str | None = None) -> ApiError:
     return ApiError(400, message, code=code, param=param)
-
-
-def brief(value: Any) -> str:
-    """`value` for an error message, short; never converts a huge integer to digits
-    (Python refuses beyond 4300 digits, and no one wants to read them)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
-        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # --- reading a JSON body -----------------------------------------------------------
