@@ -16,13 +16,14 @@ client once it expires; Kopf asks `connection_info` again after a 401.
 
 The synchronous client runs in a small thread pool rather than
 kubernetes_asyncio (or `kubernetes.aio`), because:
-- its login is synchronous and refreshes itself: on every call a hook runs the
-  exec plugin again, or re-reads the service account token, once the old one
-  expired. The asyncio loaders set no such hook; refreshing is a background
-  task left to the caller.
-- it is the client Kopf piggybacks on (`kopf.login_via_client`), and it keeps
-  `connection_info` and `Client.login` plain functions, callable from Kopf's
-  login handler and from its async startup alike.
+- its login is synchronous and refreshes itself: before each call a hook runs
+  the exec plugin again, or re-reads the service account token, once the old
+  one expired. The asyncio loaders (`kubernetes.aio.config`) set no such hook;
+  refreshing is a background task left to the caller.
+- it is the client Kopf prefers when it piggybacks (`kopf.login_via_client`
+  comes before the asyncio one), and it keeps `connection_info` and
+  `Client.login` plain functions, callable from Kopf's login handler and from
+  its async startup alike.
 - the operator makes a handful of calls per reconcile or tuning round; a few
   threads cost nothing at that rate.
 The price: cancelling a handler does not stop a request in flight (it ends
