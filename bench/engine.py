@@ -44,7 +44,7 @@ import model_refs
 import numpy as np
 import torch
 import torch.nn.functional as F
-from batchpilot_server.batching_config import MODES, BatchingConfig, Mode
+from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.engine import Engine
 from batchpilot_server.engine_api import AttentionBackend, EngineOptions, SamplingParams
 from batchpilot_server.kv_cache import KVCache
@@ -55,6 +55,8 @@ from measure import ContiguousKV, Prompts, count_tokens, decode_step, raw_genera
 from sections import replace_section
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
+# the two policies this benchmark compares; static batching: bench/tradeoff.py
+MODES: tuple[Mode, ...] = ("dynamic", "continuous")
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 PROMPTS = Prompts(length=16, vocab=256, first=256)  # tiny: BOS, then bytes
 STEP_CONTEXT = 80  # the step-time curve's context: mid-way through a typical request

@@ -35,7 +35,7 @@ import aiohttp
 import hostage
 import model_refs
 from batchpilot_operator.prometheus_local import free_port
-from batchpilot_server.batching_config import MODES, BatchingConfig, Mode
+from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.engine_api import EngineOptions, NullObserver, SamplingParams
 from batchpilot_server.loadgen import PROMPT_ALPHABET, LengthDist, LoadSpec, run_load
 from batchpilot_server.metric_names import BATCH_SIZE
@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
+# the two policies this benchmark compares; static batching: bench/tradeoff.py
+MODES: tuple[Mode, ...] = ("dynamic", "continuous")
 BATCH = 32
 TARGET_RATIO = 0.8
 # requests and output tokens per throughput run: a real model decodes ~30x slower

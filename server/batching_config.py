@@ -10,8 +10,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-Mode = Literal["dynamic", "continuous"]
-MODES: tuple[Mode, ...] = ("dynamic", "continuous")
+# static: a batch fires only when full; dynamic: when full or at the timeout;
+# continuous: every step admits and releases sequences
+Mode = Literal["static", "dynamic", "continuous"]
+MODES: tuple[Mode, ...] = ("static", "dynamic", "continuous")
 
 # Hard limits any server accepts; a policy's bounds must sit inside them.
 MAX_BATCH_SIZE_LIMIT = 1024

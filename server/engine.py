@@ -47,8 +47,7 @@ from batchpilot_server.model_runner import ModelRunner
 from batchpilot_server.models import ModelSpec, resolve_device
 from batchpilot_server.sampling import make_generator, sample
 from batchpilot_server.scheduler import Output, Scheduler, StepPlan
-from batchpilot_server.scheduler_continuous import ContinuousScheduler
-from batchpilot_server.scheduler_dynamic import DynamicScheduler
+from batchpilot_server.scheduler_policies import PolicyOptions, new_scheduler
 from batchpilot_server.sequence import Sequence
 from batchpilot_server.tokenizer import Tokenizer
 from batchpilot_server.weights import LoadedModel, load_model
@@ -117,7 +116,7 @@ class RequestStream:
 class Engine:
     def __init__(self, options: EngineOptions, observer: EngineObserver | None = None) -> None:
         if options.mode not in MODES:
-            raise ValueError(f"mode must be dynamic or continuous, got {options.mode!r}")
+            raise ValueError(f"mode must be one of {', '.join(MODES)}; got {options.mode!r}")
         self._options = options
         self._observer: EngineObserver = observer or NullObserver()
         self._device = resolve_device(options.device)
@@ -275,14 +274,13 @@ class Engine:
 
     def _new_scheduler(self, pool: BlockPool) -> Scheduler:
         """The batching policy `mode` names."""
-        options, eos_ids = self._options, self.tokenizer.eos_ids
-        policies: dict[Mode, Callable[[], Scheduler]] = {
-            "dynamic": lambda: DynamicScheduler(pool, options.config, eos_ids),
-            "continuous": lambda: ContinuousScheduler(
-                pool, options.config, eos_ids, options.prefill_token_budget
-            ),
-        }
-        return policies[options.mode]()
+        options = self._options
+        policy = PolicyOptions(
+            prefill_budget=options.prefill_token_budget,
+            padded=options.dynamic_execution == "padded",
+            max_wait_s=None if options.max_wait_ms is None else options.max_wait_ms / 1000.0,
+        )
+        return new_scheduler(options.mode, pool, options.config, self.tokenizer.eos_ids, policy)
 
     async def shutdown(self, drain: bool = False) -> None:
         """Stop; see the module docstring for what happens to admitted requests."""
@@ -416,18 +414,25 @@ class Engine:
             observer.on_scheduled((seq.first_scheduled or seq.arrival) - seq.arrival)
         if plan.batch_size:
             observer.on_batch(plan.batch_size)
+        slots = plan.slot_steps()
+        observer.on_slot_steps(slots.active, slots.finished, slots.padding)
         rows: list[Sequence] = []
         tokens: list[int] = []
         logprobs: list[float] = []
         prefill = partial(runner.prefill, chunks=plan.chunks)
-        for seqs, forward in ((plan.prefill, prefill), (plan.decode, runner.decode)):
+        # padded execution: finished rows decode last, their outputs discarded
+        forwards = (
+            (plan.prefill, prefill, 0),
+            (plan.decode + plan.pad, runner.decode, len(plan.pad)),
+        )
+        for seqs, forward, discarded in forwards:
             if seqs:
                 began = time.perf_counter()
                 logits = forward(seqs)
                 # a prefill chunk that leaves part of its prompt for later samples nothing
-                ready = [seq for seq in seqs if seq.ready_to_sample]
+                ready = [seq for seq in seqs[: len(seqs) - discarded] if seq.ready_to_sample]
                 if ready:
-                    sampled, logps = sample(logits, ready)
+                    sampled, logps = sample(logits[: len(ready)], ready)
                     rows += ready
                     tokens += sampled
                     logprobs += logps

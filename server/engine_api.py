@@ -38,6 +38,11 @@ ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = ("auto", "native", "torch")
 # the weights' dtype; auto: float32 on the CPU, bfloat16 (else float16) on a GPU
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[DTypeName, ...] = ("auto", "float32", "bfloat16", "float16")
+# how a static or dynamic batch runs: ragged (a finished member stops computing and
+# holds its slot until the batch ends) or padded (it keeps decoding, its outputs
+# discarded, as classic padded batchers run)
+Execution = Literal["ragged", "padded"]
+EXECUTIONS: tuple[Execution, ...] = ("ragged", "padded")
 
 
 class EngineError(Exception):
@@ -113,6 +118,10 @@ class EngineOptions:
     dtype: DTypeName = "auto"
     max_model_len: int | None = None  # None: the model's context
     served_model_name: str | None = None  # None: see `served_name`
+    dynamic_execution: Execution = "ragged"  # static and dynamic modes
+    # static mode: a partial batch fires once its oldest request waited this long
+    # (None: never; only a full batch fires)
+    max_wait_ms: float | None = None
 
     @property
     def served_name(self) -> str:
@@ -143,6 +152,7 @@ class EngineObserver(Protocol):
     def on_batch(self, batch_size: int) -> None: ...
     def on_hostage(self, seconds: float) -> None: ...
     def on_preemption(self) -> None: ...
+    def on_slot_steps(self, active: int, finished: int, padding: int) -> None: ...
 
 
 class NullObserver:
@@ -161,4 +171,7 @@ class NullObserver:
         pass
 
     def on_preemption(self) -> None:
+        pass
+
+    def on_slot_steps(self, active: int, finished: int, padding: int) -> None:
         pass

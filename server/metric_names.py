@@ -14,10 +14,13 @@ REQUESTS_TOTAL = "batchpilot_requests_total"  # label outcome: ok|rejected|timeo
 PROMPT_TOKENS_TOTAL = "batchpilot_prompt_tokens_total"
 GENERATION_TOKENS_TOTAL = "batchpilot_generation_tokens_total"
 PREEMPTIONS_TOTAL = "batchpilot_preemptions_total"
+# label state: token positions of executed batches by what they were for (scheduler.SlotSteps)
+BATCH_SLOT_STEPS_TOTAL = "batchpilot_batch_slot_steps_total"
 CONFIG_MAX_BATCH_SIZE = "batchpilot_config_max_batch_size"
 CONFIG_BATCH_TIMEOUT = "batchpilot_config_batch_timeout_seconds"
 
 OUTCOMES = ("ok", "rejected", "timeout", "error")
+SLOT_STATES = ("active", "finished", "padding")
 # Every series carries these labels; Prometheus adds `policy`, `namespace`, `pod`.
 COMMON_LABELS = ("model", "mode")
 

@@ -56,12 +56,12 @@ class ServerMetrics:
         self.queue_wait = histogram(names.QUEUE_WAIT, "Arrival to first scheduled.", latency)
         self.batch_size = histogram(
             names.BATCH_SIZE,
-            "Sequences per executed step (continuous) or per batch (dynamic).",
+            "Sequences per executed step (continuous) or per batch (static, dynamic).",
             BATCH_SIZE_BUCKETS,
         )
         self.step_duration = histogram(names.STEP_DURATION, "One model forward.", STEP_BUCKETS)
         self.hostage = histogram(
-            names.HOSTAGE, "Dynamic mode: a finished sequence's wait for its batch.", latency
+            names.HOSTAGE, "Static, dynamic: a finished sequence's wait for its batch.", latency
         )
         self.kv_usage = gauge(names.KV_CACHE_USAGE, "Used / total KV cache blocks.")
         self.running = gauge(names.REQUESTS_RUNNING, "Sequences being generated.")
@@ -74,6 +74,17 @@ class ServerMetrics:
         )
         self.requests = {
             outcome: requests.labels(**self._values, outcome=outcome) for outcome in names.OUTCOMES
+        }
+        slot_steps = Counter(
+            names.BATCH_SLOT_STEPS_TOTAL.removesuffix("_total"),
+            "Token positions of executed batches: active (computing a token a request "
+            "needs), finished (held by a finished member of a static or dynamic batch, no "
+            "compute), padding (computed only to keep the batch rectangular).",
+            [*labels, "state"],
+            registry=self.registry,
+        )
+        self.slot_steps = {
+            state: slot_steps.labels(**self._values, state=state) for state in names.SLOT_STATES
         }
         self.prompt_tokens = counter(names.PROMPT_TOKENS_TOTAL, "Prompt tokens admitted.")
         self.generation_tokens = counter(names.GENERATION_TOKENS_TOTAL, "Tokens generated.")
@@ -102,6 +113,11 @@ class ServerMetrics:
 
     def on_preemption(self) -> None:
         self.preemptions.inc()
+
+    def on_slot_steps(self, active: int, finished: int, padding: int) -> None:
+        for state, count in zip(names.SLOT_STATES, (active, finished, padding), strict=True):
+            if count:
+                self.slot_steps[state].inc(count)
 
     # --- server side --------------------------------------------------------
 

@@ -11,8 +11,10 @@ model and carries `Output`s to the request streams:
     tokens = run the model on plan.prefill and plan.decode, sample the ready rows
     outputs = scheduler.postprocess(rows, tokens, logprobs, now)
 
-Two policies implement it: `scheduler_dynamic.DynamicScheduler` and
-`scheduler_continuous.ContinuousScheduler`. Torch-free and thread-free: time is
+Three policies implement it: `scheduler_dynamic.DynamicScheduler`, its firing
+rule changed by `scheduler_dynamic.StaticScheduler`, and
+`scheduler_continuous.ContinuousScheduler` (`scheduler_policies.new_scheduler`
+builds the one a mode names). Torch-free and thread-free: time is
 the `now` each call is given, so a simulation drives the same code under a
 virtual clock. Not thread-safe: the engine calls it under its lock.
 """
@@ -70,10 +72,40 @@ class StepPlan:
     # requests that ended while this step was planned (cancellation of a batch
     # member releasing the rest, a missed deadline, shutdown): deliver at once
     ended: list[Output] = field(default_factory=list)
+    # finished members of a static or dynamic batch, held until it ends. Padded
+    # execution decodes them again (`pad`, outputs discarded) to keep the batch
+    # rectangular; ragged execution computes nothing for them (`held` counts them)
+    pad: list[Sequence] = field(default_factory=list)
+    held: int = 0
 
     @property
     def size(self) -> int:
         return len(self.prefill) + len(self.decode)
+
+    def slot_steps(self) -> SlotSteps:
+        """The token positions this step's batch holds, by what they are for; read
+        before the model runs (prefill advances `num_computed`)."""
+        prefill = self.chunks or [seq.num_uncomputed for seq in self.prefill]
+        # the prefill forward is one rectangle as wide as its longest row: torch's
+        # attention takes no ragged batch, so shorter rows compute padding positions
+        rectangle = len(prefill) * max(prefill, default=0)
+        return SlotSteps(
+            active=sum(prefill) + len(self.decode),
+            finished=self.held,
+            padding=rectangle - sum(prefill) + len(self.pad),
+        )
+
+
+@dataclass(frozen=True)
+class SlotSteps:
+    """Token positions of one step's batch (a decode row is one, a prefill row as many
+    as the forward's width): `active` ones compute a token a request needs, `finished`
+    ones are held by a finished member of a static or dynamic batch without compute
+    (ragged), `padding` ones are computed only to keep the batch rectangular."""
+
+    active: int
+    finished: int
+    padding: int
 
 
 class Scheduler(Protocol):
@@ -293,7 +325,8 @@ class QueueScheduler(ABC):
 
 
 def timeout_at(waiting: deque[Sequence], config: BatchingConfig) -> float:
-    """When the oldest waiting request has waited `batch_timeout_ms` (both policies fire then)."""
+    """When the oldest waiting request has waited `batch_timeout_ms` (dynamic and
+    continuous fire then)."""
     return waiting[0].arrival + config.batch_timeout_s
 
 

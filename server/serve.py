@@ -15,7 +15,7 @@ from batchpilot_server.app import begin_drain, build_app, end_in_flight, wait_dr
 from batchpilot_server.attention_kernel_build import KernelUnavailableError
 from batchpilot_server.batching_config import MODES, BatchingConfig, ConfigError
 from batchpilot_server.connections import ConnectionGuard, ConnectionLimits
-from batchpilot_server.engine_api import ATTENTION_BACKENDS, DTYPES, EngineOptions
+from batchpilot_server.engine_api import ATTENTION_BACKENDS, DTYPES, EXECUTIONS, EngineOptions
 from batchpilot_server.model_presets import PRESET_NAMES
 from batchpilot_server.protocol import Limits
 
@@ -62,7 +62,29 @@ def parser() -> argparse.ArgumentParser:
         help="the model's name in the API and the metrics (default: the preset's name, "
         "the directory's basename or the GGUF file's stem)",
     )
-    p.add_argument("--mode", default="continuous", choices=MODES)
+    p.add_argument(
+        "--mode",
+        default="continuous",
+        choices=MODES,
+        help="continuous: sequences join and leave the batch every step; dynamic: a batch "
+        "fires at --max-batch-size requests or once the oldest waited --batch-timeout-ms, "
+        "then runs as one unit; static: a batch fires only at --max-batch-size requests "
+        "(--batch-timeout-ms has no effect; see --max-wait-ms) (default: continuous)",
+    )
+    p.add_argument(
+        "--dynamic-execution",
+        default="ragged",
+        choices=EXECUTIONS,
+        help="static and dynamic modes: ragged: a finished member of a batch computes "
+        "nothing more and holds its slot until the batch ends; padded: it keeps decoding, "
+        "its outputs discarded, as classic padded batchers run (default: ragged)",
+    )
+    p.add_argument(
+        "--max-wait-ms",
+        type=float,
+        help="static mode's safety valve: a partial batch fires once its oldest request "
+        "waited this long (default: off, a batch waits until it is full)",
+    )
     p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
     p.add_argument("--batch-timeout-ms", type=float, default=defaults.batch_timeout_ms)
     p.add_argument("--max-queue-size", type=int, default=defaults.max_queue_size)
@@ -189,6 +211,10 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
         raise UsageError(
             f"--prefill-token-budget must be at least 1, got {args.prefill_token_budget}"
         )
+    if args.max_wait_ms is not None and args.mode != "static":
+        raise UsageError("--max-wait-ms applies to --mode static only")
+    if args.max_wait_ms is not None and args.max_wait_ms < 0:
+        raise UsageError(f"--max-wait-ms must be >= 0, got {args.max_wait_ms:g}")
     check_model_reference(args.model)
     return EngineOptions(
         mode=args.mode,
@@ -205,6 +231,8 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
         seed=args.seed,
         prefill_token_budget=args.prefill_token_budget,
         attention=args.attention,
+        dynamic_execution=args.dynamic_execution,
+        max_wait_ms=args.max_wait_ms,
     )
 
 

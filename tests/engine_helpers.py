@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.engine import Engine, RequestStream
-from batchpilot_server.engine_api import AttentionBackend, EngineOptions, TokenEvent
+from batchpilot_server.engine_api import AttentionBackend, EngineOptions, Execution, TokenEvent
 
 requires_c_compiler = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None,
@@ -32,6 +32,9 @@ class RecordingObserver:
     batches: list[int] = field(default_factory=list)
     hostage: list[float] = field(default_factory=list)
     preemptions: int = 0
+    slot_steps: dict[str, int] = field(
+        default_factory=lambda: {"active": 0, "finished": 0, "padding": 0}
+    )
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def on_scheduled(self, queue_wait_s: float) -> None:
@@ -54,6 +57,11 @@ class RecordingObserver:
         with self.lock:
             self.preemptions += 1
 
+    def on_slot_steps(self, active: int, finished: int, padding: int) -> None:
+        with self.lock:
+            for state, count in (("active", active), ("finished", finished), ("padding", padding)):
+                self.slot_steps[state] += count
+
 
 async def started(
     mode: Mode,
@@ -61,6 +69,8 @@ async def started(
     kv_cache_mb: float = 16.0,
     prefill_token_budget: int = 2048,
     attention: AttentionBackend = "auto",
+    dynamic_execution: Execution = "ragged",
+    max_wait_ms: float | None = None,
     **config: float,
 ) -> Engine:
     defaults = {"max_batch_size": 8, "batch_timeout_ms": 20.0, "max_queue_size": 256}
@@ -72,6 +82,8 @@ async def started(
         threads=1,  # two torch threads thrash when the 2-core machine is busy with other tests
         prefill_token_budget=prefill_token_budget,
         attention=attention,
+        dynamic_execution=dynamic_execution,
+        max_wait_ms=max_wait_ms,
     )
     engine = Engine(options, observer)
     await engine.start()

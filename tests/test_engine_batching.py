@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
-from batchpilot_server.engine_api import SamplingParams
+from batchpilot_server.engine_api import Execution, SamplingParams
 from engine_helpers import RecordingObserver, collect, prompt, started
 
 LENGTHS = (10, 50, 100, 200)
@@ -109,3 +110,65 @@ async def test_continuous_admits_prompts_within_the_prefill_token_budget() -> No
     # whole continuing in chunks: request n's last prompt token is computed in the
     # step where the running total 40 * (n + 1) crosses a multiple of 64
     assert first_steps == [-(-40 * (n + 1) // 64) for n in range(4)]
+
+
+async def test_static_waits_past_the_timeout_until_the_batch_is_full() -> None:
+    observer = RecordingObserver()
+    # a dynamic batch would fire 1 ms after the first request; a static one waits for 4
+    engine = await started("static", observer, max_batch_size=4, batch_timeout_ms=1)
+    try:
+        first = [engine.submit(prompt(engine, n), forced(4)) for n in range(3)]
+        submitted = time.monotonic()
+        await asyncio.sleep(0.05)  # let far more than the timeout pass
+        assert engine.stats().steps == 0
+        last = engine.submit(prompt(engine, 3), forced(4))
+        waited = time.monotonic() - submitted
+        outputs = await asyncio.gather(*(collect(s) for s in [*first, last]))
+    finally:
+        await engine.shutdown()
+    assert observer.batches == [4]
+    assert [len(events) for events in outputs] == [4] * 4
+    assert sorted(observer.scheduled)[-1] >= waited
+
+
+async def test_the_static_safety_valve_fires_a_partial_batch() -> None:
+    observer = RecordingObserver()
+    engine = await started("static", observer, max_batch_size=8, max_wait_ms=30)
+    try:
+        events = await collect(engine.submit(prompt(engine, 1), forced(4)))
+    finally:
+        await engine.shutdown()
+    assert len(events) == 4 and observer.batches == [1]
+    assert observer.scheduled[0] >= 0.030
+
+
+async def padded_or_ragged(execution: Execution, observer: RecordingObserver) -> list[list[int]]:
+    """Prompts of different lengths and outputs of 3..40 tokens in one dynamic batch."""
+    engine = await started(
+        "dynamic", observer, max_batch_size=4, batch_timeout_ms=60_000, dynamic_execution=execution
+    )
+    try:
+        prompts = [prompt(engine, n) + [65] * (9 * n) for n in range(4)]
+        streams = [
+            engine.submit(p, forced(m)) for p, m in zip(prompts, (3, 40, 11, 25), strict=True)
+        ]
+        outputs = await asyncio.gather(*(collect(s) for s in streams))
+    finally:
+        await engine.shutdown()
+    return [[e.token_id for e in events] for events in outputs]
+
+
+async def test_padded_execution_yields_ragged_greedy_outputs_and_counts_its_padding() -> None:
+    ragged, padded = RecordingObserver(), RecordingObserver()
+    assert await padded_or_ragged("padded", padded) == await padded_or_ragged("ragged", ragged)
+    # the 40-token member keeps the batch going: the others are held for 37, 29, 15 steps
+    held = 37 + 29 + 15
+    assert ragged.slot_steps["finished"] == held
+    assert padded.slot_steps["finished"] == 0
+    assert padded.slot_steps["padding"] - ragged.slot_steps["padding"] == held
+    # the prefill rectangle pads the three shorter prompts to the longest in both
+    assert ragged.slot_steps["padding"] > 0
+    assert padded.slot_steps["active"] == ragged.slot_steps["active"]
+    # one decode forward per step in both: padded runs 4 rows in each
+    assert max(size for size, _ in padded.steps) == 4
+    assert [size for size, _ in ragged.steps][-1] == 1

@@ -23,7 +23,7 @@ from batchpilot_server.engine_api import (
 )
 from batchpilot_server.scheduler import Output, QueueScheduler, StepPlan
 from batchpilot_server.scheduler_continuous import ContinuousScheduler
-from batchpilot_server.scheduler_dynamic import DynamicScheduler
+from batchpilot_server.scheduler_dynamic import DynamicScheduler, StaticScheduler
 from batchpilot_server.sequence import Sequence
 
 BLOCK = 16
@@ -146,3 +146,63 @@ def test_preemption_under_a_virtual_clock_frees_and_recomputes() -> None:
     assert preempted > 0 and scheduler.preemptions == preempted
     assert [seq.num_output for seq in seqs] == [8] * 4
     assert scheduler.pool.num_used == 0
+
+
+def static(max_wait_s: float | None = None, padded: bool = False) -> StaticScheduler:
+    return StaticScheduler(BlockPool(64, BLOCK), CONFIG, frozenset({EOS}), padded, max_wait_s)
+
+
+def test_a_static_batch_waits_for_max_batch_size_whatever_the_timeout() -> None:
+    scheduler = static()
+    seqs = [request(n, arrival=n * 1.0, max_tokens=2) for n in range(4)]
+    for seq in seqs[:3]:
+        scheduler.add(seq)
+    # three of four wait: long past batch_timeout_ms nothing fires, and nothing will
+    assert scheduler.schedule(100.0).size == 0 and scheduler.wake_at() is None
+    scheduler.add(seqs[3])
+    plan, _ = run(scheduler, 100.0)
+    assert (plan.batch_size, plan.first_scheduled) == (4, seqs)
+
+
+def test_the_static_safety_valve_fires_a_partial_batch() -> None:
+    scheduler = static(max_wait_s=0.5)
+    seq = request(0, arrival=1.0, max_tokens=2)
+    scheduler.add(seq)
+    assert scheduler.wake_at() == pytest.approx(1.5)
+    assert scheduler.schedule(1.4).size == 0
+    assert run(scheduler, 1.5)[0].first_scheduled == [seq]
+
+
+def test_static_fires_a_partial_batch_on_shutdown() -> None:
+    scheduler = static()
+    seq = request(0, arrival=0.0, max_tokens=2)
+    scheduler.add(seq)
+    scheduler.stop(drain=True)
+    assert run(scheduler, 0.0)[0].first_scheduled == [seq]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_slot_steps_count_held_and_padded_rows(padded: bool) -> None:
+    """Outputs of 1, 2 and 4 tokens and prompts of 10, 11, 12 tokens (request n has
+    10 + n): the prefill rectangle is 3 x 12, then the finished rows are held
+    (ragged) or decoded again (padded) until the 4-token one ends."""
+    scheduler = DynamicScheduler(BlockPool(64, BLOCK), CONFIG, frozenset({EOS}), padded)
+    seqs = [request(n, arrival=0.0, max_tokens=m) for n, m in enumerate((1, 2, 4))]
+    for seq in seqs:
+        scheduler.add(seq)
+    plans = []
+    for t in (0.010, 0.020, 0.030, 0.040):
+        plan = scheduler.schedule(t)
+        plans.append((plan.slot_steps(), list(plan.decode), list(plan.pad)))
+        for seq in [*plan.prefill, *plan.decode]:
+            seq.num_computed = seq.num_tokens
+        rows = [*plan.prefill, *plan.decode]
+        scheduler.postprocess(rows, [7] * len(rows), [0.0] * len(rows), t)
+    assert scheduler.idle
+    prefill = plans[0][0]
+    assert (prefill.active, prefill.finished, prefill.padding) == (33, 0, 3)
+    finished_per_step = [0, 1, 2, 2]  # after step 1 r0 is done, after step 2 r1 too
+    for (slots, decode, pad), done in zip(plans[1:], finished_per_step[1:], strict=True):
+        assert slots.active == len(decode) == 3 - done
+        assert (slots.finished, slots.padding) == ((0, done) if padded else (done, 0))
+        assert [s.finish_reason is not None for s in pad] == [True] * (done if padded else 0)
