@@ -1,11 +1,17 @@
-"""Actuators: put a tuning decision into force, and say where it did not take.
+"""Actuators: the tuning loop's plug point that keeps the config in force.
 
-- `LocalActuator`: `PUT /admin/batching` to a list of server URLs with a token.
-- `KubernetesActuator`: the policy's ConfigMap first (pods that start later
-  read it), then the same PUT to every ready pod of the policy, with the
-  token from the policy's Secret. `resync` pushes the config in force again
-  to the pods that hold other values (one refused a push, or started from
-  an older ConfigMap).
+Each actuator holds the config of record, the one every target must run
+(`in_force`); `apply` records a new one first and then pushes it to every
+target; `resync` pushes the one in force again to the targets that hold
+other values (one refused a push, restarted, or started from an older
+record). A decision is in force once it is recorded, whether or not every
+target took it: the targets that did not are brought in line by `resync`.
+
+- `LocalActuator`: plain server URLs (`batchpilot tune`, the demo); the
+  record is kept in memory, starting from what the first server held.
+- `KubernetesActuator`: the record is the policy's ConfigMap (pods that start
+  later read it, and a restarted operator resumes from it); the targets are
+  the round's ready pods, with the token from the policy's Secret.
 
 Only the tuned knobs are sent (`max_batch_size`, `batch_timeout_ms`); the
 queue size stays whatever the server was started with. A refusal never
@@ -16,51 +22,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import aiohttp
 from batchpilot_operator import builders
-from batchpilot_operator.kube import PODS, Client
-from batchpilot_operator.reconcile import read_admin_token, write_config
+from batchpilot_operator.kube import Client
+from batchpilot_operator.pods import ReadyPod
+from batchpilot_operator.reconcile import read_admin_token, read_config, write_config
+from batchpilot_operator.tuning_loop import ActuationReport, Applied, Refused
 from batchpilot_server.batching_config import BatchingConfig
 
 PUT_TIMEOUT_S = 5.0
 TUNED_FIELDS = ("max_batch_size", "batch_timeout_ms")
-
-
-@dataclass(frozen=True)
-class Applied:
-    target: str  # URL or pod name
-    version: int | None  # the server's config version after the PUT
-
-
-@dataclass(frozen=True)
-class Refused:
-    target: str
-    reason: str
-
-
-@dataclass
-class ActuationReport:
-    applied: list[Applied] = field(default_factory=list)
-    refused: list[Refused] = field(default_factory=list)
-    config_map_written: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.refused
-
-    def summary(self) -> str:
-        parts = [f"applied on {len(self.applied)}"]
-        if self.refused:
-            parts.append(f"refused by {self.refusals()}")
-        return ", ".join(parts)
-
-    def refusals(self) -> str:
-        """Each refusing target with its reason; empty when none refused."""
-        return "; ".join(f"{r.target}: {r.reason}" for r in self.refused)
 
 
 def tuned_body(config: BatchingConfig) -> dict[str, Any]:
@@ -126,26 +100,35 @@ def _error_message(body: Any) -> str:
 
 
 class LocalActuator:
-    """Plain server URLs (local mode, the demo, the benchmark)."""
+    """Plain server URLs; the config of record lives in memory."""
 
     def __init__(
-        self, urls: Sequence[str], token: str | None, session: aiohttp.ClientSession
+        self,
+        urls: Sequence[str],
+        token: str | None,
+        session: aiohttp.ClientSession,
+        in_force: BatchingConfig,
     ) -> None:
         if not urls:
             raise ValueError("the local actuator needs at least one server URL")
-        self.urls = list(urls)
+        self.targets = [ReadyPod(url, url) for url in urls]
         self.token = token
         self.session = session
+        self._in_force = in_force
+
+    async def in_force(self) -> BatchingConfig:
+        return self._in_force
 
     async def apply(self, config: BatchingConfig) -> ActuationReport:
-        results = await asyncio.gather(
-            *(put_batching(self.session, url, self.token, config, url) for url in self.urls)
-        )
-        return _report(results)
+        self._in_force = config
+        return await push(self.session, self.targets, self.token, config)
+
+    async def resync(self, config: BatchingConfig) -> ActuationReport:
+        return await resync(self.session, self.targets, lambda: _given(self.token), config)
 
 
 class KubernetesActuator:
-    """A policy's ConfigMap, then its ready pods."""
+    """A policy's ConfigMap, then the round's ready pods of the policy."""
 
     def __init__(
         self,
@@ -153,20 +136,22 @@ class KubernetesActuator:
         session: aiohttp.ClientSession,
         namespace: str,
         policy_name: str,
+        pods: Sequence[ReadyPod],
     ) -> None:
         self.client = client
         self.session = session
         self.namespace = namespace
         self.policy_name = policy_name
+        self.pods = list(pods)
+
+    async def in_force(self) -> BatchingConfig | None:
+        """The ConfigMap's config; None before reconcile wrote it."""
+        return await read_config(self.client, self.namespace, self.policy_name)
 
     async def apply(self, config: BatchingConfig) -> ActuationReport:
         await write_config(self.client, self.namespace, self.policy_name, config)
-        token = await read_admin_token(self.client, self.namespace, self.policy_name)
-        pods = await self.ready_pods()
-        results = await asyncio.gather(
-            *(put_batching(self.session, url, token, config, name) for name, url in pods)
-        )
-        report = _report(results)
+        token = await self._token()
+        report = await push(self.session, self.pods, token, config)
         report.config_map_written = True
         if token is None:
             report.refused.insert(
@@ -175,49 +160,47 @@ class KubernetesActuator:
         return report
 
     async def resync(self, config: BatchingConfig) -> ActuationReport:
-        """PUT `config` to the ready pods whose tuned knobs differ from it; a pod that
-        cannot say what it holds is left for the next round."""
-        pods = await self.ready_pods()
-        held = await asyncio.gather(*(held_config(self.session, url) for _, url in pods))
-        drifted = [
-            (name, url)
-            for (name, url), config_held in zip(pods, held, strict=True)
-            if config_held is not None and not same_tuned(config_held, config)
-        ]
-        if not drifted:
-            return ActuationReport()
-        token = await read_admin_token(self.client, self.namespace, self.policy_name)
-        results = await asyncio.gather(
-            *(put_batching(self.session, url, token, config, name) for name, url in drifted)
-        )
-        return _report(results)
+        return await resync(self.session, self.pods, self._token, config)
 
-    async def ready_pods(self) -> list[tuple[str, str]]:
-        """(pod name, base URL) of every ready pod of the policy that has an IP."""
-        pods = await self.client.list(
-            PODS, self.namespace, builders.selector_labels(self.policy_name)
-        )
-        return [
-            (pod["metadata"]["name"], f"http://{pod['status']['podIP']}:{pod_port(pod)}")
-            for pod in pods
-            if is_ready(pod) and (pod.get("status") or {}).get("podIP")
-        ]
+    async def _token(self) -> str | None:
+        return await read_admin_token(self.client, self.namespace, self.policy_name)
 
 
-def is_ready(pod: Mapping[str, Any]) -> bool:
-    if (pod.get("metadata") or {}).get("deletionTimestamp"):
-        return False
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+async def push(
+    session: aiohttp.ClientSession,
+    targets: Sequence[ReadyPod],
+    token: str | None,
+    config: BatchingConfig,
+) -> ActuationReport:
+    """PUT `config` to every target."""
+    results = await asyncio.gather(
+        *(put_batching(session, t.url, token, config, t.name) for t in targets)
+    )
+    return _report(results)
 
 
-def pod_port(pod: Mapping[str, Any]) -> int:
-    """The server's container port named `http` (the Deployment's), else the default."""
-    for container in (pod.get("spec") or {}).get("containers") or []:
-        for port in container.get("ports") or []:
-            if port.get("name") == "http" and port.get("containerPort"):
-                return int(port["containerPort"])
-    return builders.SERVER_PORT
+async def resync(
+    session: aiohttp.ClientSession,
+    targets: Sequence[ReadyPod],
+    token: Callable[[], Awaitable[str | None]],
+    config: BatchingConfig,
+) -> ActuationReport:
+    """PUT `config` to the targets whose tuned knobs differ from it; a target that
+    cannot say what it holds is left for the next round. The token is fetched only
+    when some target needs the push."""
+    held = await asyncio.gather(*(held_config(session, t.url) for t in targets))
+    drifted = [
+        target
+        for target, config_held in zip(targets, held, strict=True)
+        if config_held is not None and not same_tuned(config_held, config)
+    ]
+    if not drifted:
+        return ActuationReport()
+    return await push(session, drifted, await token(), config)
+
+
+async def _given(token: str | None) -> str | None:
+    return token
 
 
 def _report(results: Sequence[Applied | Refused]) -> ActuationReport:

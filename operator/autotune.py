@@ -1,20 +1,24 @@
-"""The tuning loop inside the operator: one asyncio task per BatchingPolicy.
+"""The operator's driver of the tuning loop: one asyncio task per BatchingPolicy.
 
 Every `autotune.intervalSeconds` (re-read from the policy each round, so a
-spec change takes effect at the next one) it reads the policy's signals
-(Prometheus when `autotune.prometheusUrl` or the operator's
-`--prometheus-url` is set, else a direct scrape of its ready pods), runs
-`tuner.decide`, and when the config changes pushes it through the
-`KubernetesActuator` (ConfigMap first, then every ready pod) and posts an
-Event. Each round writes status: the config in force, `observed`,
-`lastDecision`, a bounded `history` of changes, and the conditions Tuning,
-SLOMet and MetricsAvailable.
+spec change takes effect at the next one) it runs one round of
+`tuning_loop.TuningLoop` with the policy's plug points:
+- signals from Prometheus when `autotune.prometheusUrl` or the operator's
+  `--prometheus-url` is set, else a direct scrape of the round's ready pods;
+- the `KubernetesActuator`: the config in force is the policy's ConfigMap; a
+  change is written there first, then pushed to the same ready pods; a round
+  without a change pushes it again to pods that hold other values;
+- the status recorder: the config in force, `observed`, `lastDecision`, a
+  bounded `history` of changes, the conditions Tuning, SLOMet and
+  MetricsAvailable, and Events (Tuned, PushRefused, Resynced).
 
-The config is always read from the policy's ConfigMap, so a restarted
-operator resumes from what is in force, never from `initial`. The tuner's
-own small state (a ceiling learnt from a breach, intervals since the last
-change) lives in memory and starts fresh after a restart: the first window
-is then a full one.
+The ready pods are listed once per round and serve both the scrape and the
+actuator. The policy's lock (the one reconcile holds) is held from reading
+the ConfigMap to the end of the record. Because the config in force is read
+from the ConfigMap, a restarted operator resumes from it, never from
+`initial`; the tuner's own small state (a ceiling learnt from a breach,
+intervals since the last change) lives in memory and starts fresh after a
+restart: the first window is then a full one.
 """
 
 from __future__ import annotations
@@ -28,22 +32,16 @@ from typing import Any
 import aiohttp
 import kopf
 from batchpilot_operator import builders, kube
-from batchpilot_operator.actuators import ActuationReport, KubernetesActuator
+from batchpilot_operator.actuators import KubernetesActuator
 from batchpilot_operator.handlers import client_of, lock_of
-from batchpilot_operator.reconcile import now_iso, read_config, write_status
+from batchpilot_operator.pods import ReadyPod, ready_pods
+from batchpilot_operator.reconcile import now_iso, write_status
 from batchpilot_operator.signals import Signals, no_data
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_policy
 from batchpilot_operator.signals_scrape import ScrapeSource
 from batchpilot_operator.spec import PolicySpec, SpecError, parse_spec
-from batchpilot_operator.tuner import (
-    Bounds,
-    Decision,
-    Slo,
-    TunerState,
-    decide,
-    signal_window_s,
-)
-from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_operator.tuner import Decision, Slo
+from batchpilot_operator.tuning_loop import PlugPoints, SignalSource, TuneStep, TuningLoop
 
 RETRY_SECONDS = 10.0
 HISTORY_LIMIT = 20  # the CRD allows 50; 20 changes cover hours of tuning
@@ -53,29 +51,15 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class PolicyTuner:
-    """What one policy's daemon keeps between rounds."""
+    """What one policy's task keeps between rounds."""
 
-    state: TunerState = field(default_factory=TunerState)
+    loop: TuningLoop = field(default_factory=TuningLoop)
     scrape: ScrapeSource | None = None
     resync_refused: str | None = None  # the last resync refusal reported, not to repeat it
     round_failure: str | None = None  # the last failed round reported, not to repeat it
 
 
 # -- pure parts: what a round writes ------------------------------------------------------
-
-
-def bounds_of(spec: PolicySpec) -> Bounds:
-    knobs = spec.batching
-    return Bounds(
-        min_batch=int(knobs.max_batch_size.min),
-        max_batch=int(knobs.max_batch_size.max),
-        min_timeout_ms=float(knobs.batch_timeout_ms.min),
-        max_timeout_ms=float(knobs.batch_timeout_ms.max),
-    )
-
-
-def slo_of(spec: PolicySpec) -> Slo:
-    return Slo(spec.p99_latency_ms / 1000.0, spec.autotune.kv_high_watermark)
 
 
 def observed(signals: Signals) -> dict[str, float]:
@@ -128,21 +112,15 @@ def conditions(signals: Signals, slo: Slo, decision: Decision) -> list[dict[str,
     ]
 
 
-def status_fields(
-    config: BatchingConfig,
-    signals: Signals,
-    decision: Decision,
-    history: list[dict[str, Any]],
-    changed: bool,
-    at: str,
-) -> dict[str, Any]:
-    record = decision_record(decision, at)
+def status_fields(step: TuneStep, history: list[dict[str, Any]], at: str) -> dict[str, Any]:
+    record = decision_record(step.decision, at)
+    in_force = step.decision.config
     return {
-        "maxBatchSize": config.max_batch_size,
-        "batchTimeoutMs": config.batch_timeout_ms,
-        "observed": observed(signals),
+        "maxBatchSize": in_force.max_batch_size,
+        "batchTimeoutMs": in_force.batch_timeout_ms,
+        "observed": observed(step.signals),
         "lastDecision": record,
-        "history": ([*history, record] if changed else list(history))[-HISTORY_LIMIT:],
+        "history": ([*history, record] if step.changed else list(history))[-HISTORY_LIMIT:],
     }
 
 
@@ -186,11 +164,12 @@ async def autotune_policy(
         return
     if running is None or running.done():
         tasks[key] = asyncio.create_task(
-            tuning_loop(client_of(memo), namespace, name, memo), name=f"autotune {namespace}/{name}"
+            drive_policy(client_of(memo), namespace, name, memo),
+            name=f"autotune {namespace}/{name}",
         )
 
 
-async def tuning_loop(
+async def drive_policy(
     client: kube.Client, namespace: str, name: str, memo: Mapping[str, Any]
 ) -> None:
     """Round after round until the policy is deleted; a failed round is logged and retried.
@@ -258,8 +237,7 @@ async def first_interval(
         return read
     _, spec = read
     if spec.autotune.enabled and not prometheus_url_of(spec, memo):
-        actuator = KubernetesActuator(client, session, namespace, name)
-        urls = [url for _, url in await actuator.ready_pods()]
+        urls = [pod.url for pod in await ready_pods(client, namespace, name)]
         if urls:
             tuner.scrape = ScrapeSource(urls, session)
             await tuner.scrape.scrape()
@@ -304,105 +282,100 @@ async def tune_once(
             "message": "autotune.enabled is false: the config stays as it is",
         }])
         return interval
-    actuator = KubernetesActuator(client, session, namespace, name)
-    window = signal_window_s(tuner.state, interval, float(spec.autotune.window_seconds))
-    signals = await read_signals(spec, memo, session, actuator, tuner, window)
+    pods = await ready_pods(client, namespace, name)  # the round's one listing
+    plugs = PlugPoints(
+        source=signal_source(spec, memo, session, tuner, pods, namespace, name),
+        actuator=KubernetesActuator(client, session, namespace, name, pods),
+        recorder=StatusRecorder(client, policy, spec.goal.slo, tuner).record,
+    )
     # Without the lock, a reconcile that read the ConfigMap before this round's write
     # could write its old value back: status and pods would then disagree with it.
-    async with lock_of(memo, (namespace, name)):
-        await decide_and_apply(client, policy, spec, signals, actuator, tuner)
+    await tuner.loop.round(spec.goal, spec.cadence, plugs, guard=lock_of(memo, (namespace, name)))
     return interval
 
 
-async def decide_and_apply(
-    client: kube.Client,
-    policy: Mapping[str, Any],
-    spec: PolicySpec,
-    signals: Signals,
-    actuator: KubernetesActuator,
-    tuner: PolicyTuner,
-) -> None:
-    """Decide from the config in force now, put the decision into force, record it."""
-    current = await read_config(client, actuator.namespace, actuator.policy_name)
-    if current is None:
-        return  # reconcile has not written the ConfigMap yet
-    slo = slo_of(spec)
-    decision = decide(signals, current, bounds_of(spec), slo, tuner.state)
-    report: ActuationReport | None = None
-    in_force = current
-    if decision.config != current:
-        report = await actuator.apply(decision.config)
-        in_force = decision.config  # the ConfigMap holds it; pods that refused get it resynced
-    else:
-        await resync_pods(client, policy, actuator, current, tuner)
-    tuner.state = decision.state
-    at = now_iso()
-    history = list((policy.get("status") or {}).get("history") or [])
-    fields = status_fields(in_force, signals, decision, history, report is not None, at)
-    await write_status(client, policy, fields, conditions(signals, slo, decision))
-    if report is not None:
-        await _post_events(client, policy, decision, current, report)
-
-
-async def read_signals(
+def signal_source(
     spec: PolicySpec,
     memo: Mapping[str, Any],
     session: aiohttp.ClientSession,
-    actuator: KubernetesActuator,
     tuner: PolicyTuner,
-    window_s: float,
-) -> Signals:
+    pods: list[ReadyPod],
+    namespace: str,
+    name: str,
+) -> SignalSource:
     prometheus_url = prometheus_url_of(spec, memo)
     if prometheus_url:
-        selector = selector_for_policy(actuator.namespace, actuator.policy_name)
-        return await PrometheusSource(prometheus_url, selector, session).read(window_s)
-    urls = [url for _, url in await actuator.ready_pods()]
-    if not urls:
-        return no_data("no ready pod to scrape", window_s)
-    if tuner.scrape is None:
-        tuner.scrape = ScrapeSource(urls, session)
-        await tuner.scrape.scrape()
-        return no_data("first scrape of the pods: the next round opens the window", window_s)
-    tuner.scrape.urls = urls  # pods come and go; deltas only count pods seen at both ends
-    return await tuner.scrape.read(window_s)
+        return PrometheusSource(prometheus_url, selector_for_policy(namespace, name), session)
+    return PodScrape(tuner, session, [pod.url for pod in pods])
 
 
-async def resync_pods(
-    client: kube.Client,
-    policy: Mapping[str, Any],
-    actuator: KubernetesActuator,
-    in_force: BatchingConfig,
-    tuner: PolicyTuner,
-) -> None:
-    """Bring pods that hold other values back to the config in force. A refusal is
-    reported once, not every round, until it changes or clears."""
-    report = await actuator.resync(in_force)
-    if report.applied:
-        pods = ", ".join(a.target for a in report.applied)
-        await client.create_event(
-            policy,
-            "Resynced",
-            f"maxBatchSize {in_force.max_batch_size}, batchTimeoutMs "
-            f"{in_force.batch_timeout_ms:g} pushed again to {pods}: they held other values",
+@dataclass
+class PodScrape:
+    """The direct scrape of the round's ready pods; the snapshots live on in the policy's
+    tuner, so that each window is measured from an earlier round's scrape."""
+
+    tuner: PolicyTuner
+    session: aiohttp.ClientSession
+    urls: list[str]
+
+    async def read(self, window_s: float) -> Signals:
+        if not self.urls:
+            return no_data("no ready pod to scrape", window_s)
+        if self.tuner.scrape is None:
+            self.tuner.scrape = ScrapeSource(self.urls, self.session)
+            await self.tuner.scrape.scrape()
+            return no_data("first scrape of the pods: the next round opens the window", window_s)
+        # Pods come and go; deltas only count pods seen at both ends.
+        self.tuner.scrape.urls = self.urls
+        return await self.tuner.scrape.read(window_s)
+
+
+@dataclass
+class StatusRecorder:
+    """A round's record: the policy's status, and Events for changes and resyncs."""
+
+    client: kube.Client
+    policy: Mapping[str, Any]
+    slo: Slo
+    tuner: PolicyTuner
+
+    async def record(self, step: TuneStep) -> None:
+        history = list((self.policy.get("status") or {}).get("history") or [])
+        fields = status_fields(step, history, now_iso())
+        await write_status(
+            self.client, self.policy, fields, conditions(step.signals, self.slo, step.decision)
         )
-    refused = report.refusals() or None
-    if refused is not None and refused != tuner.resync_refused:
-        await client.create_event(policy, "PushRefused", f"resync refused by {refused}", "Warning")
-    tuner.resync_refused = refused
+        if step.changed:
+            await self._changed(step)
+        else:
+            await self._resynced(step)
 
+    async def _changed(self, step: TuneStep) -> None:
+        before, after, report = step.before, step.decision.config, step.report
+        message = (
+            f"maxBatchSize {before.max_batch_size} -> {after.max_batch_size}, "
+            f"batchTimeoutMs {before.batch_timeout_ms:g} -> {after.batch_timeout_ms:g} "
+            f"({step.decision.action}): {step.decision.reason}; {report.summary()}"
+        )
+        await self.client.create_event(self.policy, "Tuned", message)
+        if report.refused:
+            await self.client.create_event(self.policy, "PushRefused", report.summary(), "Warning")
 
-async def _post_events(
-    client: kube.Client,
-    policy: Mapping[str, Any],
-    decision: Decision,
-    before: BatchingConfig,
-    report: ActuationReport,
-) -> None:
-    message = (
-        f"maxBatchSize {before.max_batch_size} -> {decision.config.max_batch_size}, "
-        f"batchTimeoutMs {before.batch_timeout_ms:g} -> {decision.config.batch_timeout_ms:g} "
-        f"({decision.action}): {decision.reason}; {report.summary()}"
-    )
-    await client.create_event(policy, "Tuned", message)
-    if report.refused:
-        await client.create_event(policy, "PushRefused", report.summary(), "Warning")
+    async def _resynced(self, step: TuneStep) -> None:
+        """Pods brought back to the config in force; a refusal is reported once, not every
+        round, until it changes or clears."""
+        in_force, report = step.decision.config, step.report
+        if report.applied:
+            pods = ", ".join(a.target for a in report.applied)
+            await self.client.create_event(
+                self.policy,
+                "Resynced",
+                f"maxBatchSize {in_force.max_batch_size}, batchTimeoutMs "
+                f"{in_force.batch_timeout_ms:g} pushed again to {pods}: they held other values",
+            )
+        refused = report.refusals() or None
+        if refused is not None and refused != self.tuner.resync_refused:
+            await self.client.create_event(
+                self.policy, "PushRefused", f"resync refused by {refused}", "Warning"
+            )
+        self.tuner.resync_refused = refused

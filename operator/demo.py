@@ -36,8 +36,9 @@ from batchpilot_operator.prometheus_local import (
     free_port,
     scrape_config,
 )
-from batchpilot_operator.tune_local import TuneError, TuneOptions, TuneStep, tune_loop
-from batchpilot_operator.tuner import Bounds, Slo
+from batchpilot_operator.tune_local import TuneError, TuneOptions, tune_loop
+from batchpilot_operator.tuner import KV_HIGH_WATERMARK, Cadence, Goal, Slo
+from batchpilot_operator.tuning_loop import TuneStep
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.loadgen import LengthDist, LoadReport, LoadSpec, run_load
 from batchpilot_server.model_presets import PRESET_NAMES
@@ -53,8 +54,6 @@ STOP_TIMEOUT_S = 15.0
 SHUTDOWN_GRACE_S = 3.0
 VIEW_REFRESH_S = 1.0
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
-KV_HIGH_WATERMARK = 0.9
-BOUNDS = Bounds(min_batch=1, max_batch=64, min_timeout_ms=0.0, max_timeout_ms=200.0)
 # Each decision reads the last few intervals (trimmed at a change by the tuner).
 WINDOW_INTERVALS = 3
 # Fewer than the operator's default: the demo's intervals are short, and seeing
@@ -541,20 +540,17 @@ def tune_options(
 ) -> TuneOptions:
     return TuneOptions(
         servers=tuple(server.url for server in servers),
-        slo=Slo(options.slo_p99_ms / 1000.0, KV_HIGH_WATERMARK),
-        bounds=BOUNDS,
+        goal=Goal(Slo(options.slo_p99_ms / 1000.0)),
+        cadence=Cadence(options.interval_s, WINDOW_INTERVALS * options.interval_s),
         prometheus_url=prometheus_url,
-        interval_s=options.interval_s,
-        window_s=WINDOW_INTERVALS * options.interval_s,
         token=ADMIN_TOKEN,
         min_requests=MIN_REQUESTS,
     )
 
 
 def record_step(recording: Recording, step: TuneStep) -> None:
-    signals, config = step.signals, step.decision.config
-    if step.report is None or step.report.applied:
-        recording.config = config
+    signals = step.signals
+    recording.config = step.decision.config
     elapsed = recording.elapsed()
     recording.samples.append(
         Sample(

@@ -1,7 +1,7 @@
 """The modules whose import registers Kopf handlers; `batchpilot operator` and the tests load these.
 
-The autotune timer registers itself by being listed here
-("batchpilot_operator.autotune") once its module exists.
+`handlers` reconciles each policy's objects; `autotune` starts and stops each
+policy's tuning task.
 """
 
 from __future__ import annotations

@@ -1,20 +1,24 @@
 """A BatchingPolicy spec, parsed and checked into typed values.
 
 The CRD schema (crds/batchingpolicy.yaml) refuses most bad specs at the API
-server. This module repeats its defaults (the test emulator applies none, and
-a test keeps both in step) and adds the checks a schema cannot make: bounds
-that cannot hold together, model presets that do not exist, and model
-references the schema cannot type (`server.model` is a string or an object,
-which Kubernetes cannot give a type or CEL rules).
+server. This module applies its defaults too (the test emulator applies none,
+and a test keeps both in step), taking the tuning ones from their one home
+(`BatchingConfig`, `tuner.Bounds`, `tuner.Cadence`, `tuner.KV_HIGH_WATERMARK`),
+and adds the checks a schema cannot make: bounds that cannot hold together,
+model presets that do not exist, and model references the schema cannot type
+(`server.model` is a string or an object, which Kubernetes cannot give a type
+or CEL rules). Any JSON value gives a spec or a SpecError, whatever its size.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any, cast
 
+from batchpilot_operator.tuner import KV_HIGH_WATERMARK, Bounds, Cadence, Goal, Slo
 from batchpilot_server.batching_config import (
     MAX_BATCH_SIZE_LIMIT,
     MAX_BATCH_TIMEOUT_MS,
@@ -52,18 +56,6 @@ class SpecError(ValueError):
 
 
 @dataclass(frozen=True)
-class Knob:
-    """One tuned knob: where it starts and the range the tuner may move it in."""
-
-    initial: float
-    min: float
-    max: float
-
-    def clamp(self, value: float) -> float:
-        return min(max(value, self.min), self.max)
-
-
-@dataclass(frozen=True)
 class ModelReference:
     """Weights in a PersistentVolumeClaim: `path` (an HF directory or a .gguf file)
     inside the claim's volume, or inside its `sub_path` directory when one is given."""
@@ -90,9 +82,8 @@ class ServerSpec:
 @dataclass(frozen=True)
 class BatchingSpec:
     mode: Mode
-    max_batch_size: Knob
-    batch_timeout_ms: Knob
-    max_queue_size: int
+    initial: BatchingConfig  # where the knobs start; its queue size is the policy's
+    bounds: Bounds  # the range the tuner may move them in
 
 
 @dataclass(frozen=True)
@@ -113,39 +104,31 @@ class PolicySpec:
     autotune: AutotuneSpec
 
     def initial_config(self) -> BatchingConfig:
-        return BatchingConfig(
-            max_batch_size=int(self.batching.max_batch_size.initial),
-            batch_timeout_ms=float(self.batching.batch_timeout_ms.initial),
-            max_queue_size=self.batching.max_queue_size,
-        )
+        return self.batching.initial
+
+    @property
+    def goal(self) -> Goal:
+        slo = Slo(self.p99_latency_ms / 1000.0, self.autotune.kv_high_watermark)
+        return Goal(slo, self.batching.bounds)
+
+    @property
+    def cadence(self) -> Cadence:
+        return Cadence(self.autotune.interval_seconds, self.autotune.window_seconds)
 
     def clamp(self, config: BatchingConfig) -> BatchingConfig:
         """`config` moved inside this policy's bounds; the queue size always follows the spec."""
-        return BatchingConfig(
-            max_batch_size=int(self.batching.max_batch_size.clamp(config.max_batch_size)),
-            batch_timeout_ms=float(self.batching.batch_timeout_ms.clamp(config.batch_timeout_ms)),
-            max_queue_size=self.batching.max_queue_size,
+        return replace(
+            self.batching.bounds.clamp(config),
+            max_queue_size=self.batching.initial.max_queue_size,
         )
 
 
 def parse_spec(raw: Mapping[str, Any]) -> PolicySpec:
     """The typed spec of a BatchingPolicy, with CRD defaults; raises SpecError with the cause."""
-    batching = _section(raw, "batching")
     spec = PolicySpec(
         replicas=_int(raw, "replicas", 1, "replicas", 0, MAX_REPLICAS),
         server=_server(_section(raw, "server")),
-        batching=BatchingSpec(
-            mode=cast(Mode, _choice(batching, "mode", "continuous", "batching.mode", MODES)),
-            max_batch_size=_knob(
-                batching, "maxBatchSize", (8, 1, 64), 1, MAX_BATCH_SIZE_LIMIT, True
-            ),
-            batch_timeout_ms=_knob(
-                batching, "batchTimeoutMs", (10, 0, 200), 0, MAX_BATCH_TIMEOUT_MS, False
-            ),
-            max_queue_size=_int(
-                batching, "maxQueueSize", 256, "batching.maxQueueSize", 1, MAX_QUEUE_SIZE_LIMIT
-            ),
-        ),
+        batching=_batching(_section(raw, "batching")),
         p99_latency_ms=_number(_section(raw, "slo"), "p99LatencyMs", 500, "slo.p99LatencyMs"),
         autotune=_autotune(_section(raw, "autotune")),
     )
@@ -189,7 +172,7 @@ def _model(value: Any) -> str | ModelReference:
         raise SpecError(
             "InvalidSpec",
             "server.model must be a preset name or a model reference "
-            f"{{persistentVolumeClaim: {{claimName}}, path}}, got {value!r}",
+            f"{{persistentVolumeClaim: {{claimName}}, path}}, got {_shown(value)}",
         )
     unknown = sorted(set(value) - set(MODEL_REFERENCE_KEYS))
     if unknown:
@@ -210,7 +193,7 @@ def _model(value: Any) -> str | ModelReference:
         )
     sub_path = value.get("subPath")
     if sub_path is not None and not isinstance(sub_path, str):
-        raise _bad_reference(f"subPath must be a string, got {sub_path!r}")
+        raise _bad_reference(f"subPath must be a string, got {_shown(sub_path)}")
     for field, relative in (("path", path), ("subPath", sub_path)):
         if relative:
             _check_relative(field, relative)
@@ -241,13 +224,43 @@ def _optional_name(raw: Mapping[str, Any], key: str, path: str) -> str | None:
     return value
 
 
+def _batching(raw: Mapping[str, Any]) -> BatchingSpec:
+    """Each knob's initial, min and max, checked to hold together before they become
+    the initial config and the bounds."""
+    default, bounds = BatchingConfig(), Bounds()
+    batch = _knob(
+        raw, "maxBatchSize", (default.max_batch_size, bounds.min_batch, bounds.max_batch),
+        1, MAX_BATCH_SIZE_LIMIT, True,
+    )  # fmt: skip
+    timeout = _knob(
+        raw, "batchTimeoutMs",
+        (default.batch_timeout_ms, bounds.min_timeout_ms, bounds.max_timeout_ms),
+        0, MAX_BATCH_TIMEOUT_MS, False,
+    )  # fmt: skip
+    queue = _int(
+        raw, "maxQueueSize", default.max_queue_size, "batching.maxQueueSize",
+        1, MAX_QUEUE_SIZE_LIMIT,
+    )  # fmt: skip
+    return BatchingSpec(
+        mode=cast(Mode, _choice(raw, "mode", "continuous", "batching.mode", MODES)),
+        initial=BatchingConfig(int(batch[0]), float(timeout[0]), queue),
+        bounds=Bounds(int(batch[1]), int(batch[2]), float(timeout[1]), float(timeout[2])),
+    )
+
+
 def _autotune(raw: Mapping[str, Any]) -> AutotuneSpec:
+    cadence = Cadence()
     return AutotuneSpec(
         enabled=_bool(raw, "enabled", True, "autotune.enabled"),
-        interval_seconds=_int(raw, "intervalSeconds", 30, "autotune.intervalSeconds", 5, 3600),
-        window_seconds=_int(raw, "windowSeconds", 60, "autotune.windowSeconds", 10, 86400),
+        interval_seconds=_int(
+            raw, "intervalSeconds", int(cadence.interval_s), "autotune.intervalSeconds", 5, 3600
+        ),
+        window_seconds=_int(
+            raw, "windowSeconds", int(cadence.window_s), "autotune.windowSeconds", 10, 86400
+        ),
         kv_high_watermark=_number(
-            raw, "kvHighWatermark", 0.9, "autotune.kvHighWatermark", low=0.0, high=1.0
+            raw, "kvHighWatermark", KV_HIGH_WATERMARK, "autotune.kvHighWatermark",
+            low=0.0, high=1.0,
         ),
         prometheus_url=_str(raw, "prometheusUrl", "", "autotune.prometheusUrl"),
     )
@@ -262,26 +275,17 @@ def _check_servable(spec: PolicySpec) -> None:
             f"server.model {model!r} is not a model preset; known: {', '.join(PRESET_NAMES)} "
             "(weights of your own: a reference {persistentVolumeClaim: {claimName}, path})",
         )
-    for name, knob in (
-        ("maxBatchSize", spec.batching.max_batch_size),
-        ("batchTimeoutMs", spec.batching.batch_timeout_ms),
-    ):
-        if not knob.min <= knob.initial <= knob.max:
-            raise SpecError(
-                "InvalidBounds",
-                f"batching.{name} needs min <= initial <= max, "
-                f"got min={knob.min:g} initial={knob.initial:g} max={knob.max:g}",
-            )
-    if spec.batching.max_batch_size.min > spec.batching.max_queue_size:
+    bounds, queue = spec.batching.bounds, spec.batching.initial.max_queue_size
+    if bounds.min_batch > queue:
         raise SpecError(
             "InvalidBounds",
-            f"batching.maxBatchSize.min ({spec.batching.max_batch_size.min:g}) exceeds "
-            f"batching.maxQueueSize ({spec.batching.max_queue_size}): a batch could never fill",
+            f"batching.maxBatchSize.min ({bounds.min_batch}) exceeds "
+            f"batching.maxQueueSize ({queue}): a batch could never fill",
         )
-    if spec.batching.batch_timeout_ms.min >= spec.p99_latency_ms:
+    if bounds.min_timeout_ms >= spec.p99_latency_ms:
         raise SpecError(
             "InvalidBounds",
-            f"batching.batchTimeoutMs.min ({spec.batching.batch_timeout_ms.min:g} ms) is not "
+            f"batching.batchTimeoutMs.min ({bounds.min_timeout_ms:g} ms) is not "
             f"below slo.p99LatencyMs ({spec.p99_latency_ms:g} ms): the SLO could never be met",
         )
     if spec.autotune.window_seconds < spec.autotune.interval_seconds:
@@ -316,22 +320,31 @@ def _knob(
     low: float,
     high: float,
     integer: bool,
-) -> Knob:
+) -> tuple[float, float, float]:
+    """(initial, min, max) of one knob, min <= initial <= max."""
     section = _section(raw, key, f"batching.{key}")
     read = _int if integer else _number
-    values = [
+    initial, least, most = (
         read(section, part, default, f"batching.{key}.{part}", low, high)  # type: ignore[operator]
         for part, default in zip(("initial", "min", "max"), defaults, strict=True)
-    ]
-    return Knob(*values)
+    )
+    if not least <= initial <= most:
+        raise SpecError(
+            "InvalidBounds",
+            f"batching.{key} needs min <= initial <= max, "
+            f"got min={least:g} initial={initial:g} max={most:g}",
+        )
+    return initial, least, most
 
 
 def _int(raw: Mapping[str, Any], key: str, default: int, path: str, low: int, high: int) -> int:
     value = raw.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError("InvalidSpec", f"{path} must be an integer, got {value!r}")
+        raise SpecError("InvalidSpec", f"{path} must be an integer, got {_shown(value)}")
     if not low <= value <= high:
-        raise SpecError("InvalidSpec", f"{path} must be between {low} and {high}, got {value}")
+        raise SpecError(
+            "InvalidSpec", f"{path} must be between {low} and {high}, got {_shown(value)}"
+        )
     return value
 
 
@@ -345,23 +358,30 @@ def _number(
 ) -> float:
     value = raw.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise SpecError("InvalidSpec", f"{path} must be a number, got {value!r}")
-    if not low <= value <= high:
-        raise SpecError("InvalidSpec", f"{path} must be between {low:g} and {high:g}, got {value}")
-    return float(value)
+        raise SpecError("InvalidSpec", f"{path} must be a number, got {_shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past the float range
+        number = math.inf
+    if not math.isfinite(number) or not low <= number <= high:
+        raise SpecError(
+            "InvalidSpec", f"{path} must be a finite number between {low:g} and {high:g}, "
+            f"got {_shown(value)}",
+        )
+    return number
 
 
 def _str(raw: Mapping[str, Any], key: str, default: str, path: str) -> str:
     value = raw.get(key, default)
     if not isinstance(value, str):
-        raise SpecError("InvalidSpec", f"{path} must be a string, got {value!r}")
+        raise SpecError("InvalidSpec", f"{path} must be a string, got {_shown(value)}")
     return value
 
 
 def _bool(raw: Mapping[str, Any], key: str, default: bool, path: str) -> bool:
     value = raw.get(key, default)
     if not isinstance(value, bool):
-        raise SpecError("InvalidSpec", f"{path} must be true or false, got {value!r}")
+        raise SpecError("InvalidSpec", f"{path} must be true or false, got {_shown(value)}")
     return value
 
 
@@ -371,6 +391,19 @@ def _choice(
     value = _str(raw, key, default, path)
     if value not in choices:
         raise SpecError(
-            "InvalidSpec", f"{path} must be one of {', '.join(choices)}, got {value!r}"
+            "InvalidSpec", f"{path} must be one of {', '.join(choices)}, got {_shown(value)}"
         )
     return value
+
+
+SHOWN_CHARS = 80
+
+
+def _shown(value: Any) -> str:
+    """A user's value for an error message: its repr, cut short."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's digit limit for str(): say its size instead
+        digits = math.floor(abs(value).bit_length() * math.log10(2)) + 1
+        return f"an integer of about {digits} digits"
+    return text if len(text) <= SHOWN_CHARS else f"{text[: SHOWN_CHARS - 3]}..."

@@ -1,11 +1,11 @@
-"""`batchpilot tune`: the operator's tuner against plain local servers.
+"""`batchpilot tune`: the tuning loop against plain local servers.
 
     batchpilot tune --server http://127.0.0.1:8000 --slo-p99-ms 500 --token-file token
 
-Every interval it reads signals (from Prometheus with `--prometheus`, else by
-scraping the servers' `/metrics`), runs the same `tuner.decide` as the Kopf
-timer, pushes a changed config to every server and prints the decision.
-`tune_loop` is the reusable part: the demo calls it with a callback.
+Every interval it runs one round of `tuning_loop.TuningLoop` with signals from
+Prometheus (`--prometheus`) or from a scrape of the servers' `/metrics`, the
+servers' URLs as actuator, and prints the round. `tune_loop` is the reusable
+driver: the demo calls it with a callback.
 """
 
 from __future__ import annotations
@@ -21,87 +21,28 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from batchpilot_operator.actuators import ActuationReport, LocalActuator, get_batching
-from batchpilot_operator.signals import Signals
+from batchpilot_operator.actuators import LocalActuator, get_batching
+from batchpilot_operator.signals import MIN_REQUESTS_PER_WINDOW
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_instances
 from batchpilot_operator.signals_scrape import ScrapeSource
-from batchpilot_operator.tuner import (
-    Bounds,
-    Decision,
-    Slo,
-    TunerParams,
-    TunerState,
-    decide,
-    signal_window_s,
-)
+from batchpilot_operator.tuner import KV_HIGH_WATERMARK, Bounds, Cadence, Goal, Slo
+from batchpilot_operator.tuning_loop import PlugPoints, TuneStep, TuningLoop
 from batchpilot_server.batching_config import BatchingConfig, ConfigError
 
 
 @dataclass(frozen=True)
 class TuneOptions:
     servers: tuple[str, ...]
-    slo: Slo
-    bounds: Bounds = field(default_factory=Bounds)
+    goal: Goal
+    cadence: Cadence = field(default_factory=Cadence)
     prometheus_url: str | None = None
-    interval_s: float = 30.0
-    window_s: float = 60.0
     token: str | None = None
     iterations: int | None = None  # None: until stopped
-    min_requests: int = 50
-    params: TunerParams = field(default_factory=TunerParams)
+    min_requests: int = MIN_REQUESTS_PER_WINDOW
 
     def __post_init__(self) -> None:
         if not self.servers:
             raise ValueError("give at least one --server URL")
-        if self.interval_s <= 0 or self.window_s <= 0:
-            raise ValueError("--interval and --window must be positive")
-        if self.window_s < self.interval_s:
-            raise ValueError(
-                f"--window ({self.window_s:g} s) must be at least --interval "
-                f"({self.interval_s:g} s): each decision needs a full interval of data"
-            )
-
-
-@dataclass(frozen=True)
-class TuneStep:
-    """One interval of the loop: what was seen, decided and done."""
-
-    index: int
-    at: float  # time.time()
-    signals: Signals
-    before: BatchingConfig
-    decision: Decision
-    report: ActuationReport | None  # None when nothing changed
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "time": round(self.at, 3),
-            "action": self.decision.action,
-            "reason": self.decision.reason,
-            "max_batch_size": self.decision.config.max_batch_size,
-            "batch_timeout_ms": self.decision.config.batch_timeout_ms,
-            "before": {
-                "max_batch_size": self.before.max_batch_size,
-                "batch_timeout_ms": self.before.batch_timeout_ms,
-            },
-            "signals": self.signals.to_dict(),
-            "refused": [] if self.report is None else [asdict(r) for r in self.report.refused],
-        }
-
-    def line(self) -> str:
-        s = self.signals
-        p99 = "-" if s.p99_latency_s is None else f"{s.p99_latency_s * 1000:.0f}ms"
-        kv = "-" if s.kv_usage is None else f"{s.kv_usage:.2f}"
-        cfg = self.decision.config
-        text = (
-            f"[{time.strftime('%H:%M:%S', time.localtime(self.at))}] {self.decision.action:<14} "
-            f"batch={cfg.max_batch_size:<3} timeout={cfg.batch_timeout_ms:g}ms  "
-            f"p99={p99} rate={s.request_rate:.1f}/s kv={kv}  {self.decision.reason}"
-        )
-        if self.report is not None and self.report.refused:
-            text += f"  [{self.report.summary()}]"
-        return text
 
 
 OnStep = Callable[[TuneStep], Awaitable[None] | None]
@@ -116,40 +57,30 @@ async def tune_loop(
     on_step: OnStep | None = None,
     stop: asyncio.Event | None = None,
 ) -> list[TuneStep]:
-    """Run the tuner against `options.servers` until `stop` is set or the iterations end.
+    """Run the tuning loop on `options.servers` until `stop` is set or the iterations end.
 
-    `on_step` is called (and awaited, if it returns an awaitable) after each
-    decision was actuated. Returns every step.
+    `on_step` is the recorder: called (and awaited, if it returns an awaitable)
+    after each round. Returns every round.
     """
     stop = stop or asyncio.Event()
     steps: list[TuneStep] = []
+
+    def record(step: TuneStep) -> Awaitable[None] | None:
+        steps.append(step)
+        return None if on_step is None else on_step(step)
+
     async with aiohttp.ClientSession() as session:
-        current = await _config_in_force(session, options.servers)
+        in_force = await _config_in_force(session, options.servers)
         source = _source(options, session)
-        actuator = LocalActuator(options.servers, options.token, session)
         if isinstance(source, ScrapeSource):
             await source.scrape()  # the baseline the first window is measured from
-        state = TunerState()
+        actuator = LocalActuator(options.servers, options.token, session, in_force)
+        plugs = PlugPoints(source, actuator, record)
+        loop = TuningLoop()
         while options.iterations is None or len(steps) < options.iterations:
-            if await _stopped_within(stop, options.interval_s):
+            if await _stopped_within(stop, options.cadence.interval_s):
                 break
-            window = signal_window_s(state, options.interval_s, options.window_s)
-            signals = await source.read(window)
-            decision = decide(signals, current, options.bounds, options.slo, state, options.params)
-            before, report = current, None
-            if decision.config != current:
-                report = await actuator.apply(decision.config)
-                # A config nobody took is not in force: judge the next window against the old.
-                if report.applied:
-                    current = decision.config
-            if report is None or report.applied:
-                state = decision.state
-            step = TuneStep(len(steps), time.time(), signals, before, decision, report)
-            steps.append(step)
-            if on_step is not None:
-                result = on_step(step)
-                if result is not None:
-                    await result
+            await loop.round(options.goal, options.cadence, plugs)
     return steps
 
 
@@ -164,6 +95,7 @@ async def _stopped_within(stop: asyncio.Event, seconds: float) -> bool:
 async def _config_in_force(
     session: aiohttp.ClientSession, servers: Sequence[str]
 ) -> BatchingConfig:
+    """Where the record starts: what the first server holds."""
     try:
         return await get_batching(session, servers[0])
     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -187,6 +119,43 @@ def _source(options: TuneOptions, session: aiohttp.ClientSession) -> Source:
     return ScrapeSource(options.servers, session, min_requests=options.min_requests)
 
 
+# -- what a round prints --------------------------------------------------------------------
+
+
+def step_dict(step: TuneStep) -> dict[str, Any]:
+    return {
+        "index": step.index,
+        "time": round(step.at, 3),
+        "action": step.decision.action,
+        "reason": step.decision.reason,
+        "max_batch_size": step.decision.config.max_batch_size,
+        "batch_timeout_ms": step.decision.config.batch_timeout_ms,
+        "before": {
+            "max_batch_size": step.before.max_batch_size,
+            "batch_timeout_ms": step.before.batch_timeout_ms,
+        },
+        "signals": step.signals.to_dict(),
+        "refused": [asdict(r) for r in step.report.refused],
+    }
+
+
+def step_line(step: TuneStep) -> str:
+    s = step.signals
+    p99 = "-" if s.p99_latency_s is None else f"{s.p99_latency_s * 1000:.0f}ms"
+    kv = "-" if s.kv_usage is None else f"{s.kv_usage:.2f}"
+    cfg = step.decision.config
+    text = (
+        f"[{time.strftime('%H:%M:%S', time.localtime(step.at))}] {step.decision.action:<14} "
+        f"batch={cfg.max_batch_size:<3} timeout={cfg.batch_timeout_ms:g}ms  "
+        f"p99={p99} rate={s.request_rate:.1f}/s kv={kv}  {step.decision.reason}"
+    )
+    if step.report.applied and not step.changed:
+        text += f"  [resynced {', '.join(a.target for a in step.report.applied)}]"
+    if step.report.refused:
+        text += f"  [{step.report.summary()}]"
+    return text
+
+
 # -- command line ---------------------------------------------------------------------------
 
 
@@ -200,15 +169,18 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--slo-p99-ms", type=float, required=True, help="p99 latency SLO, ms")
     ap.add_argument("--prometheus", metavar="URL",
                     help="read signals from this Prometheus (else scrape the servers)")
-    ap.add_argument("--interval", type=float, default=30.0, help="seconds between decisions")
-    ap.add_argument("--window", type=float, default=60.0, help="seconds of data per decision")
+    cadence, bounds = Cadence(), Bounds()
+    ap.add_argument("--interval", type=float, default=cadence.interval_s,
+                    help="seconds between decisions")
+    ap.add_argument("--window", type=float, default=cadence.window_s,
+                    help="seconds of data per decision")
     ap.add_argument("--token-file", type=Path, help="file holding the servers' admin token")
-    ap.add_argument("--min-batch", type=int, default=1)
-    ap.add_argument("--max-batch", type=int, default=64)
-    ap.add_argument("--min-timeout-ms", type=float, default=0.0)
-    ap.add_argument("--max-timeout-ms", type=float, default=200.0)
-    ap.add_argument("--kv-high-watermark", type=float, default=0.9)
-    ap.add_argument("--min-requests", type=int, default=50,
+    ap.add_argument("--min-batch", type=int, default=bounds.min_batch)
+    ap.add_argument("--max-batch", type=int, default=bounds.max_batch)
+    ap.add_argument("--min-timeout-ms", type=float, default=bounds.min_timeout_ms)
+    ap.add_argument("--max-timeout-ms", type=float, default=bounds.max_timeout_ms)
+    ap.add_argument("--kv-high-watermark", type=float, default=KV_HIGH_WATERMARK)
+    ap.add_argument("--min-requests", type=int, default=MIN_REQUESTS_PER_WINDOW,
                     help="fewest finished requests in a window to judge its p99")
     ap.add_argument("--iterations", type=int, help="stop after this many decisions")
     ap.add_argument("--json", action="store_true", help="print each decision as a JSON line")
@@ -229,11 +201,12 @@ def options_from_args(args: argparse.Namespace) -> TuneOptions:
         raise ValueError("--iterations must be at least 1")
     return TuneOptions(
         servers=tuple(args.server),
-        slo=Slo(args.slo_p99_ms / 1000.0, args.kv_high_watermark),
-        bounds=Bounds(args.min_batch, args.max_batch, args.min_timeout_ms, args.max_timeout_ms),
+        goal=Goal(
+            Slo(args.slo_p99_ms / 1000.0, args.kv_high_watermark),
+            Bounds(args.min_batch, args.max_batch, args.min_timeout_ms, args.max_timeout_ms),
+        ),
+        cadence=Cadence(args.interval, args.window),
         prometheus_url=args.prometheus,
-        interval_s=args.interval,
-        window_s=args.window,
         token=token,
         iterations=args.iterations,
         min_requests=args.min_requests,
@@ -249,7 +222,7 @@ def main(argv: list[str]) -> int:
         return 2
 
     def show(step: TuneStep) -> None:
-        print(json.dumps(step.to_dict()) if args.json else step.line(), flush=True)
+        print(json.dumps(step_dict(step)) if args.json else step_line(step), flush=True)
 
     try:
         asyncio.run(tune_loop(options, show))

@@ -1,30 +1,32 @@
 """The tuner: a pure, deterministic function from signals to the next config.
 
-No I/O, no clock, no randomness: the same (signals, config, bounds, SLO,
-state) always gives the same decision, so the simulator, the local
-`batchpilot tune` loop and the Kopf timer all run exactly this code.
+No I/O, no clock, no randomness: the same (signals, config in force, goal,
+state) always gives the same decision. `tuning_loop.TuningLoop` is its one
+caller; the operator, `batchpilot tune`, `batchpilot demo` and the simulator
+all drive that loop.
 
 The rule (SLO-aware AIMD in the spirit of Clipper, with a diagnosis of *why*
 the p99 is what it is: the p99 splits into queue wait and running time;
 `docs/tuning.md` explains each constant):
 
 1. bounds first: a config outside the policy's bounds is clamped into them;
-2. hold when the window has no data, too little or no traffic, or no p99;
+2. hold when the window has no data, too little or no traffic;
 3. KV guard: KV usage at the high watermark or any preemption cuts the batch
    multiplicatively, whatever the latency headroom says;
-4. cooldown (none by default: the loops trim the window at a change instead);
-5. p99 above the SLO:
+4. cooldown (none by default: the loop trims the window at a change instead);
+5. hold when the window has no p99;
+6. p99 above the SLO:
    - running alone breaks the SLO: back off the batch multiplicatively (that
      size becomes a ceiling for probing), unless requests also queue for half
      the p99 - then no batch size helps and the tuner holds;
    - else queueing pushes it over: halve the timeout when the timeout explains
      the wait and batches fire underfilled, otherwise grow the batch
      multiplicatively (capacity is short), up to the bound;
-6. p99 under the hysteresis band: grow the batch additively while requests
+7. p99 under the hysteresis band: grow the batch additively while requests
    queue behind full batches; with ample headroom, underfilled batches and no
    queueing, let the timeout grow toward fuller batches (capped at a share
    of the SLO);
-7. inside the band: grow additively only if queueing is half the p99 (act
+8. inside the band: grow additively only if queueing is half the p99 (act
    before the SLO breaks), else hold.
 """
 
@@ -48,8 +50,14 @@ Action = Literal[
 ]
 
 
+# The defaults every entry point shares (the CRD schema repeats them for the API server).
+KV_HIGH_WATERMARK = 0.9
+
+
 @dataclass(frozen=True)
 class Bounds:
+    """The range the tuner may move each knob in; the one bounds type of the project."""
+
     min_batch: int = 1
     max_batch: int = 64
     min_timeout_ms: float = 0.0
@@ -78,7 +86,7 @@ class Bounds:
 @dataclass(frozen=True)
 class Slo:
     p99_latency_s: float
-    kv_high_watermark: float = 0.9
+    kv_high_watermark: float = KV_HIGH_WATERMARK
 
     def __post_init__(self) -> None:
         if self.p99_latency_s <= 0:
@@ -111,6 +119,32 @@ class TunerParams:
     # window at the last change (`signal_window_s`), so none are needed by default.
     cooldown_intervals: int = 0
     ceiling_ttl_intervals: int = 20  # how long a breach caps growth
+
+
+@dataclass(frozen=True)
+class Goal:
+    """What a policy asks of the tuner: the SLO, the knobs' bounds, the rule's constants."""
+
+    slo: Slo
+    bounds: Bounds = field(default_factory=Bounds)
+    params: TunerParams = field(default_factory=TunerParams)
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """How often the loop decides, and how much history a decision reads at most."""
+
+    interval_s: float = 30.0
+    window_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.window_s <= 0:
+            raise ValueError("the interval and the window must be positive")
+        if self.window_s < self.interval_s:
+            raise ValueError(
+                f"the window ({self.window_s:g} s) must be at least the interval "
+                f"({self.interval_s:g} s): each decision needs a full interval of data"
+            )
 
 
 SINCE_CHANGE_CAP = 1000
@@ -152,15 +186,10 @@ class Decision:
 
 
 def decide(
-    signals: Signals,
-    current: BatchingConfig,
-    bounds: Bounds,
-    slo: Slo,
-    state: TunerState,
-    params: TunerParams | None = None,
+    signals: Signals, current: BatchingConfig, goal: Goal, state: TunerState
 ) -> Decision:
     """The next batching config for these signals; see the module docstring."""
-    decision = _decide(signals, current, bounds, slo, state, params or TunerParams())
+    decision = _decide(_Case(signals, current, goal, state))
     if decision.config == current:
         held = decision.state
         since = min(held.since_change + 1, SINCE_CHANGE_CAP)
@@ -168,69 +197,88 @@ def decide(
     return decision
 
 
-def _decide(
-    signals: Signals,
-    current: BatchingConfig,
-    bounds: Bounds,
-    slo: Slo,
-    state: TunerState,
-    p: TunerParams,
-) -> Decision:
-    if not bounds.contains(current):
-        clamped = bounds.clamp(current)
-        reason = _describe_clamp(current, clamped)
-        return Decision(clamped, "clamp", reason, _after_change(state, p))
+@dataclass(frozen=True)
+class _Case:
+    """One decision's inputs, and the two ways a step of the rule answers."""
+
+    signals: Signals
+    current: BatchingConfig
+    goal: Goal
+    state: TunerState
+
+    @property
+    def batch(self) -> int:
+        return self.current.max_batch_size
+
+    @property
+    def timeout(self) -> float:
+        return self.current.batch_timeout_ms
+
+    @property
+    def slo_s(self) -> float:
+        return self.goal.slo.p99_latency_s
+
+    @property
+    def bounds(self) -> Bounds:
+        return self.goal.bounds
+
+    @property
+    def p(self) -> TunerParams:
+        return self.goal.params
+
+    def hold(self, reason: str, state: TunerState | None = None) -> Decision:
+        return Decision(self.current, "hold", reason, self.state if state is None else state)
+
+    def change(
+        self,
+        action: Action,
+        reason: str,
+        *,
+        batch: int | None = None,
+        timeout: float | None = None,
+        ceiling: int | None = None,
+    ) -> Decision:
+        config = replace(
+            self.current,
+            max_batch_size=self.batch if batch is None else batch,
+            batch_timeout_ms=self.timeout if timeout is None else timeout,
+        )
+        return Decision(config, action, reason, _after_change(self.state, self.p, ceiling))
+
+
+def _decide(case: _Case) -> Decision:
+    signals, bounds = case.signals, case.bounds
+    if not bounds.contains(case.current):
+        clamped = bounds.clamp(case.current)
+        return Decision(
+            clamped, "clamp", _describe_clamp(case.current, clamped),
+            _after_change(case.state, case.p),
+        )  # fmt: skip
     if not signals.ok:
         why = signals.detail or signals.status.replace("_", " ")
-        return Decision(current, "hold", f"{signals.status.replace('_', ' ')}: {why}", state)
-    aged = _age_ceiling(state, p)
-    kv = _kv_guard(signals, current, bounds, slo, aged, p)
+        return case.hold(f"{signals.status.replace('_', ' ')}: {why}")
+    case = replace(case, state=_age_ceiling(case.state, case.p))
+    kv = _kv_guard(case)
     if kv is not None:
         return kv
-    if aged.cooldown > 0:
-        return Decision(
-            current,
-            "hold",
-            f"cooldown: {aged.cooldown} more interval(s) until the window reflects the last change",
-            replace(aged, cooldown=aged.cooldown - 1),
+    if case.state.cooldown > 0:
+        return case.hold(
+            f"cooldown: {case.state.cooldown} more interval(s) until the window reflects "
+            "the last change",
+            replace(case.state, cooldown=case.state.cooldown - 1),
         )
     p99 = signals.p99_latency_s
     if p99 is None:
-        return Decision(current, "hold", "no p99 in the window", aged)
-    if p99 > slo.p99_latency_s:
-        return _on_breach(signals, p99, current, bounds, slo, aged, p)
-    if p99 < (1 - p.band) * slo.p99_latency_s:
-        return _on_headroom(signals, p99, current, bounds, slo, aged, p)
-    queue_wait = signals.queue_wait_p99_s or 0.0
-    limit = _growth_limit(bounds, aged)
-    if queue_wait >= p.queue_share * p99 and current.max_batch_size < limit:
-        # Near the SLO because requests queue: add room before the p99 breaks it.
-        batch = current.max_batch_size
-        new_batch = min(limit, batch + p.additive_step)
-        return Decision(
-            replace(current, max_batch_size=new_batch),
-            "grow_batch",
-            f"p99 {_ms(p99)} nears the SLO from queueing (queue wait p99 {_ms(queue_wait)}): "
-            f"batch {batch} -> {new_batch}",
-            _after_change(aged, p),
-        )
-    return Decision(
-        current,
-        "hold",
-        f"p99 {_ms(p99)} within the band [{_ms((1 - p.band) * slo.p99_latency_s)}, "
-        f"{_ms(slo.p99_latency_s)}]",
-        aged,
-    )
+        return case.hold("no p99 in the window")
+    if p99 > case.slo_s:
+        return _on_breach(case, p99)
+    if p99 < (1 - case.p.band) * case.slo_s:
+        return _on_headroom(case, p99)
+    return _in_band(case, p99)
 
 
-def _kv_guard(
-    signals: Signals,
-    current: BatchingConfig,
-    bounds: Bounds,
-    slo: Slo,
-    state: TunerState,
-    p: TunerParams,
-) -> Decision | None:
+def _kv_guard(case: _Case) -> Decision | None:
+    signals, slo = case.signals, case.goal.slo
     kv = signals.kv_usage
     kv_high = kv is not None and kv >= slo.kv_high_watermark
     if not kv_high and signals.preemption_rate <= 0:
@@ -240,169 +288,163 @@ def _kv_guard(
         if kv_high and kv is not None
         else f"{signals.preemption_rate:.2f} preemptions/s"
     )
-    if state.cooldown > 0:
-        return Decision(
-            current,
-            "hold",
+    if case.state.cooldown > 0:
+        return case.hold(
             f"{cause}, but the window still shows the config before the last change",
-            replace(state, cooldown=state.cooldown - 1),
+            replace(case.state, cooldown=case.state.cooldown - 1),
         )
-    batch = current.max_batch_size
-    if batch <= bounds.min_batch:
-        return Decision(current, "hold", f"{cause} at the minimum batch {batch}", state)
-    new_batch = _cut_batch(batch, p.kv_cut_factor, bounds)
-    return Decision(
-        replace(current, max_batch_size=new_batch),
-        "kv_guard",
-        f"{cause}: batch {batch} -> {new_batch}",
-        _after_change(state, p, ceiling=batch),
+    batch = case.batch
+    if batch <= case.bounds.min_batch:
+        return case.hold(f"{cause} at the minimum batch {batch}")
+    new_batch = _cut_batch(case, case.p.kv_cut_factor)
+    return case.change(
+        "kv_guard", f"{cause}: batch {batch} -> {new_batch}", batch=new_batch, ceiling=batch
     )
 
 
-def _on_breach(
-    signals: Signals,
-    p99: float,
-    current: BatchingConfig,
-    bounds: Bounds,
-    slo: Slo,
-    state: TunerState,
-    p: TunerParams,
-) -> Decision:
-    batch, timeout = current.max_batch_size, current.batch_timeout_ms
-    head = f"p99 {_ms(p99)} > SLO {_ms(slo.p99_latency_s)}"
+def _on_breach(case: _Case, p99: float) -> Decision:
+    signals, bounds, p = case.signals, case.bounds, case.p
+    batch, timeout = case.batch, case.timeout
+    head = f"p99 {_ms(p99)} > SLO {_ms(case.slo_s)}"
     queue_wait = min(p99, signals.queue_wait_p99_s or 0.0)
     service = p99 - queue_wait
-    if service > p.service_share * slo.p99_latency_s:
+    if service > p.service_share * case.slo_s:
         if queue_wait >= p.queue_share * p99:
             # Both halves break the SLO: a smaller batch queues more, a larger one runs
             # slower. Moving would only add noise; say so and wait for the load to drop.
-            return Decision(
-                current,
-                "hold",
+            return case.hold(
                 f"{head}: overloaded, running ~{_ms(service)} and queueing "
-                f"{_ms(queue_wait)} both exceed what the SLO allows; no batch size fixes it",
-                state,
+                f"{_ms(queue_wait)} both exceed what the SLO allows; no batch size fixes it"
             )
         # Running alone takes too long: a smaller batch makes every step shorter.
         if batch > bounds.min_batch:
-            new_batch = _cut_batch(batch, p.backoff_factor, bounds)
-            return Decision(
-                replace(current, max_batch_size=new_batch),
+            new_batch = _cut_batch(case, p.backoff_factor)
+            return case.change(
                 "backoff_batch",
                 f"{head} while running (p99 less queue wait ~{_ms(service)}): "
                 f"batch {batch} -> {new_batch}",
-                _after_change(state, p, ceiling=batch),
+                batch=new_batch,
+                ceiling=batch,
             )
-        return Decision(current, "hold", f"{head} at the minimum batch: nothing left to cut", state)
+        return case.hold(f"{head} at the minimum batch: nothing left to cut")
     # The time is spent queued: either the timeout holds requests back, or capacity is short.
     if (
         timeout > bounds.min_timeout_ms
-        and _underfilled(signals, batch, p)
-        and queue_wait <= p.timeout_explains * current.batch_timeout_s
+        and _underfilled(case)
+        and queue_wait <= p.timeout_explains * case.current.batch_timeout_s
     ):
-        new_timeout = _cut_timeout(timeout, bounds, p)
-        return Decision(
-            replace(current, batch_timeout_ms=new_timeout),
+        new_timeout = _cut_timeout(case)
+        return case.change(
             "shrink_timeout",
             f"{head}, queue wait p99 {_ms(queue_wait)} is the timeout's doing and batches fire "
             f"underfilled (mean {signals.mean_batch_size:.1f} of {batch}): "
             f"timeout {timeout:g} -> {new_timeout:g} ms",
-            _after_change(state, p),
+            timeout=new_timeout,
         )
     # Capacity growth ignores the probing ceiling: a ceiling learnt at another load
     # must not keep requests queued; if the bigger batch runs too slowly, the next
     # window says so and the batch backs off again.
     if batch < bounds.max_batch:
         new_batch = min(bounds.max_batch, max(batch + 1, round(batch * p.capacity_factor)))
-        return Decision(
-            replace(current, max_batch_size=new_batch),
+        return case.change(
             "grow_batch",
             f"{head} from queueing (queue wait p99 {_ms(queue_wait)}, running ~{_ms(service)}): "
             f"capacity short, batch {batch} -> {new_batch}",
-            _after_change(state, p),
+            batch=new_batch,
         )
-    return Decision(
-        current,
-        "hold",
+    return case.hold(
         f"{head} from queueing at the maximum batch {batch}: the load exceeds what the "
-        "SLO allows",
-        state,
+        "SLO allows"
     )
 
 
-def _on_headroom(
-    signals: Signals,
-    p99: float,
-    current: BatchingConfig,
-    bounds: Bounds,
-    slo: Slo,
-    state: TunerState,
-    p: TunerParams,
-) -> Decision:
-    batch, timeout = current.max_batch_size, current.batch_timeout_ms
-    head = f"p99 {_ms(p99)} < {_ms((1 - p.band) * slo.p99_latency_s)}"
-    limit = _growth_limit(bounds, state)
-    if _queueing(signals, slo, p) and _full(signals, batch, p) and batch < limit:
+def _on_headroom(case: _Case, p99: float) -> Decision:
+    bounds, p = case.bounds, case.p
+    batch, timeout = case.batch, case.timeout
+    head = f"p99 {_ms(p99)} < {_ms((1 - p.band) * case.slo_s)}"
+    limit = _growth_limit(case)
+    if _queueing(case) and _full(case) and batch < limit:
         new_batch = min(limit, batch + p.additive_step)
-        return Decision(
-            replace(current, max_batch_size=new_batch),
+        return case.change(
             "grow_batch",
             f"{head} and requests queue behind full batches: batch {batch} -> {new_batch}",
-            _after_change(state, p),
+            batch=new_batch,
         )
-    timeout_cap = min(bounds.max_timeout_ms, p.timeout_budget_share * slo.p99_latency_s * 1000)
-    step = max(1.0, p.timeout_step_share * slo.p99_latency_s * 1000)
+    timeout_cap = min(bounds.max_timeout_ms, p.timeout_budget_share * case.slo_s * 1000)
+    step = max(1.0, p.timeout_step_share * case.slo_s * 1000)
     # Rounded to whole microseconds so that reaching the cap ends the growth.
     new_timeout = max(timeout, round(min(timeout_cap, timeout + step), 3))
     if (
-        p99 < p.ample_headroom * slo.p99_latency_s
-        and _underfilled(signals, batch, p)
-        and not _queueing(signals, slo, p)
+        p99 < p.ample_headroom * case.slo_s
+        and _underfilled(case)
+        and not _queueing(case)
         and new_timeout > timeout
     ):
-        return Decision(
-            replace(current, batch_timeout_ms=new_timeout),
+        return case.change(
             "grow_timeout",
-            f"p99 {_ms(p99)} < {_ms(p.ample_headroom * slo.p99_latency_s)} and batches fire "
+            f"p99 {_ms(p99)} < {_ms(p.ample_headroom * case.slo_s)} and batches fire "
             f"underfilled: timeout {timeout:g} -> {new_timeout:g} ms for fuller batches",
-            _after_change(state, p),
+            timeout=new_timeout,
         )
     why = "no queueing: a larger batch would not be used"
-    if batch >= limit and _queueing(signals, slo, p):
+    if batch >= limit and _queueing(case):
         why = f"batch {batch} is at its limit {limit}"
-    return Decision(current, "hold", f"{head}; {why}", state)
+    return case.hold(f"{head}; {why}")
 
 
-def _underfilled(signals: Signals, batch: int, p: TunerParams) -> bool:
-    mean = signals.mean_batch_size
-    return mean is not None and mean < p.full_batch_share * batch
+def _in_band(case: _Case, p99: float) -> Decision:
+    p, batch = case.p, case.batch
+    queue_wait = case.signals.queue_wait_p99_s or 0.0
+    limit = _growth_limit(case)
+    if queue_wait >= p.queue_share * p99 and batch < limit:
+        # Near the SLO because requests queue: add room before the p99 breaks it.
+        new_batch = min(limit, batch + p.additive_step)
+        return case.change(
+            "grow_batch",
+            f"p99 {_ms(p99)} nears the SLO from queueing (queue wait p99 {_ms(queue_wait)}): "
+            f"batch {batch} -> {new_batch}",
+            batch=new_batch,
+        )
+    return case.hold(
+        f"p99 {_ms(p99)} within the band [{_ms((1 - p.band) * case.slo_s)}, "
+        f"{_ms(case.slo_s)}]"
+    )
 
 
-def _full(signals: Signals, batch: int, p: TunerParams) -> bool:
+def _underfilled(case: _Case) -> bool:
+    mean = case.signals.mean_batch_size
+    return mean is not None and mean < case.p.full_batch_share * case.batch
+
+
+def _full(case: _Case) -> bool:
     # With no batch-size series, queued requests are the evidence that batches fill.
-    return signals.mean_batch_size is None or signals.mean_batch_size >= p.full_batch_share * batch
+    mean = case.signals.mean_batch_size
+    return mean is None or mean >= case.p.full_batch_share * case.batch
 
 
-def _queueing(signals: Signals, slo: Slo, p: TunerParams) -> bool:
-    queue_wait = signals.queue_wait_p99_s or 0.0
-    return queue_wait >= p.queueing_share * slo.p99_latency_s
+def _queueing(case: _Case) -> bool:
+    queue_wait = case.signals.queue_wait_p99_s or 0.0
+    return queue_wait >= case.p.queueing_share * case.slo_s
 
 
-def _cut_batch(batch: int, factor: float, bounds: Bounds) -> int:
-    # At least one smaller, so a factor that rounds back to `batch` still moves.
-    return max(bounds.min_batch, min(batch - 1, math.floor(batch * factor)))
+def _cut_batch(case: _Case, factor: float) -> int:
+    # At least one smaller, so a factor that rounds back to the batch still moves.
+    batch = case.batch
+    return max(case.bounds.min_batch, min(batch - 1, math.floor(batch * factor)))
 
 
-def _cut_timeout(timeout: float, bounds: Bounds, p: TunerParams) -> float:
-    cut = timeout * p.timeout_cut_factor
+def _cut_timeout(case: _Case) -> float:
+    cut = case.timeout * case.p.timeout_cut_factor
+    floor = case.bounds.min_timeout_ms
     # Below a millisecond a timeout only costs a wake-up: go straight to the floor.
-    return bounds.min_timeout_ms if cut < 1.0 else max(bounds.min_timeout_ms, round(cut, 3))
+    return floor if cut < 1.0 else max(floor, round(cut, 3))
 
 
-def _growth_limit(bounds: Bounds, state: TunerState) -> int:
-    if state.ceiling is None:
+def _growth_limit(case: _Case) -> int:
+    bounds, ceiling = case.bounds, case.state.ceiling
+    if ceiling is None:
         return bounds.max_batch
-    return max(bounds.min_batch, min(bounds.max_batch, state.ceiling - 1))
+    return max(bounds.min_batch, min(bounds.max_batch, ceiling - 1))
 
 
 def _age_ceiling(state: TunerState, p: TunerParams) -> TunerState:
@@ -419,13 +461,14 @@ def _after_change(state: TunerState, p: TunerParams, ceiling: int | None = None)
     return TunerState(cooldown=p.cooldown_intervals, since_change=0, ceiling=ceiling)
 
 
-def signal_window_s(state: TunerState, interval_s: float, window_s: float) -> float:
+def signal_window_s(state: TunerState, cadence: Cadence) -> float:
     """The window the next signals should cover: never reaching back past the last change.
 
     Right after a change the window is one interval long, so the tuner judges
     the new config alone instead of a blend of old and new.
     """
-    return min(window_s, interval_s * (min(state.since_change, SINCE_CHANGE_CAP) + 1))
+    since = min(state.since_change, SINCE_CHANGE_CAP) + 1
+    return min(cadence.window_s, cadence.interval_s * since)
 
 
 def _describe_clamp(before: BatchingConfig, after: BatchingConfig) -> str:

@@ -87,7 +87,7 @@ def tuned(policy_obj: dict[str, Any]) -> bool:
     return bool((policy_obj.get("status") or {}).get("history"))
 
 
-async def test_timer_tunes_a_real_server_and_a_restart_resumes_from_status(
+async def test_the_loop_tunes_a_real_server_and_a_restart_resumes_from_status(
     cluster: Cluster, tmp_path: Path
 ) -> None:
     ns = "autotune"

@@ -11,8 +11,9 @@ import aiohttp
 import numpy as np
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_instances
 from batchpilot_operator.signals_scrape import ScrapeSource
-from batchpilot_operator.tune_local import TuneOptions, TuneStep, tune_loop
-from batchpilot_operator.tuner import Slo
+from batchpilot_operator.tune_local import TuneOptions, tune_loop
+from batchpilot_operator.tuner import Cadence, Goal, Slo
+from batchpilot_operator.tuning_loop import TuneStep
 from batchpilot_server import metric_names as names
 from batchpilot_server.loadgen import LengthDist, LoadSpec, run_load
 
@@ -92,8 +93,8 @@ async def test_p99_agrees_with_the_load_generator_and_the_tuner_rides_out_an_out
                     await asyncio.to_thread(prom.start)
 
             options = TuneOptions(
-                servers=tuple(urls), slo=Slo(60.0), prometheus_url=prom.url,
-                interval_s=0.5, window_s=window + 10, iterations=3,
+                servers=tuple(urls), goal=Goal(Slo(60.0)), prometheus_url=prom.url,
+                cadence=Cadence(0.5, window + 10), iterations=3,
             )
             steps = await tune_loop(options, outage)
     before, during, after = (s.signals for s in steps)

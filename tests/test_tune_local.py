@@ -10,8 +10,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 from batchpilot_operator.actuators import get_batching
-from batchpilot_operator.tune_local import TuneOptions, TuneStep, main, tune_loop
-from batchpilot_operator.tuner import Bounds, Slo
+from batchpilot_operator.tune_local import TuneOptions, main, tune_loop
+from batchpilot_operator.tuner import Cadence, Goal, Slo
+from batchpilot_operator.tuning_loop import TuneStep
 from batchpilot_server.loadgen import LengthDist, LoadSpec, run_load
 
 from tests.servers import free_port, serve_in_process, spawn_server
@@ -25,8 +26,7 @@ async def tune_until_first_change(
     """Run the load and the tuner together; stop both at the tuner's first change."""
     stop = asyncio.Event()
     options = TuneOptions(
-        servers=(url,), slo=slo, bounds=Bounds(1, 64, 0, 200), interval_s=2.0, window_s=2.0,
-        token=token, min_requests=10,
+        servers=(url,), goal=Goal(slo), cadence=Cadence(2.0, 2.0), token=token, min_requests=10,
     )
 
     def on_step(step: TuneStep) -> None:
@@ -55,7 +55,7 @@ async def test_batch_of_one_under_heavy_load_grows(tmp_path: Path) -> None:
         )
         change, _ = await tune_until_first_change(srv.url, srv.token, Slo(30.0), load)
         assert change.decision.action == "grow_batch", change.decision.reason
-        assert change.report is not None and change.report.ok
+        assert change.report.ok
         async with aiohttp.ClientSession() as session:
             in_force = await get_batching(session, srv.url)
         assert in_force.max_batch_size == change.decision.config.max_batch_size > 1
@@ -100,7 +100,7 @@ async def test_cli_prints_json_decisions_and_holds_without_traffic(tmp_path: Pat
     [
         (["--slo-p99-ms", "0"], 2, "SLO must be positive"),
         (["--slo-p99-ms", "500", "--interval", "30", "--window", "10"], 2,
-         "must be at least --interval"),
+         "must be at least the interval"),
         (["--slo-p99-ms", "500", "--min-batch", "9", "--max-batch", "4"], 2, "1 <= min <= max"),
         (["--slo-p99-ms", "500", "--token-file", "/nonexistent/token"], 2,
          "cannot read --token-file"),

@@ -9,7 +9,9 @@ import pytest
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.tuner import (
     Bounds,
+    Cadence,
     Decision,
+    Goal,
     Slo,
     TunerParams,
     TunerState,
@@ -21,6 +23,7 @@ from batchpilot_server.batching_config import BatchingConfig
 SLO = Slo(p99_latency_s=0.5, kv_high_watermark=0.9)
 BOUNDS = Bounds(min_batch=1, max_batch=64, min_timeout_ms=0.0, max_timeout_ms=200.0)
 P = TunerParams()
+GOAL = Goal(SLO, BOUNDS, P)
 CURRENT = BatchingConfig(max_batch_size=16, batch_timeout_ms=10.0)
 
 
@@ -39,7 +42,7 @@ def ok(**fields: float | None) -> Signals:
 
 
 def run(signals: Signals, current: BatchingConfig = CURRENT, **state: int) -> Decision:
-    return decide(signals, current, BOUNDS, SLO, TunerState(**state))  # type: ignore[arg-type]
+    return decide(signals, current, GOAL, TunerState(**state))  # type: ignore[arg-type]
 
 
 # (situation, signals, expected action, expected batch, expected timeout, words in the reason)
@@ -106,9 +109,9 @@ def test_breach_the_timeout_explains_halves_the_timeout() -> None:
 
 def test_timeout_growth_stops_at_its_share_of_the_slo() -> None:
     slo = Slo(p99_latency_s=1.09)  # a cap (109 ms) that is not a round float
-    config, state = CURRENT, TunerState()
+    config, state, goal = CURRENT, TunerState(), Goal(slo, BOUNDS)
     for _ in range(100):
-        decision = decide(ok(p99_latency_s=0.1, mean_batch_size=2.0), config, BOUNDS, slo, state)
+        decision = decide(ok(p99_latency_s=0.1, mean_batch_size=2.0), config, goal, state)
         if decision.action != "hold":
             assert decision.config != config, decision  # an action always moves a knob
         config, state = decision.config, decision.state
@@ -152,7 +155,7 @@ def test_backoff_sets_a_ceiling_that_probing_growth_respects_until_it_expires() 
     queueing = ok(p99_latency_s=0.2, queue_wait_p99_s=0.1, mean_batch_size=None)
     sizes = []
     for _ in range(P.ceiling_ttl_intervals + 2):
-        decision = decide(queueing, config, BOUNDS, SLO, state)
+        decision = decide(queueing, config, GOAL, state)
         state, config = decision.state, decision.config
         sizes.append(config.max_batch_size)
     assert max(sizes[: P.ceiling_ttl_intervals - 1]) == 15  # capped just below the breach
@@ -160,10 +163,10 @@ def test_backoff_sets_a_ceiling_that_probing_growth_respects_until_it_expires() 
 
 
 def test_cooldown_holds_then_counts_down() -> None:
-    params = replace(P, cooldown_intervals=2)
-    first = decide(ok(p99_latency_s=0.8), CURRENT, BOUNDS, SLO, TunerState(), params)
+    goal = replace(GOAL, params=replace(P, cooldown_intervals=2))
+    first = decide(ok(p99_latency_s=0.8), CURRENT, goal, TunerState())
     assert first.state.cooldown == 2
-    second = decide(ok(p99_latency_s=0.8), first.config, BOUNDS, SLO, first.state, params)
+    second = decide(ok(p99_latency_s=0.8), first.config, goal, first.state)
     assert second.action == "hold" and "cooldown" in second.reason
     assert second.state.cooldown == 1
 
@@ -171,10 +174,11 @@ def test_cooldown_holds_then_counts_down() -> None:
 def test_window_never_reaches_back_past_a_change() -> None:
     changed = run(ok(p99_latency_s=0.8))
     assert changed.state.since_change == 0
-    assert signal_window_s(changed.state, 30, 60) == 30
-    held = decide(ok(p99_latency_s=0.45), changed.config, BOUNDS, SLO, changed.state)
+    cadence = Cadence(interval_s=30, window_s=60)
+    assert signal_window_s(changed.state, cadence) == 30
+    held = decide(ok(p99_latency_s=0.45), changed.config, GOAL, changed.state)
     assert held.state.since_change == 1
-    assert signal_window_s(held.state, 30, 60) == 60
+    assert signal_window_s(held.state, cadence) == 60
 
 
 def test_state_round_trips_through_a_dict() -> None:
@@ -242,7 +246,7 @@ CASES = [random_case(random.Random(seed)) for seed in range(3000)]
 
 def test_never_leaves_the_bounds() -> None:
     for signals, config, bounds, state in CASES:
-        decision = decide(signals, config, bounds, SLO, state)
+        decision = decide(signals, config, Goal(SLO, bounds), state)
         assert bounds.contains(decision.config), (signals, config, bounds, decision)
 
 
@@ -251,7 +255,7 @@ def test_never_changes_on_missing_data() -> None:
         if signals.ok:
             # Only the KV guard may act without a p99: its own signal is there.
             signals = replace(signals, p99_latency_s=None, kv_usage=0.1, preemption_rate=0.0)
-        decision = decide(signals, config, bounds, SLO, state)
+        decision = decide(signals, config, Goal(SLO, bounds), state)
         assert decision.config == config and decision.action == "hold", decision
 
 
@@ -260,21 +264,20 @@ def test_kv_guard_wins_over_latency_headroom() -> None:
         if not signals.ok:
             continue
         pressured = replace(signals, kv_usage=0.95, p99_latency_s=0.01, queue_wait_p99_s=0.005)
-        decision = decide(pressured, config, bounds, SLO, state)
+        decision = decide(pressured, config, Goal(SLO, bounds), state)
         assert decision.config.max_batch_size <= config.max_batch_size, decision
         assert decision.action in ("kv_guard", "hold"), decision
 
 
 def test_is_deterministic() -> None:
     for signals, config, bounds, state in CASES[:500]:
-        assert decide(signals, config, bounds, SLO, state) == decide(
-            signals, config, bounds, SLO, state
-        )
+        goal = Goal(SLO, bounds)
+        assert decide(signals, config, goal, state) == decide(signals, config, goal, state)
 
 
 def test_a_change_moves_one_knob_at_a_time_and_always_explains() -> None:
     for signals, config, bounds, state in CASES:
-        decision = decide(signals, config, bounds, SLO, state)
+        decision = decide(signals, config, Goal(SLO, bounds), state)
         assert decision.reason
         assert (decision.action == "hold") == (decision.config == config), decision
         if decision.action in ("grow_batch", "backoff_batch", "kv_guard"):
