@@ -1,7 +1,8 @@
 """Tuner benchmark: the tuner against the best static config, per scenario and mode.
 
-Simulated part (operator/simulator.py, the real tuner in the loop, an hour of
-traffic per run): for each scenario and engine mode,
+Simulated part (operator/simulator.py: the engine's real schedulers and KV block
+pool under a virtual clock, the tuning loop in the loop, an hour of traffic per
+run): for each scenario and engine mode,
 - the oracle: the best static config of a grid (most goodput with the run's
   p99 within the SLO), found by simulating every grid config;
 - the static default (BatchingConfig()'s batch 8, timeout 10 ms);
@@ -48,7 +49,7 @@ from batchpilot_operator.simulator import (
     static,
 )
 from batchpilot_operator.tune_local import TuneOptions, tune_loop
-from batchpilot_operator.tuner import Bounds, Slo
+from batchpilot_operator.tuner import Cadence, Goal, Slo
 from batchpilot_server.batching_config import MODES, BatchingConfig, Mode
 from batchpilot_server.loadgen import LengthDist, LoadReport, LoadSpec, run_load
 from sections import replace_section
@@ -57,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 BENCHMARKS_MD = DOCS / "benchmarks.md"
 
-INTERVAL_S, WINDOW_S = 30.0, 60.0  # the CRD's defaults
+CADENCE = Cadence()  # the CRD's defaults
 DURATION_S = 3600.0
 GRID_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 GRID_TIMEOUTS_MS = (0.0, 10.0, 50.0)
@@ -142,7 +143,7 @@ class ScenarioResult:
 
     def disturbance_index(self) -> int | None:
         at = self.scenario.step_at_s
-        return None if at is None else int(at // INTERVAL_S)
+        return None if at is None else int(at // CADENCE.interval_s)
 
     def converged_index(self) -> int | None:
         return _first_stable(self.tuner, self.slo_s, 0)
@@ -222,30 +223,25 @@ def pick_oracle(
 def run_simulated(curve: StepCurve, setup: Setup, seed: int, workers: int) -> list[ScenarioResult]:
     slo = Slo(p99_latency_s=setup.slo_s)
     configs = grid()
+    # The static default is a grid point: its run is the grid's.
+    default = configs.index(BatchingConfig())
     jobs: list[tuple[Scenario, SimOptions, StepCurve, int]] = []
     plan = [(s, m) for m in MODES for s in scenarios(setup, m)]
     for scenario, mode in plan:
-        base = SimOptions(
-            mode=mode,
-            config=BatchingConfig(),
-            slo=slo,
-            interval_s=INTERVAL_S,
-            window_s=WINDOW_S,
-            bounds=Bounds(),
-        )
+        base = SimOptions(mode=mode, config=BatchingConfig(), goal=Goal(slo), cadence=CADENCE)
+        jobs.append((scenario, base, curve, seed))  # the tuner's, the longest: first
         jobs += [(scenario, static(base, c), curve, seed) for c in configs]
-        jobs.append((scenario, static(base, BatchingConfig()), curve, seed))
-        jobs.append((scenario, base, curve, seed))
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        results = list(pool.map(_run, jobs, chunksize=4))
+        results = list(pool.map(_run, jobs, chunksize=1))
     out: list[ScenarioResult] = []
-    per = len(configs) + 2
+    per = len(configs) + 1
     for k, (scenario, mode) in enumerate(plan):
-        chunk = results[k * per : (k + 1) * per]
-        best = pick_oracle(configs, chunk[: len(configs)], setup.slo_s)
+        tuner, *static_runs = results[k * per : (k + 1) * per]
+        best = pick_oracle(configs, static_runs, setup.slo_s)
         out.append(
             ScenarioResult(
-                scenario, mode, configs[best], chunk[best], chunk[-2], chunk[-1], setup.slo_s
+                scenario, mode, configs[best], static_runs[best], static_runs[default], tuner,
+                setup.slo_s,
             )
         )
     return out
@@ -291,8 +287,9 @@ def markdown(
     lines = [
         "## Tuning (bench/tuner.py)",
         "",
-        f"Simulated: one hour per scenario, interval {INTERVAL_S:g} s, window {WINDOW_S:g} s, "
-        f"p99 SLO {setup.slo_s:g} s, step-time curve {curve.source}; each scenario peaks at "
+        f"Simulated: one hour per scenario, interval {CADENCE.interval_s:g} s, "
+        f"window {CADENCE.window_s:g} s, p99 SLO {setup.slo_s:g} s, step-time curve "
+        f"{curve.source}; each scenario peaks at "
         f"{PEAK:g}x what the default config serves "
         f"({setup.default_capacity_rps['continuous']:.1f} req/s continuous, "
         f"{setup.default_capacity_rps['dynamic']:.1f} req/s dynamic). "
@@ -422,8 +419,9 @@ async def _real(seconds: float, workdir: Path) -> dict[str, Any]:
             ]
             stop = asyncio.Event()
             options = TuneOptions(
-                servers=(servers[1].url,), slo=Slo(REAL_SLO_S), interval_s=REAL_INTERVAL_S,
-                window_s=REAL_WINDOW_S, token=REAL_TOKEN, min_requests=30,
+                servers=(servers[1].url,), goal=Goal(Slo(REAL_SLO_S)),
+                cadence=Cadence(REAL_INTERVAL_S, REAL_WINDOW_S), token=REAL_TOKEN,
+                min_requests=30,
             )
             tuning = asyncio.create_task(tune_loop(options, None, stop))
             reports = await asyncio.gather(*(run_load(spec) for spec in load))

@@ -1,31 +1,36 @@
-"""Discrete-event simulator of one server, with the real tuner in the loop.
+"""Discrete-event simulation of one server: the real schedulers under a virtual clock,
+with the tuning loop in the loop.
 
-It plays a scenario (arrival rate and output lengths over time) against a
-model of the engine in either mode, driven by a step-time curve (measured
-seconds per decode step by batch size, `docs/step_times.json`), and every
-`interval_s` builds `Signals` from the last window the same way the real
-sources do (p99 read from the shared latency buckets) and calls
-`tuner.decide`. Time advances from event to event (arrival, completion,
-batch end, tick), so an hour of traffic plays in seconds.
+The engine (`server/engine.py`) runs step after step: its scheduler plans a step
+(`schedule(now)`), the model runs it, and the scheduler takes the sampled tokens
+back (`postprocess`). The simulator does the same with the same scheduler
+classes over the same `BlockPool`; only the model is replaced, by a step-time
+model read from the engine benchmark (`docs/step_times.json`: seconds per decode
+step by batch size): a step's prefill forward over T prompt tokens takes what a
+decode step of T rows takes, its decode forward over n rows what a decode step
+of n rows takes. Requests are added to the scheduler at their arrival time, as
+the engine's `submit` does while the model computes. Every `cadence.interval_s`
+one round of the tuning loop runs, with the simulated server as its signal
+source (the last window's signals, built like the scrape source builds them)
+and actuator (`reconfigure`, as `PUT /admin/batching` does). Time advances from
+event to event, so an hour of traffic plays in seconds.
 
-Engine model (DESIGN "Engine semantics"):
-- dynamic: a batch fires when `max_batch_size` requests wait or the oldest
-  has waited `batch_timeout_ms`; it reserves KV for prompt + output of every
-  member up front (cut smaller if it would not fit), decodes until its
-  longest member ends, and every member completes at that moment.
-- continuous: each step admits waiting requests while running <
-  `max_batch_size` and KV blocks allow; finished sequences leave at once;
-  when KV runs out mid-decode the newest running sequence is preempted and
-  recomputed later. An idle engine waits `batch_timeout_ms` for company.
-Prefill costs the curve's marginal per-sequence time per prompt token.
-Torch-free, numpy only.
+Fast-forward: after a decode-only step in which no sequence finished, the steps
+that follow are the same plan again until a sequence finishes, a request could
+be admitted, the pool runs short or the interval ends; those steps are applied
+together (each sequence's tokens and blocks advanced as the scheduler's decode
+plan and `postprocess` would) and the real scheduler plans the next one. A test
+replays traces with and without it and compares every completion.
+Torch-free.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import math
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -38,24 +43,36 @@ from batchpilot_operator.signals import (
     status_detail,
     traffic_status,
 )
-from batchpilot_operator.tuner import (
-    Bounds,
-    Decision,
-    Slo,
-    TunerParams,
-    TunerState,
-    decide,
-    signal_window_s,
+from batchpilot_operator.tuner import Cadence, Decision, Goal
+from batchpilot_operator.tuning_loop import (
+    ActuationReport,
+    Applied,
+    PlugPoints,
+    TuneStep,
+    TuningLoop,
 )
 from batchpilot_server.batching_config import BatchingConfig, Mode
+from batchpilot_server.block_pool import BlockPool
+from batchpilot_server.engine_api import (
+    EngineError,
+    EngineOptions,
+    QueueFullError,
+    SamplingParams,
+)
 from batchpilot_server.metric_names import LATENCY_BUCKETS
+from batchpilot_server.scheduler import Output, QueueScheduler, StepPlan
+from batchpilot_server.scheduler_continuous import ContinuousScheduler
+from batchpilot_server.scheduler_dynamic import DynamicScheduler
+from batchpilot_server.sequence import Sequence
 
 STEP_TIMES_FILE = Path(__file__).resolve().parent.parent / "docs" / "step_times.json"
 BUCKET_BOUNDS = (*LATENCY_BUCKETS, math.inf)
+# The engine's block size and prefill budget unless a simulation says otherwise.
+ENGINE_DEFAULTS = EngineOptions(mode="continuous", config=BatchingConfig())
 
-# DESIGN's CPU figures for the tiny model: ~0.7k tokens/s at batch 1 and
-# ~6.5k at batch 64, i.e. a step of 1/700 s and 64/6500 s; used only until
-# the engine's measured curve exists.
+# The tiny model's CPU figures, ~0.7k tokens/s at batch 1 and ~6.5k at batch 64
+# (a step of 1/700 s and 64/6500 s); used only where bench/engine.py has not
+# written docs/step_times.json.
 FALLBACK_CURVE = {1: 1 / 700, 64: 64 / 6500}
 
 
@@ -72,15 +89,11 @@ class StepCurve:
             raise ValueError("a step curve needs at least two (batch, seconds) points")
 
     def step_s(self, batch: int) -> float:
-        xs, ys = self.batch_sizes, self.seconds
-        if batch >= xs[-1]:  # extrapolate with the last segment's slope
-            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-            return ys[-1] + slope * (batch - xs[-1])
-        return float(np.interp(batch, xs, ys))
+        return _step_s(self, batch)
 
     @property
     def per_token_s(self) -> float:
-        """Marginal cost of one more sequence in a step: what a prompt token costs."""
+        """Marginal cost of one more sequence in a step."""
         xs, ys = self.batch_sizes, self.seconds
         return max(1e-6, (ys[-1] - ys[0]) / (xs[-1] - xs[0]))
 
@@ -91,11 +104,21 @@ class StepCurve:
 
     @classmethod
     def load(cls, path: Path = STEP_TIMES_FILE) -> StepCurve:
-        """The measured curve when the engine benchmark wrote one, else DESIGN's figures."""
+        """The measured curve when the engine benchmark wrote one, else built-in figures."""
         if not path.exists():
-            return cls.from_points(FALLBACK_CURVE, "fallback: DESIGN's CPU figures")
+            return cls.from_points(FALLBACK_CURVE, "fallback: built-in CPU figures")
         data = json.loads(path.read_text())
         return cls.from_points(_find_curve(data, path), f"measured: {path.name}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _step_s(curve: StepCurve, batch: int) -> float:
+    # Cached: a simulation asks for the same few batch sizes millions of times.
+    xs, ys = curve.batch_sizes, curve.seconds
+    if batch >= xs[-1]:  # extrapolate with the last segment's slope
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + slope * (batch - xs[-1])
+    return float(np.interp(batch, xs, ys))
 
 
 def _find_curve(data: Any, path: Path) -> dict[int, float]:
@@ -171,14 +194,14 @@ def make_workload(scenario: Scenario, seed: int) -> Workload:
 class SimOptions:
     mode: Mode
     config: BatchingConfig
-    slo: Slo
-    interval_s: float = 30.0
-    window_s: float = 60.0
+    goal: Goal
+    cadence: Cadence = field(default_factory=Cadence)
     kv_blocks: int = 4096
-    block_size: int = 16
+    block_size: int = ENGINE_DEFAULTS.block_size
+    prefill_budget: int = ENGINE_DEFAULTS.prefill_token_budget
     tune: bool = True
-    bounds: Bounds = field(default_factory=Bounds)
-    params: TunerParams = field(default_factory=TunerParams)
+    fast_forward: bool = True
+    trace: bool = False  # keep every step's batch size and every completion's step
 
 
 @dataclass
@@ -193,13 +216,20 @@ class Interval:
     queue_waits: list[float] = field(default_factory=list)
     tokens: int = 0
     preemptions: int = 0
-    batch_weighted: float = 0.0  # sum of batch size x steps (continuous) or batches (dynamic)
+    batch_weighted: float = 0.0  # sum of the batch sizes the engine records (per step or batch)
     batch_count: float = 0.0
     kv_max: float = 0.0
     waiting_at_end: int = 0
     config: BatchingConfig | None = None  # in force during the interval
     p99_s: float | None = None
     decision: Decision | None = None
+
+
+@dataclass(frozen=True)
+class Completion:
+    request: int  # index into the workload
+    at_s: float
+    step: int  # the engine step whose end completed it
 
 
 @dataclass
@@ -211,6 +241,8 @@ class SimResult:
     arrived: int
     duration_s: float
     p99_s: float | None
+    completions: list[Completion]  # in completion order (`trace` only)
+    batch_sizes: list[int]  # what each recording step records (`trace` only)
 
     @property
     def goodput(self) -> float:
@@ -218,87 +250,49 @@ class SimResult:
         return self.good / self.duration_s
 
 
-class _Engine:
-    """The mutable state of one simulated server and its event loop."""
+SAMPLED_TOKEN = 0  # what the model "samples": never an EOS (the simulated server has none)
+
+
+def new_scheduler(options: SimOptions, pool: BlockPool) -> QueueScheduler:
+    """The engine's scheduler for `options.mode`, with no EOS: requests end at max_tokens."""
+    policies: dict[Mode, Callable[[], QueueScheduler]] = {
+        "dynamic": lambda: DynamicScheduler(pool, options.config, frozenset()),
+        "continuous": lambda: ContinuousScheduler(
+            pool, options.config, frozenset(), options.prefill_budget
+        ),
+    }
+    return policies[options.mode]()
+
+
+class SimulatedServer:
+    """One server's scheduler and pool under a virtual clock; the tuning loop's signal
+    source and actuator."""
 
     def __init__(self, work: Workload, options: SimOptions, curve: StepCurve) -> None:
         self.work = work
         self.opt = options
         self.curve = curve
-        self.config = options.config
-        self.state = TunerState()
+        self.pool = BlockPool(options.kv_blocks, options.block_size)
+        self.scheduler = new_scheduler(options, self.pool)
         self.now = 0.0
         self.next_arrival = 0
-        self.waiting: deque[int] = deque()
-        self.admitted_at: dict[int, float] = {}
-        # continuous: per running sequence [request, tokens left, context tokens]
-        self.running: list[list[int]] = []
-        self.kv_used = 0
+        self.sequences: dict[Sequence, int] = {}  # admitted -> request index
         self.intervals: list[Interval] = []
-        self.current = Interval(end_s=options.interval_s, config=self.config)
+        self.current = Interval(end_s=options.cadence.interval_s, config=options.config)
         self.all_latencies: list[float] = []
         self.rejected = 0
-        # Tokens still to generate for preempted requests (they keep their progress).
-        self.left_after_preemption: dict[int, int] = {}
+        self.completions: list[Completion] = []
+        self.batch_sizes: list[int] = []
+        self.loop = TuningLoop(clock=lambda: self.now)
+        self.plugs = PlugPoints(source=self, actuator=self, recorder=self.record)
 
-    # -- arrivals and records -------------------------------------------------
+    # -- the tuning loop's plug points --------------------------------------------
 
-    def _arrival_time(self) -> float:
-        if self.next_arrival < len(self.work.arrivals):
-            return float(self.work.arrivals[self.next_arrival])
-        return math.inf
-
-    def _take_arrivals(self) -> None:
-        while self._arrival_time() <= self.now:
-            if len(self.waiting) >= self.config.max_queue_size:
-                self.current.rejected += 1
-                self.rejected += 1
-            else:
-                self.waiting.append(self.next_arrival)
-            self.next_arrival += 1
-
-    def _scheduled(self, request: int) -> None:
-        if request not in self.admitted_at:
-            self.admitted_at[request] = self.now
-            self.current.queue_waits.append(self.now - float(self.work.arrivals[request]))
-
-    def _complete(self, request: int, at: float) -> None:
-        latency = at - float(self.work.arrivals[request])
-        iv = self.current
-        iv.completed += 1
-        iv.good += latency <= self.opt.slo.p99_latency_s
-        iv.latencies.append(latency)
-        iv.tokens += int(self.work.outputs[request])
-        self.all_latencies.append(latency)
-        self.admitted_at.pop(request, None)
-
-    def _kv_sample(self) -> None:
-        self.current.kv_max = max(self.current.kv_max, self.kv_used / self.opt.kv_blocks)
-
-    def _blocks(self, tokens: int) -> int:
-        return -(-tokens // self.opt.block_size)
-
-    # -- ticks ----------------------------------------------------------------
-
-    def _tick(self) -> None:
-        iv = self.current
-        iv.waiting_at_end = len(self.waiting)
-        iv.p99_s = float(np.percentile(iv.latencies, 99)) if iv.latencies else None
-        self.intervals.append(iv)
-        if self.opt.tune:
-            signals = self.signals()
-            iv.decision = decide(
-                signals, self.config, self.opt.bounds, self.opt.slo, self.state, self.opt.params
-            )
-            self.config, self.state = iv.decision.config, iv.decision.state
-        self.current = Interval(end_s=iv.end_s + self.opt.interval_s, config=self.config)
-
-    def signals(self) -> Signals:
+    async def read(self, window_s: float) -> Signals:
         """Signals over the last window, built like the scrape source builds them."""
-        window_s = signal_window_s(self.state, self.opt.interval_s, self.opt.window_s)
-        count = max(1, round(window_s / self.opt.interval_s))
-        window = self.intervals[-count:]
-        window_s = len(window) * self.opt.interval_s
+        interval_s = self.opt.cadence.interval_s
+        window = self.intervals[-max(1, round(window_s / interval_s)) :]
+        window_s = len(window) * interval_s
         requests = sum(iv.completed for iv in window)
         waiting = float(window[-1].waiting_at_end)
         status = traffic_status(requests, waiting)
@@ -327,154 +321,222 @@ class _Engine:
             else None,
         )
 
-    def _advance_to(self, t: float) -> None:
-        """Move the clock to t, closing every interval boundary on the way."""
-        while self.current.end_s <= t:
-            self.now = self.current.end_s
-            self._take_arrivals()
-            self._tick()
-        self.now = t
+    async def in_force(self) -> BatchingConfig:
+        return self.scheduler.config
 
-    # -- the loop ---------------------------------------------------------------
+    async def apply(self, config: BatchingConfig) -> ActuationReport:
+        self.scheduler.reconfigure(config)  # from the next step on, as the engine does
+        return ActuationReport(applied=[Applied("simulated server", None)])
 
-    def run(self, duration_s: float) -> None:
-        step = self._continuous_event if self.opt.mode == "continuous" else self._dynamic_event
-        while self.now < duration_s:
-            self._take_arrivals()
-            step()
+    async def resync(self, config: BatchingConfig) -> ActuationReport:
+        return ActuationReport()  # one server, always in line
 
-    def _idle_until(self) -> float | None:
-        """When an engine with nothing running starts its next unit of work (None: now)."""
-        if not self.waiting:
-            return min(self._arrival_time(), self.current.end_s)
-        if len(self.waiting) >= self.config.max_batch_size:
-            return None
-        fire_at = float(self.work.arrivals[self.waiting[0]]) + self.config.batch_timeout_s
-        if fire_at <= self.now:
-            return None
-        return min(fire_at, self._arrival_time(), self.current.end_s)
+    def record(self, step: TuneStep) -> None:
+        self.intervals[-1].decision = step.decision
 
-    def _dynamic_event(self) -> None:
-        wait_until = self._idle_until()
-        if wait_until is not None:
-            self._advance_to(wait_until)
-            return
-        members: list[int] = []
-        blocks = 0
-        while self.waiting and len(members) < self.config.max_batch_size:
-            request = self.waiting[0]
-            need = self._blocks(int(self.work.prompts[request] + self.work.outputs[request]))
-            if members and blocks + need > self.opt.kv_blocks:
-                break  # cut the batch smaller rather than run out of KV
-            members.append(self.waiting.popleft())
-            blocks += need
-        for request in members:
-            self._scheduled(request)
-        self.kv_used = blocks
-        self._kv_sample()
-        outputs = sorted(int(self.work.outputs[r]) for r in members)
-        duration = self.curve.per_token_s * float(sum(self.work.prompts[r] for r in members))
-        done = 0
-        for i, out in enumerate(outputs):
-            duration += (out - done) * self.curve.step_s(len(outputs) - i)
-            done = out
-        self.current.batch_weighted += len(members)
-        self.current.batch_count += 1
-        end = self.now + duration
-        self._advance_to(end)
-        self.kv_used = 0
-        for request in members:
-            self._complete(request, end)
+    # -- the engine's loop --------------------------------------------------------
 
-    def _continuous_event(self) -> None:
-        if not self.running:
-            wait_until = self._idle_until()
-            if wait_until is not None:
-                self._advance_to(wait_until)
-                return
-        prefill = self._admit()
-        if not self.running:
-            # Only a request larger than the whole KV pool gets here: refuse it.
-            self.waiting.popleft()
-            self.current.rejected += 1
-            self.rejected += 1
-            return
-        n = len(self.running)
-        step_s = self.curve.step_s(n)
-        k = min(seq[1] for seq in self.running)
-        next_arrival = self._arrival_time()
-        if n < self.config.max_batch_size and not self.waiting and next_arrival < math.inf:
-            k = min(k, max(1, math.ceil((next_arrival - self.now) / step_s)))
-        k = min(k, max(1, math.ceil((self.current.end_s - self.now) / step_s)))
-        k = self._fit_kv(k)
-        if k == 0:
-            self._preempt_newest()
-            return
-        self.current.batch_weighted += n * k
-        self.current.batch_count += k
-        self.kv_used += sum(
-            self._blocks(seq[2] + k) - self._blocks(seq[2]) for seq in self.running
+    async def run(self, until_s: float) -> None:
+        """Step the scheduler until `until_s` (virtual seconds)."""
+        while self.now < until_s:
+            self._take_arrivals(self.now)
+            plan = self.scheduler.schedule(self.now)
+            self._deliver(plan.ended, self.now)
+            if not plan.size:
+                await self._advance_to(min(self._next_event(), until_s))
+                continue
+            await self._step(plan)
+
+    def _next_event(self) -> float:
+        """When an idle scheduler may plan again: its own wake-up, the next arrival, the
+        next interval's end (a round may change the config)."""
+        wake = self.scheduler.wake_at()
+        events = [self._arrival_time(), self.current.end_s]
+        return max(self.now, min(events if wake is None else [*events, wake]))
+
+    async def _step(self, plan: StepPlan) -> None:
+        self._observe(plan)
+        rows = _compute(plan)
+        end = self.now + self._step_s(plan)
+        await self._advance_to(end)  # arrivals and rounds while the model computes
+        outputs = self.scheduler.postprocess(
+            rows, [SAMPLED_TOKEN] * len(rows), [0.0] * len(rows), end
         )
-        self._kv_sample()
-        self._advance_to(self.now + prefill + k * step_s)
-        still: list[list[int]] = []
-        for seq in self.running:
-            seq[1] -= k
-            seq[2] += k
-            if seq[1] <= 0:
-                self.kv_used -= self._blocks(seq[2])
-                self._complete(seq[0], self.now)
-            else:
-                still.append(seq)
-        self.running = still
+        self._deliver(outputs, end)
+        if self.opt.fast_forward:
+            await self._fast_forward([seq for seq in rows if seq.finish_reason is None])
 
-    def _admit(self) -> float:
-        """Admit waiting requests while the batch and KV allow; the prefill time they add."""
-        prefill_tokens = 0
-        while self.waiting and len(self.running) < self.config.max_batch_size:
-            request = self.waiting[0]
-            output = int(self.work.outputs[request])
-            left = self.left_after_preemption.get(request, output)
-            context = int(self.work.prompts[request]) + output - left
-            need = self._blocks(context + 1)
-            # Keep a block per running sequence in reserve, so that the next step
-            # can always run (vLLM's watermark): admission never forces a preemption.
-            if self.kv_used + need + len(self.running) + 1 > self.opt.kv_blocks:
-                break
-            self.waiting.popleft()
-            self._scheduled(request)
-            self.kv_used += need
-            self.left_after_preemption.pop(request, None)
-            self.running.append([request, left, context + 1])
-            prefill_tokens += context
-        return prefill_tokens * self.curve.per_token_s
+    def _step_s(self, plan: StepPlan) -> float:
+        seconds = 0.0
+        if plan.prefill:
+            chunks = plan.chunks or [seq.num_uncomputed for seq in plan.prefill]
+            seconds += self.curve.step_s(sum(chunks))
+        if plan.decode:
+            seconds += self.curve.step_s(len(plan.decode))
+        return seconds
 
-    def _fit_kv(self, k: int) -> int:
-        """The most steps (<= k) the running sequences can take before KV runs out."""
-        free = self.opt.kv_blocks - self.kv_used
+    def _observe(self, plan: StepPlan) -> None:
+        """What the engine's observer records for a step."""
+        iv = self.current
+        iv.preemptions += len(plan.preempted)
+        for seq in plan.first_scheduled:
+            iv.queue_waits.append((seq.first_scheduled or seq.arrival) - seq.arrival)
+        if plan.batch_size:
+            self._record_batches(plan.batch_size, 1)
+        iv.kv_max = max(iv.kv_max, self.pool.usage_ratio)
 
-        def extra(steps: int) -> int:
+    def _record_batches(self, size: int, count: int) -> None:
+        self.current.batch_weighted += size * count
+        self.current.batch_count += count
+        if self.opt.trace:
+            self.batch_sizes += [size] * count
+
+    async def _fast_forward(self, decode: list[Sequence]) -> None:
+        """The next steps, applied at once where each would decode exactly `decode` (the
+        rows that sampled and go on) and finish none of them (module docstring)."""
+        if not decode or (
+            # continuous: every running sequence decodes next (none waits for a chunk)
+            self.opt.mode == "continuous" and len(decode) != self.scheduler.num_running
+        ):
+            return
+        steps = self._repeats(decode)
+        if steps <= 0:
+            return
+        for seq in decode:
+            self.pool.grow(seq.block_table, seq.num_tokens + steps - 1)
+            seq.token_ids += [SAMPLED_TOKEN] * steps
+            seq.num_computed = seq.num_tokens - 1
+        self.scheduler.steps += steps
+        if self.opt.mode == "continuous":  # each continuous step records its rows
+            self._record_batches(len(decode), steps)
+        await self._advance_to(self.now + steps * self.curve.step_s(len(decode)))
+        self.current.kv_max = max(self.current.kv_max, self.pool.usage_ratio)
+
+    def _repeats(self, decode: list[Sequence]) -> int:
+        """How many of the next steps plan exactly `decode` again and finish nothing."""
+        step_s = self.curve.step_s(len(decode))
+        limit = min(seq.params.max_tokens - seq.num_output for seq in decode) - 1
+        until = [self.current.end_s]
+        if self.opt.mode == "continuous":
+            if self._may_admit():
+                return 0
+            if not self.scheduler.num_waiting:  # an arrival would be admitted
+                until.append(self._arrival_time())
+        for at in until:
+            if at < math.inf:  # steps that start before `at`
+                limit = min(limit, math.ceil((at - self.now) / step_s))
+        if self.opt.mode == "continuous":
+            limit = self._blocks_allow(decode, limit)
+        return limit
+
+    def _may_admit(self) -> bool:
+        """Whether the continuous scheduler's next plan admits the head of the queue."""
+        scheduler = self.scheduler
+        if not scheduler.num_waiting or scheduler.num_running >= scheduler.config.max_batch_size:
+            return False
+        head = scheduler.waiting[0]
+        return self.pool.can_hold(head.block_table, head.num_tokens + 1)
+
+    def _blocks_allow(self, decode: list[Sequence], steps: int) -> int:
+        """The most steps (<= `steps`) the pool has blocks for without a preemption."""
+
+        def needed(k: int) -> int:
+            size = self.pool.block_size
             return sum(
-                self._blocks(seq[2] + steps) - self._blocks(seq[2]) for seq in self.running
+                -(-(seq.num_tokens + k - 1) // size) - len(seq.block_table) for seq in decode
             )
 
-        if extra(k) <= free:
-            return k
-        low, high = 0, k
+        if steps <= 0 or needed(steps) <= self.pool.num_free:
+            return steps
+        low, high = 0, steps
         while low < high:
             mid = (low + high + 1) // 2
-            if extra(mid) <= free:
+            if needed(mid) <= self.pool.num_free:
                 low = mid
             else:
                 high = mid - 1
         return low
 
-    def _preempt_newest(self) -> None:
-        request, left, context = self.running.pop()
-        self.kv_used -= self._blocks(context)
-        self.left_after_preemption[request] = left
-        self.waiting.appendleft(request)
-        self.current.preemptions += 1
+    # -- arrivals, completions, rounds ----------------------------------------------
+
+    def _arrival_time(self) -> float:
+        if self.next_arrival < len(self.work.arrivals):
+            return float(self.work.arrivals[self.next_arrival])
+        return math.inf
+
+    def _take_arrivals(self, until: float) -> None:
+        """Submit every request that arrived by `until`, in order."""
+        while self._arrival_time() <= until:
+            index = self.next_arrival
+            self.next_arrival += 1
+            seq = Sequence(
+                request_id=str(index),
+                prompt_ids=[0] * int(self.work.prompts[index]),
+                params=SamplingParams(max_tokens=int(self.work.outputs[index]), ignore_eos=True),
+                arrival=float(self.work.arrivals[index]),
+                deadline=None,
+                generator=None,
+            )
+            try:
+                self.scheduler.add(seq)
+            except QueueFullError:
+                self.current.rejected += 1
+                self.rejected += 1
+                continue
+            self.sequences[seq] = index
+
+    def _deliver(self, outputs: list[Output], at: float) -> None:
+        for output in outputs:
+            if not output.final:
+                continue
+            index = self.sequences.pop(output.seq)
+            if isinstance(output.item, EngineError):  # the engine ended it unserved
+                self.current.rejected += 1
+                self.rejected += 1
+                continue
+            latency = at - output.seq.arrival
+            iv = self.current
+            iv.completed += 1
+            iv.good += latency <= self.opt.goal.slo.p99_latency_s
+            iv.latencies.append(latency)
+            iv.tokens += output.seq.num_output
+            self.all_latencies.append(latency)
+            if self.opt.trace:
+                self.completions.append(Completion(index, at, output.item.step))
+
+    async def _advance_to(self, t: float) -> None:
+        """Move the clock to `t`, submitting arrivals and running a round at every
+        interval's end on the way."""
+        while self.current.end_s <= t:
+            self._take_arrivals(self.current.end_s)
+            self.now = self.current.end_s
+            await self._close_interval()
+        self._take_arrivals(t)
+        self.now = t
+
+    async def _close_interval(self) -> None:
+        iv = self.current
+        iv.waiting_at_end = self.scheduler.num_waiting
+        iv.p99_s = float(np.percentile(iv.latencies, 99)) if iv.latencies else None
+        self.intervals.append(iv)
+        if self.opt.tune:
+            await self.loop.round(self.opt.goal, self.opt.cadence, self.plugs)
+        self.current = Interval(
+            end_s=iv.end_s + self.opt.cadence.interval_s,
+            config=self.scheduler.config,
+            kv_max=self.pool.usage_ratio,
+        )
+
+
+def _compute(plan: StepPlan) -> list[Sequence]:
+    """What the model runner does to a plan's rows (their K/V computed); the rows that
+    sample a token."""
+    chunks = plan.chunks or [seq.num_uncomputed for seq in plan.prefill]
+    for seq, size in zip(plan.prefill, chunks, strict=True):
+        seq.num_computed += size
+    for seq in plan.decode:
+        seq.num_computed = seq.num_tokens
+    return [seq for seq in (*plan.prefill, *plan.decode) if seq.ready_to_sample]
 
 
 def _bucket_p99(values: list[float]) -> float | None:
@@ -492,7 +554,7 @@ def simulate(
     seed: int = 0,
     drain_s: float = 0.0,
 ) -> SimResult:
-    """Play `scenario` once; the tuner runs every interval when `options.tune`.
+    """Play `scenario` once; the tuning loop runs every interval when `options.tune`.
 
     `drain_s` keeps the server running that long after the last arrival window.
     """
@@ -503,19 +565,21 @@ def simulate(
 def simulate_workload(
     work: Workload, options: SimOptions, curve: StepCurve, run_s: float
 ) -> SimResult:
-    engine = _Engine(work, options, curve)
-    engine.run(run_s)
+    server = SimulatedServer(work, options, curve)
+    asyncio.run(server.run(run_s))
     # Requests still queued or running at the end count as not good.
-    ended = [*engine.intervals, engine.current]
-    latencies = engine.all_latencies
+    ended = [*server.intervals, server.current]
+    latencies = server.all_latencies
     return SimResult(
-        intervals=engine.intervals,
+        intervals=server.intervals,
         completed=sum(iv.completed for iv in ended),
         good=sum(iv.good for iv in ended),
-        rejected=engine.rejected,
+        rejected=server.rejected,
         arrived=len(work.arrivals),
         duration_s=run_s,
         p99_s=float(np.percentile(latencies, 99)) if latencies else None,
+        completions=server.completions,
+        batch_sizes=server.batch_sizes,
     )
 
 

@@ -1,4 +1,6 @@
-"""Simulator sanity: conservation, determinism, the engine semantics it claims, the real tuner."""
+"""Simulator sanity: conservation, determinism, the engine semantics it claims, the tuning
+loop, and fast-forward changing nothing (tests/test_simulator_replay.py checks it against the
+engine itself)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from batchpilot_operator.simulator import (
     simulate_workload,
     static,
 )
-from batchpilot_operator.tuner import Slo
+from batchpilot_operator.tuner import Goal, Slo
 from batchpilot_server.batching_config import BatchingConfig
 
 CURVE = StepCurve.from_points({1: 0.002, 64: 0.02}, "test")
@@ -27,7 +29,7 @@ SHORT = Scenario("steady", 600.0, 10.0, output_tokens=32, prompt_tokens=(8, 32))
 
 
 def options(mode: str, **changes: object) -> SimOptions:
-    base = SimOptions(mode=mode, config=BatchingConfig(), slo=SLO)  # type: ignore[arg-type]
+    base = SimOptions(mode=mode, config=BatchingConfig(), goal=Goal(SLO))  # type: ignore[arg-type]
     return replace(base, **changes)  # type: ignore[arg-type]
 
 
@@ -94,7 +96,7 @@ def test_continuous_batching_lets_the_short_request_leave_first() -> None:
     assert short < long / 5
 
 
-def test_the_real_tuner_runs_every_interval_and_acts_on_overload() -> None:
+def test_the_tuning_loop_runs_every_interval_and_acts_on_overload() -> None:
     overload = replace(SHORT, base_rate=60.0)
     start = BatchingConfig(max_batch_size=1, batch_timeout_ms=0.0)
     result = simulate(overload, options("continuous", config=start), CURVE, seed=4)
@@ -122,3 +124,28 @@ def test_step_curve_prefers_the_measured_file(tmp_path: Path) -> None:
     path.write_text(json.dumps({"model": "tiny"}))
     with pytest.raises(ValueError, match="no \\{batch size: seconds\\} mapping"):
         StepCurve.load(path)
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "continuous"])
+@pytest.mark.parametrize(
+    "kv_blocks", [pytest.param(4096, id="ample-kv"), pytest.param(90, id="tight-kv")]
+)
+def test_fast_forward_changes_no_completion(mode: str, kv_blocks: int) -> None:
+    """Steps applied together complete every request at the same time and step as steps
+    planned one by one, with the same batch sizes, preemptions and rejections."""
+    bursts = Scenario("bursts", 120.0, 25.0, output_tokens=64, prompt_tokens=(8, 32))
+    traced = options(mode, kv_blocks=kv_blocks, trace=True, config=BatchingConfig(24, 10.0))
+    fast = simulate(bursts, traced, CURVE, seed=2, drain_s=DRAIN_S)
+    slow = simulate(bursts, replace(traced, fast_forward=False), CURVE, seed=2, drain_s=DRAIN_S)
+    # Steps summed one by one and multiplied together round differently in the last bit.
+    assert [(c.request, c.step) for c in fast.completions] == [
+        (c.request, c.step) for c in slow.completions
+    ]
+    assert [c.at_s for c in fast.completions] == pytest.approx([c.at_s for c in slow.completions])
+    assert len(fast.completions) > 1000
+    assert fast.batch_sizes == slow.batch_sizes
+    assert fast.rejected == slow.rejected
+    assert [iv.preemptions for iv in fast.intervals] == [iv.preemptions for iv in slow.intervals]
+    assert [iv.decision for iv in fast.intervals] == [iv.decision for iv in slow.intervals]
+    if kv_blocks == 90 and mode == "continuous":
+        assert sum(iv.preemptions for iv in fast.intervals) > 0
