@@ -207,6 +207,12 @@ async def test_every_query_returns_data(
             result = await asyncio.to_thread(prom.query, substitute(expr))
             assert finite_values(result), f"{where}: no data for {substitute(expr)}: {result}"
 
+        # mixed output lengths in dynamic batches: finished members held their slots
+        waste = next(p for p in load_dashboard()["panels"] if p["title"] == "Batch slot waste")
+        finished = await asyncio.to_thread(prom.query, substitute(waste["targets"][0]["expr"]))
+        shares = {s["metric"]["policy"]: float(s["value"][1]) for s in finished}
+        assert shares["cont"] == 0.0 < shares["dyn"] < 1.0, shares
+
         variables = {v["name"]: v for v in load_dashboard()["templating"]["list"]}
         for name, expected in (("namespace", {NAMESPACE}), ("policy", set(POLICIES))):
             query, label = label_values_query(variables[name]["definition"])
