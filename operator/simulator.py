@@ -3,12 +3,13 @@ with the tuning loop in the loop.
 
 The engine (`server/engine.py`) runs step after step: its scheduler plans a step
 (`schedule(now)`), the model runs it, and the scheduler takes the sampled tokens
-back (`postprocess`). The simulator does the same with the same scheduler
-classes over the same `BlockPool`; only the model is replaced, by a step-time
-model read from the engine benchmark (`docs/step_times.json`: seconds per decode
-step by batch size): a step's prefill forward over T prompt tokens takes what a
-decode step of T rows takes, its decode forward over n rows what a decode step
-of n rows takes. Requests are added to the scheduler at their arrival time, as
+back (`postprocess`). The simulator does the same with the same schedulers
+(`scheduler_policies.new_scheduler`, ragged execution) over the same
+`BlockPool`; only the model is replaced, by a step-time model read from the
+engine benchmark (`docs/step_times.json`: seconds per decode step by batch
+size): a step's prefill forward over T prompt tokens takes what a decode step
+of T rows takes, its decode forward over n rows what a decode step of n rows
+takes. Requests are added to the scheduler at their arrival time, as
 the engine's `submit` does while the model computes. Every `cadence.interval_s`
 one round of the tuning loop runs, with the simulated server as its signal
 source (the last window's signals, built like the scrape source builds them)
@@ -30,7 +31,6 @@ import asyncio
 import functools
 import json
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -60,9 +60,8 @@ from batchpilot_server.engine_api import (
     SamplingParams,
 )
 from batchpilot_server.metric_names import LATENCY_BUCKETS
-from batchpilot_server.scheduler import Output, QueueScheduler, StepPlan
-from batchpilot_server.scheduler_continuous import ContinuousScheduler
-from batchpilot_server.scheduler_dynamic import DynamicScheduler
+from batchpilot_server.scheduler import Output, StepPlan
+from batchpilot_server.scheduler_policies import PolicyOptions, new_scheduler
 from batchpilot_server.sequence import Sequence
 
 STEP_TIMES_FILE = Path(__file__).resolve().parent.parent / "docs" / "step_times.json"
@@ -253,17 +252,6 @@ class SimResult:
 SAMPLED_TOKEN = 0  # what the model "samples": never an EOS (the simulated server has none)
 
 
-def new_scheduler(options: SimOptions, pool: BlockPool) -> QueueScheduler:
-    """The engine's scheduler for `options.mode`, with no EOS: requests end at max_tokens."""
-    policies: dict[Mode, Callable[[], QueueScheduler]] = {
-        "dynamic": lambda: DynamicScheduler(pool, options.config, frozenset()),
-        "continuous": lambda: ContinuousScheduler(
-            pool, options.config, frozenset(), options.prefill_budget
-        ),
-    }
-    return policies[options.mode]()
-
-
 class SimulatedServer:
     """One server's scheduler and pool under a virtual clock; the tuning loop's signal
     source and actuator."""
@@ -273,7 +261,11 @@ class SimulatedServer:
         self.opt = options
         self.curve = curve
         self.pool = BlockPool(options.kv_blocks, options.block_size)
-        self.scheduler = new_scheduler(options, self.pool)
+        # The engine's policy for the mode; no EOS: requests end at max_tokens.
+        policy = PolicyOptions(prefill_budget=options.prefill_budget)
+        self.scheduler = new_scheduler(
+            options.mode, self.pool, options.config, frozenset(), policy
+        )
         self.now = 0.0
         self.next_arrival = 0
         self.sequences: dict[Sequence, int] = {}  # admitted -> request index

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 from batchpilot_operator.signals import Signals
+from batchpilot_operator.spec import parse_spec
 from batchpilot_operator.tuner import (
     Bounds,
     Cadence,
@@ -198,6 +199,26 @@ def test_state_round_trips_through_a_dict() -> None:
 def test_bad_bounds_are_refused_with_a_clear_message(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("<=", "<=")):
         Bounds(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"interval_s": 0}, "must be positive"),
+        ({"interval_s": 30, "window_s": 10}, "must be at least the interval"),
+    ],
+)
+def test_bad_cadence_is_refused_with_a_clear_message(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Cadence(**kwargs)
+
+
+def test_a_policy_without_tuning_fields_tunes_with_the_one_set_of_defaults() -> None:
+    spec = parse_spec({})
+    assert spec.batching.bounds == Bounds()
+    assert spec.cadence == Cadence()
+    assert spec.goal == Goal(Slo(spec.p99_latency_ms / 1000))
+    assert spec.initial_config() == BatchingConfig()
 
 
 def test_bad_slo_is_refused() -> None:

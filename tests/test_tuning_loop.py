@@ -1,0 +1,131 @@
+"""The tuning loop's round with in-memory plug points: what it reads, applies and records,
+under which guard, and what a failure leaves."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+from batchpilot_operator.signals import Signals
+from batchpilot_operator.tuner import Cadence, Goal, Slo
+from batchpilot_operator.tuning_loop import (
+    ActuationReport,
+    Applied,
+    PlugPoints,
+    TuneStep,
+    TuningLoop,
+)
+from batchpilot_server.batching_config import BatchingConfig
+
+GOAL = Goal(Slo(p99_latency_s=1.0))
+CADENCE = Cadence(interval_s=10.0, window_s=30.0)
+# p99 well under the SLO while requests queue behind full batches: the rule grows the batch
+QUEUEING = Signals(
+    status="ok", requests=500, p99_latency_s=0.2, queue_wait_p99_s=0.1, mean_batch_size=4.0,
+    kv_usage=0.1,
+)  # fmt: skip
+QUIET = Signals(status="no_traffic")
+
+
+@dataclass
+class World:
+    """A source, an actuator and a recorder that note each call and whether the guard was
+    held at that moment."""
+
+    guard: asyncio.Lock
+    signals: list[Signals]
+    record: BatchingConfig | None = field(default_factory=lambda: BatchingConfig(4))
+    fail_apply: bool = False
+    calls: list[tuple[str, bool]] = field(default_factory=list)
+    windows: list[float] = field(default_factory=list)
+    steps: list[TuneStep] = field(default_factory=list)
+
+    def note(self, call: str) -> None:
+        self.calls.append((call, self.guard.locked()))
+
+    async def read(self, window_s: float) -> Signals:
+        self.note("read")
+        self.windows.append(window_s)
+        return self.signals.pop(0)
+
+    async def in_force(self) -> BatchingConfig | None:
+        self.note("in_force")
+        return self.record
+
+    async def apply(self, config: BatchingConfig) -> ActuationReport:
+        self.note("apply")
+        if self.fail_apply:
+            raise ConnectionError("the record could not be written")
+        self.record = config
+        return ActuationReport(applied=[Applied("server", 2)])
+
+    async def resync(self, config: BatchingConfig) -> ActuationReport:
+        self.note("resync")
+        return ActuationReport()
+
+    def recorder(self, step: TuneStep) -> None:
+        self.note("record")
+        self.steps.append(step)
+
+    @property
+    def plugs(self) -> PlugPoints:
+        return PlugPoints(source=self, actuator=self, recorder=self.recorder)
+
+
+def world(*signals: Signals) -> World:
+    return World(guard=asyncio.Lock(), signals=list(signals))
+
+
+async def test_a_change_is_applied_once_recorded_and_in_force_for_the_next_round() -> None:
+    w = world(QUEUEING, QUIET)
+    loop = TuningLoop(clock=lambda: 42.0)
+    step = await loop.round(GOAL, CADENCE, w.plugs, guard=w.guard)
+    assert step is not None and step.changed and step.decision.action == "grow_batch"
+    assert step.before == BatchingConfig(max_batch_size=4)
+    assert w.record == step.decision.config and step.report.applied
+    assert (step.index, step.at) == (0, 42.0)
+    # Read outside the guard; from the config in force to the record, inside it.
+    assert w.calls == [("read", False), ("in_force", True), ("apply", True), ("record", True)]
+    assert loop.state == step.decision.state
+
+    held = await loop.round(GOAL, CADENCE, w.plugs, guard=w.guard)
+    assert held is not None and not held.changed and held.index == 1
+    assert held.before == step.decision.config  # decided from what the record holds
+    assert [c for c, _ in w.calls[4:]] == ["read", "in_force", "resync", "record"]
+    # Right after a change the window is one interval, then it grows back.
+    assert w.windows == [CADENCE.window_s, CADENCE.interval_s]
+
+
+async def test_no_config_in_force_yet_means_no_decision_and_no_record() -> None:
+    w = world(QUEUEING)
+    w.record = None
+    assert await TuningLoop().round(GOAL, CADENCE, w.plugs) is None
+    assert [c for c, _ in w.calls] == ["read", "in_force"]
+
+
+async def test_a_failed_apply_leaves_the_state_and_the_next_round_decides_again() -> None:
+    w = world(QUEUEING, QUEUEING)
+    w.fail_apply = True
+    loop = TuningLoop()
+    with pytest.raises(ConnectionError):
+        await loop.round(GOAL, CADENCE, w.plugs, guard=w.guard)
+    assert not w.steps and not w.guard.locked()
+    assert loop.state.since_change > 0 and loop.rounds == 0  # nothing was put in force
+    w.fail_apply = False
+    step = await loop.round(GOAL, CADENCE, w.plugs, guard=w.guard)
+    assert step is not None and step.changed and step.index == 0
+    assert [c for c, _ in w.calls].count("apply") == 2  # the first never reached the record
+
+
+async def test_an_async_recorder_is_awaited() -> None:
+    w = world(QUIET)
+    recorded: list[int] = []
+
+    async def recorder(step: TuneStep) -> None:
+        await asyncio.sleep(0)
+        recorded.append(step.index)
+
+    plugs = PlugPoints(source=w, actuator=w, recorder=recorder)
+    await TuningLoop().round(GOAL, CADENCE, plugs)
+    assert recorded == [0]
