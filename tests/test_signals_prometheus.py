@@ -12,15 +12,17 @@ import numpy as np
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_instances
 from batchpilot_operator.signals_scrape import ScrapeSource
 from batchpilot_operator.tune_local import TuneOptions, tune_loop
-from batchpilot_operator.tuner import Cadence, Goal, Slo
+from batchpilot_operator.tuner import Bounds, Cadence, Goal, Slo
 from batchpilot_operator.tuning_loop import TuneStep
 from batchpilot_server import metric_names as names
+from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.loadgen import LengthDist, LoadSpec, run_load
 
 from tests.prometheus import requires_prometheus, run_prometheus
 from tests.servers import spawn_server
 
 BOUNDS = (*names.LATENCY_BUCKETS, math.inf)
+BATCH = 16
 SETTLE_DEADLINE_S = 30.0
 
 
@@ -38,8 +40,8 @@ async def test_p99_agrees_with_the_load_generator_and_the_tuner_rides_out_an_out
     tmp_path: Path,
 ) -> None:
     with (
-        spawn_server(tmp_path=tmp_path, max_batch_size=16) as first,
-        spawn_server(tmp_path=tmp_path, max_batch_size=16) as second,
+        spawn_server(tmp_path=tmp_path, max_batch_size=BATCH) as first,
+        spawn_server(tmp_path=tmp_path, max_batch_size=BATCH) as second,
     ):
         urls = [first.url, second.url]
         hosts = [u.removeprefix("http://") for u in urls]
@@ -92,8 +94,12 @@ async def test_p99_agrees_with_the_load_generator_and_the_tuner_rides_out_an_out
                 elif step.index == 1:
                     await asyncio.to_thread(prom.start)
 
+            # Bounds that pin the knobs where the servers run them: every round holds, so
+            # the window stays whole (a change would cut it to the last interval).
+            timeout = BatchingConfig().batch_timeout_ms
+            pinned = Bounds(BATCH, BATCH, timeout, timeout)
             options = TuneOptions(
-                servers=tuple(urls), goal=Goal(Slo(60.0)), prometheus_url=prom.url,
+                servers=tuple(urls), goal=Goal(Slo(60.0), pinned), prometheus_url=prom.url,
                 cadence=Cadence(0.5, window + 10), iterations=3,
             )
             steps = await tune_loop(options, outage)
