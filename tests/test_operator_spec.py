@@ -85,7 +85,7 @@ def test_an_unknown_preset_names_the_known_ones() -> None:
         ({"autotune": {"intervalSeconds": 60, "windowSeconds": 30}}, "InvalidAutotune", "shorter"),
         ({"replicas": "two"}, "InvalidSpec", "replicas must be an integer"),
         ({"replicas": True}, "InvalidSpec", "replicas must be an integer"),
-        ({"batching": {"mode": "greedy"}}, "InvalidSpec", "must be one of dynamic, continuous"),
+        ({"batching": {"mode": "greedy"}}, "InvalidSpec", "must be one of static, dynamic, continuous"),
         ({"batching": []}, "InvalidSpec", "batching must be an object"),
         ({"autotune": {"enabled": "yes"}}, "InvalidSpec", "true or false"),
         ({"batching": {"maxBatchSize": {"max": 5000}}}, "InvalidSpec", "between 1 and 1024"),
