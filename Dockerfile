@@ -18,7 +18,8 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY server ./server
 COPY operator ./operator
-RUN pip install . && python -c "import batchpilot_server, batchpilot_operator, torch"
+COPY tools ./tools
+RUN pip install . && python -c "import batchpilot_server, batchpilot_operator, batchpilot_tools, torch"
 # The native paged-attention kernel (batchpilot_server/csrc), built here because
 # the runtime image has no compiler. Its x86-64 build carries AVX-512, AVX2 and
 # baseline versions and picks one at load time, so the image runs on any node.

@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import hostage
 import model_refs
-from batchpilot_operator.prometheus_local import free_port
 from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.engine_api import EngineOptions, NullObserver, SamplingParams
-from batchpilot_server.loadgen import PROMPT_ALPHABET, LengthDist, LoadSpec, run_load
 from batchpilot_server.metric_names import BATCH_SIZE
+from batchpilot_tools.loadgen import PROMPT_ALPHABET, LengthDist, LoadSpec, run_load
+from batchpilot_tools.prometheus_local import free_port
 from sections import replace_section
 
 if TYPE_CHECKING:

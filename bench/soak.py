@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from batchpilot_operator.prometheus_local import free_port
 from batchpilot_server import metric_names as names
+from batchpilot_tools.prometheus_local import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from sections import replace_section
 

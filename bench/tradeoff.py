@@ -33,9 +33,9 @@ import aiohttp
 import hostage
 import model_refs
 import numpy as np
-from batchpilot_operator.prometheus_local import free_port
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.metric_names import BATCH_SLOT_STEPS_TOTAL, STEP_DURATION
+from batchpilot_tools.prometheus_local import free_port
 from sections import replace_section
 from serve import _wait_ready
 from tradeoff_sim import (

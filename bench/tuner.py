@@ -1,6 +1,6 @@
 """Tuner benchmark: the tuner against the best static config, per scenario and mode.
 
-Simulated part (operator/simulator.py: the engine's real schedulers and KV block
+Simulated part (tools/simulator.py: the engine's real schedulers and KV block
 pool under a virtual clock, the tuning loop in the loop, an hour of traffic per
 run): for each scenario and engine mode,
 - the oracle: the best static config of a grid (most goodput with the run's
@@ -38,9 +38,13 @@ from typing import Any
 import aiohttp
 import numpy as np
 from batchpilot_operator.actuators import get_batching
-from batchpilot_operator.demo import ServerProcess, stop_process, wait_ready
-from batchpilot_operator.prometheus_local import free_port
-from batchpilot_operator.simulator import (
+from batchpilot_operator.tune_local import TuneOptions, tune_loop
+from batchpilot_operator.tuner import Cadence, Goal, Slo
+from batchpilot_server.batching_config import BatchingConfig, Mode
+from batchpilot_tools.demo.supervisor import ServerProcess, stop_process, wait_ready
+from batchpilot_tools.loadgen import LengthDist, LoadReport, LoadSpec, run_load
+from batchpilot_tools.prometheus_local import free_port
+from batchpilot_tools.simulator import (
     Scenario,
     SimOptions,
     SimResult,
@@ -48,10 +52,6 @@ from batchpilot_operator.simulator import (
     simulate,
     static,
 )
-from batchpilot_operator.tune_local import TuneOptions, tune_loop
-from batchpilot_operator.tuner import Cadence, Goal, Slo
-from batchpilot_server.batching_config import BatchingConfig, Mode
-from batchpilot_server.loadgen import LengthDist, LoadReport, LoadSpec, run_load
 from sections import replace_section
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -9,7 +9,7 @@ What differs between them are its three plug points and who paces the rounds:
 - `batchpilot tune` (`tune_local.py`), which `batchpilot demo` runs: signals
   from Prometheus or a scrape of the servers; their URLs as actuator; printed
   lines (the demo's live view and plot) as record; a round every `--interval`;
-- the simulator (`simulator.py`): the simulated server is signal source and
+- the simulator (`tools/simulator.py`): the simulated server is signal source and
   actuator, each interval's record keeps the decision; a virtual clock.
 
 The config in force is the actuator's config of record: the ConfigMap in the

@@ -11,10 +11,10 @@ import sys
 # subcommand -> module exposing `main(argv: list[str]) -> int`
 SUBCOMMANDS = {
     "serve": ("batchpilot_server.serve", "run the inference server"),
-    "loadgen": ("batchpilot_server.loadgen", "drive load against servers"),
+    "loadgen": ("batchpilot_tools.loadgen", "drive load against servers"),
     "operator": ("batchpilot_operator.main", "run the Kubernetes operator"),
     "tune": ("batchpilot_operator.tune_local", "tune local servers"),
-    "demo": ("batchpilot_operator.demo", "local demo: servers, load, tuner"),
+    "demo": ("batchpilot_tools.demo.cli", "local demo: servers, load, tuner"),
 }
 
 

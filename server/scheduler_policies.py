@@ -1,6 +1,6 @@
 """The scheduler a batching mode names, with the options each policy takes.
 
-Torch-free: the engine and the operator's simulator build their schedulers here."""
+Torch-free: the engine and the simulator (tools/simulator.py) build their schedulers here."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Test fixture layer over `batchpilot_operator.prometheus_local`: a real Prometheus per test.
+"""Test fixture layer over `batchpilot_tools.prometheus_local`: a real Prometheus per test.
 
     with run_prometheus(tmp_path, [f"127.0.0.1:{server.port}"], labels={"policy": "demo"}) as prom:
         prom.wait_for_targets_up()
@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from batchpilot_operator.prometheus_local import (
+from batchpilot_tools.prometheus_local import (
     LocalPrometheus,
     PrometheusError,
     find_binary,

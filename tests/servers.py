@@ -26,11 +26,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from batchpilot_operator.prometheus_local import free_port
 from batchpilot_server.app import build_app
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine_api import EngineOptions
 from batchpilot_server.protocol import Limits
+from batchpilot_tools.prometheus_local import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 START_DEADLINE_S = 60.0

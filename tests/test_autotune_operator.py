@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from batchpilot_operator import builders, kube
 from batchpilot_operator.actuators import get_batching
-from batchpilot_server.loadgen import LengthDist, LoadSpec, run_load
+from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
 
 from tests.k8s_emulator import Cluster, condition, run_cluster, run_operator
 from tests.policies import policy_object

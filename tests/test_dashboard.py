@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 from batchpilot_operator.policy_metrics import PolicyMetrics
-from batchpilot_server.loadgen import LengthDist, LoadSpec, run_load
+from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
 
 from tests.prometheus import requires_prometheus, run_prometheus
 from tests.servers import ServerProcess, spawn_server

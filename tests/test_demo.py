@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from batchpilot_operator.demo import SERVERS, options_from
-from batchpilot_operator.demo import main as demo_main
-from batchpilot_operator.prometheus_local import find_binary
+from batchpilot_tools.demo.cli import main as demo_main
+from batchpilot_tools.demo.cli import options_from
+from batchpilot_tools.demo.options import SERVERS
+from batchpilot_tools.prometheus_local import find_binary
 
 from tests.usage import refused_usage
 

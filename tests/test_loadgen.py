@@ -11,7 +11,7 @@ import time
 import aiohttp
 import pytest
 from batchpilot_server import metric_names as names
-from batchpilot_server.loadgen import LengthDist, LoadSpec, RequestResult, run_load
+from batchpilot_tools.loadgen import LengthDist, LoadSpec, RequestResult, run_load
 
 from tests.servers import free_port, scrape, serve_in_process
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from wsgiref.simple_server import WSGIServer
 
 import pytest
-from batchpilot_operator.prometheus_local import LocalPrometheus, scrape_config
+from batchpilot_tools.prometheus_local import LocalPrometheus, scrape_config
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from tests.prometheus import PrometheusError, requires_prometheus, run_prometheus

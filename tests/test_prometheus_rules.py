@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 from batchpilot_operator.policy_metrics import PolicyMetrics
-from batchpilot_operator.prometheus_local import LocalPrometheus
+from batchpilot_tools.prometheus_local import LocalPrometheus
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from tests.prometheus import requires_prometheus

@@ -16,7 +16,7 @@ from batchpilot_operator.tuner import Bounds, Cadence, Goal, Slo
 from batchpilot_operator.tuning_loop import TuneStep
 from batchpilot_server import metric_names as names
 from batchpilot_server.batching_config import BatchingConfig
-from batchpilot_server.loadgen import LengthDist, LoadSpec, run_load
+from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
 
 from tests.prometheus import requires_prometheus, run_prometheus
 from tests.servers import spawn_server

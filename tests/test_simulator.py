@@ -10,7 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from batchpilot_operator.simulator import (
+from batchpilot_operator.tuner import Goal, Slo
+from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_tools.simulator import (
     Scenario,
     SimOptions,
     StepCurve,
@@ -20,8 +22,6 @@ from batchpilot_operator.simulator import (
     simulate_workload,
     static,
 )
-from batchpilot_operator.tuner import Goal, Slo
-from batchpilot_server.batching_config import BatchingConfig
 
 CURVE = StepCurve.from_points({1: 0.002, 64: 0.02}, "test")
 SLO = Slo(p99_latency_s=2.0)

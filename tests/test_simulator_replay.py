@@ -16,10 +16,10 @@ import asyncio
 
 import numpy as np
 import pytest
-from batchpilot_operator.simulator import SimOptions, StepCurve, Workload, simulate_workload
 from batchpilot_operator.tuner import Goal, Slo
 from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.engine_api import SamplingParams, TokenEvent
+from batchpilot_tools.simulator import SimOptions, StepCurve, Workload, simulate_workload
 
 from tests.engine_helpers import RecordingObserver, collect, started
 

@@ -13,7 +13,7 @@ from batchpilot_operator.actuators import get_batching
 from batchpilot_operator.tune_local import TuneOptions, main, tune_loop
 from batchpilot_operator.tuner import Cadence, Goal, Slo
 from batchpilot_operator.tuning_loop import TuneStep
-from batchpilot_server.loadgen import LengthDist, LoadSpec, run_load
+from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
 
 from tests.servers import free_port, serve_in_process, spawn_server
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
-from batchpilot_operator.prometheus_local import free_port
+from batchpilot_tools.prometheus_local import free_port
 
 KUBECONFIG = os.environ.get("BATCHPILOT_E2E_KUBECONFIG", "")
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,135 @@
+"""`batchpilot demo` (what `make demo` runs): watch the tuner work, with no cluster.
+
+Two `batchpilot serve` processes (continuous batching, a deliberately poor
+start config) form one local "policy"; Prometheus scrapes them when its
+binary is installed (otherwise the tuner scrapes `/metrics` itself); the load
+generator offers a steady rate that steps up midway; the local tuning loop
+moves both knobs. A live view shows what happens; at the end the run is
+plotted to `docs/demo.png` and summarised.
+
+`--model DIR|FILE.gguf` runs it on a real model instead of `tiny`, with a load
+scaled down to what a real model serves on a few CPU cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from batchpilot_operator.tune_local import TuneError
+from batchpilot_tools.demo.options import REAL_MODEL_PROFILE, TINY_PROFILE, DemoOptions, profile_for
+from batchpilot_tools.demo.plot import write_plot
+from batchpilot_tools.demo.run import run_demo
+from batchpilot_tools.demo.supervisor import DemoError, Stopped
+from batchpilot_tools.demo.view import say, summary_lines
+from batchpilot_tools.prometheus_local import PrometheusError
+
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="batchpilot demo", description=__doc__.splitlines()[0])
+    p.add_argument("--duration", type=float, default=180.0, help="seconds of load (default 180)")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="what the servers serve: a preset, a Hugging Face model directory or a .gguf "
+        "file (default tiny; a real model gets the smaller load and longer SLO below)",
+    )
+    tiny, real = TINY_PROFILE, REAL_MODEL_PROFILE
+    p.add_argument(
+        "--slo-p99-ms", type=float,
+        help=f"p99 latency SLO (ms; default {tiny.slo_p99_ms:g}, {real.slo_p99_ms:g} for a "
+        "real model)",
+    )  # fmt: skip
+    p.add_argument("--out", type=Path, default=Path("docs/demo.png"), help="plot to write")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between tuner decisions")
+    p.add_argument(
+        "--rate", type=float,
+        help=f"requests/s before the load step (default {tiny.rate:g}, {real.rate:g} for a "
+        "real model)",
+    )  # fmt: skip
+    p.add_argument(
+        "--step-factor", type=float,
+        help=f"load multiplier at the step (default {tiny.step_factor:g}, "
+        f"{real.step_factor:g} for a real model)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-prometheus",
+        action="store_true",
+        help="scrape the servers directly even when a prometheus binary is installed",
+    )
+    return p
+
+
+def options_from(argv: list[str]) -> DemoOptions:
+    p = parser()
+    args = p.parse_args(argv)
+    profile = profile_for(args.model)
+    slo_p99_ms = profile.slo_p99_ms if args.slo_p99_ms is None else args.slo_p99_ms
+    rate = profile.rate if args.rate is None else args.rate
+    step_factor = profile.step_factor if args.step_factor is None else args.step_factor
+    for flag, value in (
+        ("--duration", args.duration),
+        ("--slo-p99-ms", slo_p99_ms),
+        ("--interval", args.interval),
+        ("--rate", rate),
+        ("--step-factor", step_factor),
+    ):
+        if value <= 0:
+            p.error(f"{flag} must be positive, got {value:g}")
+    if args.duration < 4 * args.interval:
+        p.error(
+            f"--duration {args.duration:g} is too short for --interval {args.interval:g}: "
+            "the tuner needs at least 4 intervals"
+        )
+    return DemoOptions(
+        duration_s=args.duration,
+        slo_p99_ms=slo_p99_ms,
+        out=args.out,
+        interval_s=args.interval,
+        base_rate=rate,
+        step_factor=step_factor,
+        use_prometheus=not args.no_prometheus,
+        model=args.model,
+    )
+
+
+def main(argv: list[str]) -> int:
+    return asyncio.run(demo(options_from(argv), sys.stdout))
+
+
+async def demo(options: DemoOptions, stream: TextIO) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    received: list[signal.Signals] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig)
+        stop.set()
+
+    for sig in EXIT_CODES:
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        recording, report = await run_demo(options, stop, stream)
+    except Stopped:
+        say(stream, "interrupted while starting; everything it started is stopped")
+        return EXIT_CODES[received[0]]
+    except (DemoError, PrometheusError, TuneError) as exc:
+        print(f"batchpilot demo: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for sig in EXIT_CODES:
+            loop.remove_signal_handler(sig)
+    if recording.samples:
+        write_plot(recording, options.out)
+    else:
+        say(stream, f"no tuner interval completed, so no plot was written to {options.out}")
+    for line in summary_lines(recording, report, interrupted=bool(received)):
+        stream.write(line + "\n")
+    stream.flush()
+    return EXIT_CODES[received[0]] if received else 0
