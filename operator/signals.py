@@ -39,11 +39,23 @@ class Signals:
     preemption_rate: float = 0.0
     tokens_per_s: float = 0.0
     mean_batch_size: float | None = None  # sequences per executed step/batch
+    mean_latency_s: float | None = None  # arrival to last byte, mean of finished requests
+    # Output tokens per finished request: the median and the 90th percentile.
+    output_tokens_p50: float | None = None
+    output_tokens_p90: float | None = None
     detail: str = ""  # why the status is not ok, for humans
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def output_spread(self) -> float | None:
+        """p90 / p50 of the output lengths: 1 when all are equal, ~3.6 for a log-normal tail."""
+        p50, p90 = self.output_tokens_p50, self.output_tokens_p90
+        if p50 is None or p90 is None or p50 <= 0:
+            return None
+        return p90 / p50
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

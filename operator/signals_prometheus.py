@@ -52,22 +52,25 @@ def queries(selector: str, window_s: float) -> dict[str, str]:
     w = f"{max(1, round(window_s))}s"
     sel = "{" + selector + "}"
 
-    def p99(histogram: str) -> str:
-        return f"histogram_quantile(0.99, sum by (le) (rate({histogram}_bucket{sel}[{w}])))"
+    def quantile(q: float, histogram: str) -> str:
+        return f"histogram_quantile({q}, sum by (le) (rate({histogram}_bucket{sel}[{w}])))"
+
+    def mean(histogram: str) -> str:
+        return f"sum(rate({histogram}_sum{sel}[{w}])) / sum(rate({histogram}_count{sel}[{w}]))"
 
     return {
         "requests": f"sum(increase({names.REQUEST_DURATION}_count{sel}[{w}]))",
         "request_rate": f"sum(rate({names.REQUESTS_TOTAL}{sel}[{w}]))",
-        "p99": p99(names.REQUEST_DURATION),
-        "queue_wait_p99": p99(names.QUEUE_WAIT),
+        "p99": quantile(0.99, names.REQUEST_DURATION),
+        "queue_wait_p99": quantile(0.99, names.QUEUE_WAIT),
         "kv_usage": f"max(max_over_time({names.KV_CACHE_USAGE}{sel}[{w}]))",
         "waiting": f"sum({names.REQUESTS_WAITING}{sel})",
         "preemption_rate": f"sum(rate({names.PREEMPTIONS_TOTAL}{sel}[{w}]))",
         "tokens_per_s": f"sum(rate({names.GENERATION_TOKENS_TOTAL}{sel}[{w}]))",
-        "mean_batch_size": (
-            f"sum(rate({names.BATCH_SIZE}_sum{sel}[{w}])) / "
-            f"sum(rate({names.BATCH_SIZE}_count{sel}[{w}]))"
-        ),
+        "mean_batch_size": mean(names.BATCH_SIZE),
+        "mean_latency": mean(names.REQUEST_DURATION),
+        "output_tokens_p50": quantile(0.5, names.REQUEST_GENERATION_TOKENS),
+        "output_tokens_p90": quantile(0.9, names.REQUEST_GENERATION_TOKENS),
     }
 
 
@@ -150,6 +153,9 @@ class PrometheusSource:
             preemption_rate=values["preemption_rate"] or 0.0,
             tokens_per_s=values["tokens_per_s"] or 0.0,
             mean_batch_size=values["mean_batch_size"],
+            mean_latency_s=values["mean_latency"],
+            output_tokens_p50=values["output_tokens_p50"],
+            output_tokens_p90=values["output_tokens_p90"],
             detail=status_detail(status, requests, self.min_requests),
         )
 

@@ -34,7 +34,9 @@ SCRAPE_TIMEOUT_S = 5.0
 # A timer that fires a little early still counts the previous read as the window start.
 SCHEDULING_SLACK_S = 0.25
 SCHEDULING_SLACK_SHARE = 0.05
-HISTOGRAMS = (names.REQUEST_DURATION, names.QUEUE_WAIT, names.BATCH_SIZE)
+HISTOGRAMS = (
+    names.REQUEST_DURATION, names.QUEUE_WAIT, names.BATCH_SIZE, names.REQUEST_GENERATION_TOKENS,
+)
 COUNTERS = (names.REQUESTS_TOTAL, names.GENERATION_TOKENS_TOTAL, names.PREEMPTIONS_TOTAL)
 GAUGES = (names.KV_CACHE_USAGE, names.REQUESTS_WAITING)
 
@@ -195,7 +197,7 @@ class ScrapeSource:
         detail = status_detail(status, requests, self.min_requests)
         if self.errors:
             detail = "; ".join([detail, *self.errors.values()]).lstrip("; ")
-        batches = _total(deltas, names.BATCH_SIZE)
+        lengths = _merged_buckets(deltas, names.REQUEST_GENERATION_TOKENS)
         return Signals(
             status=status,
             window_s=window_s,
@@ -209,9 +211,10 @@ class ScrapeSource:
             waiting=waiting,
             preemption_rate=_total(deltas, names.PREEMPTIONS_TOTAL) / window_s,
             tokens_per_s=_total(deltas, names.GENERATION_TOKENS_TOTAL) / window_s,
-            mean_batch_size=(sum(t.sums.get(names.BATCH_SIZE, 0.0) for t in deltas) / batches)
-            if batches
-            else None,
+            mean_batch_size=_mean(deltas, names.BATCH_SIZE),
+            mean_latency_s=_mean(deltas, names.REQUEST_DURATION),
+            output_tokens_p50=quantile_from_buckets(0.5, lengths),
+            output_tokens_p90=quantile_from_buckets(0.9, lengths),
             detail=detail,
         )
 
@@ -238,3 +241,9 @@ def _merged_buckets(deltas: Sequence[Totals], name: str) -> dict[float, float]:
 
 def _total(deltas: Sequence[Totals], name: str) -> float:
     return sum(t.counts.get(name, 0.0) for t in deltas)
+
+
+def _mean(deltas: Sequence[Totals], histogram: str) -> float | None:
+    """A histogram's mean over the window; None when it observed nothing."""
+    count = _total(deltas, histogram)
+    return sum(t.sums.get(histogram, 0.0) for t in deltas) / count if count else None

@@ -449,6 +449,8 @@ class Generation:
         elif final:
             self.finish_reason = event.finish_reason
             delta += self._matcher.flush()
+        if self.finish_reason is not None:
+            metrics.request_generation_tokens.observe(self.completion_tokens)
         return delta
 
     def close(self) -> None:

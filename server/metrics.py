@@ -59,6 +59,11 @@ class ServerMetrics:
             "Sequences per executed step (continuous) or per batch (static, dynamic).",
             BATCH_SIZE_BUCKETS,
         )
+        self.request_generation_tokens = histogram(
+            names.REQUEST_GENERATION_TOKENS,
+            "Output tokens of each finished request.",
+            names.GENERATION_TOKEN_BUCKETS,
+        )
         self.step_duration = histogram(names.STEP_DURATION, "One model forward.", STEP_BUCKETS)
         self.hostage = histogram(
             names.HOSTAGE, "Static, dynamic: a finished sequence's wait for its batch.", latency
