@@ -12,6 +12,12 @@ spec change takes effect at the next one) it runs one round of
   bounded `history` of changes, the conditions Tuning, SLOMet and
   MetricsAvailable, and Events (Tuned, PushRefused, Resynced).
 
+A policy with `batching.mode: auto` also gets the mode choice
+(`mode_choice.choose_mode`) on each round's signals: `status.mode` and
+`status.modeReason` every round, and on a switch the ConfigMap's record, the
+Deployment's `--mode` (a rolling update, one drained pod at a time) and a
+ModeChanged Event.
+
 The ready pods are listed once per round and serve both the scrape and the
 actuator. The policy's lock (the one reconcile holds) is held from reading
 the ConfigMap to the end of the record. Because the config in force is read
@@ -26,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -34,8 +40,9 @@ import kopf
 from batchpilot_operator import builders, kube
 from batchpilot_operator.actuators import KubernetesActuator
 from batchpilot_operator.handlers import client_of, lock_of
+from batchpilot_operator.mode_choice import ModeChoice, ModeState, choose_mode
 from batchpilot_operator.pods import ReadyPod, ready_pods
-from batchpilot_operator.reconcile import now_iso, write_status
+from batchpilot_operator.reconcile import now_iso, read_mode, switch_mode, write_status
 from batchpilot_operator.signals import Signals, no_data
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_policy
 from batchpilot_operator.signals_scrape import ScrapeSource
@@ -57,6 +64,7 @@ class PolicyTuner:
     scrape: ScrapeSource | None = None
     resync_refused: str | None = None  # the last resync refusal reported, not to repeat it
     round_failure: str | None = None  # the last failed round reported, not to repeat it
+    mode: ModeState = field(default_factory=ModeState)  # batching.mode auto's evidence
 
 
 # -- pure parts: what a round writes ------------------------------------------------------
@@ -290,8 +298,40 @@ async def tune_once(
     )
     # Without the lock, a reconcile that read the ConfigMap before this round's write
     # could write its old value back: status and pods would then disagree with it.
-    await tuner.loop.round(spec.goal, spec.cadence, plugs, guard=lock_of(memo, (namespace, name)))
+    lock = lock_of(memo, (namespace, name))
+    step = await tuner.loop.round(spec.goal, spec.cadence, plugs, guard=lock)
+    if spec.batching.mode != "auto":
+        tuner.mode = ModeState()  # evidence from an earlier auto spec must not carry over
+    elif step is not None:
+        async with lock:
+            await choose_mode_once(client, policy, spec, step, tuner)
     return interval
+
+
+async def choose_mode_once(
+    client: kube.Client,
+    policy: Mapping[str, Any],
+    spec: PolicySpec,
+    step: TuneStep,
+    tuner: PolicyTuner,
+) -> ModeChoice:
+    """The mode choice on this round's signals; a switch is put in force and announced."""
+    meta = policy["metadata"]
+    current = builders.serving_mode(spec, await read_mode(client, meta["namespace"], meta["name"]))
+    choice = choose_mode(
+        step.signals, current, step.decision.config.max_batch_size, spec.goal.slo, tuner.mode
+    )
+    if choice.switched:
+        await switch_mode(client, policy, spec, choice.mode)
+        # The next window must show the new mode alone, as after a change of the knobs.
+        tuner.loop.state = replace(tuner.loop.state, since_change=0)
+        await client.create_event(
+            policy, "ModeChanged",
+            f"{choice.reason}; the pods roll to --mode {choice.mode} one at a time",
+        )
+    tuner.mode = choice.state
+    await write_status(client, policy, {"mode": choice.mode, "modeReason": choice.reason})
+    return choice
 
 
 def signal_source(

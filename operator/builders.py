@@ -2,7 +2,10 @@
 
 Tuned batching values live only in the ConfigMap (read by the server at start
 and pushed live by the tuner); the pod template never carries them, so a
-tuning decision never restarts a pod.
+tuning decision never restarts a pod. The batching mode in force is recorded
+in the ConfigMap too (key `mode`) and becomes the pods' `--mode`: a change of
+mode (`batching.mode: auto`) changes the template, and Kubernetes replaces
+the pods one drained pod at a time.
 """
 
 from __future__ import annotations
@@ -14,8 +17,8 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from batchpilot_operator.spec import ModelReference, PolicySpec, ServerSpec
-from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_operator.spec import DEFAULT_MODE, ModelReference, PolicySpec, ServerSpec
+from batchpilot_server.batching_config import MODES, BatchingConfig, Mode
 
 GROUP = "batchpilot.io"
 VERSION = "v1alpha1"
@@ -30,6 +33,7 @@ MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 MANAGER = "batchpilot-operator"
 
 CONFIG_KEY = "batching.json"
+MODE_KEY = "mode"
 TOKEN_KEY = "token"
 CONFIG_DIR = "/etc/batchpilot/batching"
 TOKEN_DIR = "/etc/batchpilot/admin"
@@ -89,6 +93,24 @@ def config_data(config: BatchingConfig) -> dict[str, str]:
     return {CONFIG_KEY: json.dumps(config.to_dict(), sort_keys=True)}
 
 
+def mode_data(mode: Mode) -> dict[str, str]:
+    """ConfigMap data recording the batching mode in force."""
+    return {MODE_KEY: mode}
+
+
+def parse_mode_data(data: Mapping[str, str] | None) -> Mode | None:
+    """The mode a ConfigMap records, or None when it records none (or no valid one)."""
+    mode = (data or {}).get(MODE_KEY)
+    return next((m for m in MODES if m == mode), None)
+
+
+def serving_mode(spec: PolicySpec, recorded: Mode | None) -> Mode:
+    """The mode the pods run: the spec's, or for auto the recorded choice (else the default)."""
+    if spec.batching.mode == "auto":
+        return recorded or DEFAULT_MODE
+    return spec.batching.mode
+
+
 def parse_config_data(data: Mapping[str, str] | None) -> BatchingConfig | None:
     """The config a ConfigMap holds, or None when it is missing or unreadable."""
     try:
@@ -97,12 +119,14 @@ def parse_config_data(data: Mapping[str, str] | None) -> BatchingConfig | None:
         return None
 
 
-def build_config_map(policy: Mapping[str, Any], config: BatchingConfig) -> dict[str, Any]:
+def build_config_map(
+    policy: Mapping[str, Any], config: BatchingConfig, mode: Mode = DEFAULT_MODE
+) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _metadata(policy, config_map_name(policy["metadata"]["name"])),
-        "data": config_data(config),
+        "data": {**config_data(config), **mode_data(mode)},
     }
 
 
@@ -136,7 +160,10 @@ def build_service(policy: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def build_deployment(policy: Mapping[str, Any], spec: PolicySpec) -> dict[str, Any]:
+def build_deployment(
+    policy: Mapping[str, Any], spec: PolicySpec, mode: Mode | None = None
+) -> dict[str, Any]:
+    """The Deployment serving `mode` (default: what `serving_mode` gives with no record)."""
     name = policy["metadata"]["name"]
     return {
         "apiVersion": "apps/v1",
@@ -155,7 +182,7 @@ def build_deployment(policy: Mapping[str, Any], spec: PolicySpec) -> dict[str, A
                         "prometheus.io/path": "/metrics",
                     },
                 },
-                "spec": _pod_spec(name, spec),
+                "spec": _pod_spec(name, spec, mode or serving_mode(spec, None)),
             },
         },
     }
@@ -163,20 +190,22 @@ def build_deployment(policy: Mapping[str, Any], spec: PolicySpec) -> dict[str, A
 
 def _rollout_strategy(spec: PolicySpec) -> dict[str, Any]:
     # With GPUs a surge pod would wait for a free GPU forever on a full node,
-    # so GPU policies replace one pod at a time instead.
-    if spec.server.gpus > 0:
+    # so GPU policies replace one pod at a time instead. Not under auto: a mode
+    # switch must not take capacity away, so the old pod serves until its
+    # replacement is ready (the switch needs room for one more pod).
+    if spec.server.gpus > 0 and spec.batching.mode != "auto":
         rolling = {"maxSurge": 0, "maxUnavailable": 1}
     else:
         rolling = {"maxSurge": 1, "maxUnavailable": 0}
     return {"type": "RollingUpdate", "rollingUpdate": rolling}
 
 
-def server_args(spec: PolicySpec) -> list[str]:
+def server_args(spec: PolicySpec, mode: Mode) -> list[str]:
     """`batchpilot serve` flags; the batching knobs come from the mounted config file."""
     return [
         "serve",
         "--model", model_argument(spec.server),
-        "--mode", spec.batching.mode,
+        "--mode", mode,
         "--port", str(SERVER_PORT),
         "--host", "0.0.0.0",
         "--device", spec.server.device,
@@ -253,13 +282,13 @@ def _quantity(amount: Any) -> Any:
     return str(amount) if isinstance(amount, int) and not isinstance(amount, bool) else amount
 
 
-def _pod_spec(name: str, spec: PolicySpec) -> dict[str, Any]:
+def _pod_spec(name: str, spec: PolicySpec, mode: Mode) -> dict[str, Any]:
     model_volumes, model_mounts = _model_volume(spec.server)
     container: dict[str, Any] = {
         "name": "server",
         "image": spec.server.image,
         "imagePullPolicy": "IfNotPresent",
-        "args": server_args(spec),
+        "args": server_args(spec, mode),
         "ports": [{"name": "http", "containerPort": SERVER_PORT, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}],
         "startupProbe": startup_probe(spec.server),

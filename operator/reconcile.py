@@ -26,7 +26,7 @@ from batchpilot_operator.kube import (
     Kind,
 )
 from batchpilot_operator.spec import PolicySpec, SpecError, parse_spec
-from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig, Mode
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ class Outcome:
 
     spec: PolicySpec | None
     config: BatchingConfig | None = None
+    mode: Mode | None = None  # the batching mode in force (the ConfigMap's record)
     ready_replicas: int = 0
     actions: list[str] = field(default_factory=list)
     error: SpecError | None = None
@@ -53,10 +54,10 @@ async def reconcile(client: Client, policy: Mapping[str, Any]) -> Outcome:
         return Outcome(spec=None, error=exc)
     outcome = Outcome(spec=spec)
     await _ensure_secret(client, policy, outcome)
-    outcome.config = await _ensure_config_map(client, policy, spec, outcome)
+    outcome.config, outcome.mode = await _ensure_config_map(client, policy, spec, outcome)
     await _ensure(client, SERVICES, builders.build_service(policy), outcome)
     deployment = await _ensure(
-        client, DEPLOYMENTS, builders.build_deployment(policy, spec), outcome
+        client, DEPLOYMENTS, builders.build_deployment(policy, spec, outcome.mode), outcome
     )
     outcome.ready_replicas = int((deployment.get("status") or {}).get("readyReplicas") or 0)
     for action in outcome.actions:
@@ -108,28 +109,35 @@ async def _ensure_secret(client: Client, policy: Mapping[str, Any], outcome: Out
 
 async def _ensure_config_map(
     client: Client, policy: Mapping[str, Any], spec: PolicySpec, outcome: Outcome
-) -> BatchingConfig:
-    """The config in force, kept inside the spec's bounds (tuned values survive otherwise)."""
+) -> tuple[BatchingConfig, Mode]:
+    """The config in force, kept inside the spec's bounds (tuned values survive otherwise),
+    and the mode in force: the spec's, or under auto the one the operator last chose."""
     metadata = policy["metadata"]
-    in_force = await read_config(client, metadata["namespace"], metadata["name"])
+    data = await _config_map_data(client, metadata["namespace"], metadata["name"])
+    in_force = builders.parse_config_data(data)
     config = spec.clamp(in_force) if in_force is not None else spec.initial_config()
-    await _ensure(client, CONFIGMAPS, builders.build_config_map(policy, config), outcome)
+    mode = builders.serving_mode(spec, builders.parse_mode_data(data))
+    await _ensure(client, CONFIGMAPS, builders.build_config_map(policy, config, mode), outcome)
     if in_force is not None and config != in_force:
         outcome.actions.append(
             f"re-clamped batching config to maxBatchSize={config.max_batch_size} "
             f"batchTimeoutMs={config.batch_timeout_ms:g} maxQueueSize={config.max_queue_size}"
         )
-    return config
+    return config, mode
 
 
 def _status_fields(policy: Mapping[str, Any], outcome: Outcome) -> dict[str, Any]:
-    assert outcome.config is not None
-    return {
+    assert outcome.config is not None and outcome.spec is not None
+    fields: dict[str, Any] = {
         "maxBatchSize": outcome.config.max_batch_size,
         "batchTimeoutMs": outcome.config.batch_timeout_ms,
+        "mode": outcome.mode,
         "readyReplicas": outcome.ready_replicas,
         "observedGeneration": _generation(policy),
     }
+    if outcome.spec.batching.mode != "auto":  # under auto the operator's choice says why
+        fields["modeReason"] = f"batching.mode is {outcome.spec.batching.mode}"
+    return fields
 
 
 def _ready(spec: PolicySpec, outcome: Outcome) -> dict[str, str]:
@@ -198,10 +206,34 @@ def _without_times(conditions: Sequence[Mapping[str, Any]]) -> list[dict[str, An
     )
 
 
+async def _config_map_data(client: Client, namespace: str, policy_name: str) -> dict[str, str]:
+    cm = await client.get(CONFIGMAPS, namespace, builders.config_map_name(policy_name))
+    return dict((cm or {}).get("data") or {})
+
+
 async def read_config(client: Client, namespace: str, policy_name: str) -> BatchingConfig | None:
     """The batching config in force for a policy (its ConfigMap), or None if absent/unreadable."""
-    cm = await client.get(CONFIGMAPS, namespace, builders.config_map_name(policy_name))
-    return builders.parse_config_data((cm or {}).get("data"))
+    return builders.parse_config_data(await _config_map_data(client, namespace, policy_name))
+
+
+async def read_mode(client: Client, namespace: str, policy_name: str) -> Mode | None:
+    """The batching mode the policy's ConfigMap records, or None if it records none."""
+    return builders.parse_mode_data(await _config_map_data(client, namespace, policy_name))
+
+
+async def switch_mode(
+    client: Client, policy: Mapping[str, Any], spec: PolicySpec, mode: Mode
+) -> None:
+    """Put `mode` in force: recorded in the ConfigMap first (a reconcile in between keeps
+    it), then the Deployment's `--mode`, which rolls the pods one drained pod at a time."""
+    metadata = policy["metadata"]
+    await client.patch(
+        CONFIGMAPS,
+        metadata["namespace"],
+        builders.config_map_name(metadata["name"]),
+        {"data": builders.mode_data(mode)},
+    )
+    await _ensure(client, DEPLOYMENTS, builders.build_deployment(policy, spec, mode), Outcome(spec))
 
 
 async def write_config(

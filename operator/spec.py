@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from batchpilot_operator.tuner import KV_HIGH_WATERMARK, Bounds, Cadence, Goal, Slo
 from batchpilot_server.batching_config import (
@@ -29,6 +29,11 @@ from batchpilot_server.batching_config import (
 )
 from batchpilot_server.model_presets import PRESET_NAMES
 
+# A policy's batching.mode: a server mode, or auto (the operator chooses, mode_choice.py).
+PolicyMode = Mode | Literal["auto"]
+POLICY_MODES: tuple[PolicyMode, ...] = (*MODES, "auto")
+# The CRD's default mode, and the one an auto policy serves until it has chosen.
+DEFAULT_MODE: Mode = "continuous"
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_IMAGE = "batchpilot:0.1.0"
@@ -81,7 +86,7 @@ class ServerSpec:
 
 @dataclass(frozen=True)
 class BatchingSpec:
-    mode: Mode
+    mode: PolicyMode
     initial: BatchingConfig  # where the knobs start; its queue size is the policy's
     bounds: Bounds  # the range the tuner may move them in
 
@@ -242,7 +247,7 @@ def _batching(raw: Mapping[str, Any]) -> BatchingSpec:
         1, MAX_QUEUE_SIZE_LIMIT,
     )  # fmt: skip
     return BatchingSpec(
-        mode=cast(Mode, _choice(raw, "mode", "continuous", "batching.mode", MODES)),
+        mode=cast(PolicyMode, _choice(raw, "mode", DEFAULT_MODE, "batching.mode", POLICY_MODES)),
         initial=BatchingConfig(int(batch[0]), float(timeout[0]), queue),
         bounds=Bounds(int(batch[1]), int(batch[2]), float(timeout[1]), float(timeout[2])),
     )
