@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMETHEUS_BIN ?= /usr/bin/prometheus
 
-.PHONY: setup prometheus test lint bench demo e2e-kind clean
+.PHONY: setup prometheus test test-fast lint bench demo e2e-kind clean
 
 setup: $(STAMP) prometheus
 
@@ -29,9 +29,15 @@ prometheus:
 	    echo "prometheus is missing: run 'sudo apt-get install -y --no-install-recommends prometheus'" >&2; exit 1; \
 	  fi; }
 
+# Everything: ruff, then tests/unit and tests/integration (pyproject's testpaths).
+# pytest's exit status 5 (no test collected) fails the target like any other.
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
+
+# The unit tests alone (under a minute): no servers, Prometheus or cluster emulator.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest tests/unit
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

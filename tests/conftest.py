@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import smollm2
+
+from tests.support import smollm2
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,258 @@
+"""The autotune daemon for real: Kopf against the emulator, pods that are real local servers."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from batchpilot_operator import builders, kube
+from batchpilot_operator.actuators import get_batching
+from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
+
+from tests.support.k8s_emulator import Cluster, condition, run_cluster, run_operator
+from tests.support.policies import policy_object
+from tests.support.prometheus import requires_prometheus, run_prometheus
+from tests.support.servers import ServerProcess, free_port, spawn_server
+
+TOKEN = "autotune-test-token"
+INTERVAL_S = 5  # the CRD's minimum
+TUNE_DEADLINE_S = 60.0  # a baseline round, then decisions every INTERVAL_S
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with run_cluster() as running:
+        yield running
+
+
+def policy(namespace: str, name: str = "llm", **autotune: Any) -> dict[str, Any]:
+    return policy_object(name, namespace, {
+        "replicas": 1,
+        "server": {"image": "batchpilot:test"},
+        "batching": {
+            "mode": "continuous",
+            "maxBatchSize": {"initial": 1, "min": 1, "max": 32},
+            "batchTimeoutMs": {"initial": 0, "min": 0, "max": 50},
+        },
+        "slo": {"p99LatencyMs": 30000},
+        "autotune": {"intervalSeconds": INTERVAL_S, "windowSeconds": 10, **autotune},
+    })
+
+
+async def admin_secret(cluster: Cluster, namespace: str, name: str = "llm") -> None:
+    """The policy's admin Secret made up front, so the local server can share its token."""
+    await cluster.create(kube.SECRETS, {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": {"name": builders.secret_name(name), "namespace": namespace},
+        "data": {builders.TOKEN_KEY: base64.b64encode(TOKEN.encode()).decode()},
+    })
+
+
+@contextlib.asynccontextmanager
+async def background_load(url: str) -> AsyncIterator[None]:
+    """Far more than a batch of one can serve: the queue grows until the tuner acts."""
+    spec = LoadSpec(
+        urls=[url], rate=40.0, duration_s=3 * TUNE_DEADLINE_S,
+        prompt_len=LengthDist("fixed", 16), output_len=LengthDist("fixed", 24),
+    )
+    task = asyncio.create_task(run_load(spec))
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def server_pod(
+    cluster: Cluster, tmp_path: Path, namespace: str
+) -> AsyncIterator[ServerProcess]:
+    """A real server at batch 1, timeout 0, sharing the policy's admin token, as pod llm-0."""
+    await admin_secret(cluster, namespace)
+    with spawn_server(
+        tmp_path=tmp_path, max_batch_size=1, batch_timeout_ms=0, max_queue_size=4096,
+        admin_token=TOKEN,
+    ) as server:
+        await cluster.add_server_pod(namespace, "llm", "llm-0", "127.0.0.1", server.port)
+        yield server
+
+
+def tuned(policy_obj: dict[str, Any]) -> bool:
+    return bool((policy_obj.get("status") or {}).get("history"))
+
+
+async def test_the_loop_tunes_a_real_server_and_a_restart_resumes_from_status(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    ns = "autotune"
+    async with server_pod(cluster, tmp_path, ns) as server:
+        # A pod that is Ready but whose server is gone: it must be reported, not fatal.
+        dead_port = free_port()
+        await cluster.add_server_pod(ns, "llm", "llm-1", "127.0.0.1", dead_port)
+        async with background_load(server.url), aiohttp.ClientSession() as session:
+            with run_operator(cluster):
+                await cluster.create(kube.POLICIES, policy(ns))
+                first = await cluster.wait_for(
+                    kube.POLICIES, ns, "llm", tuned, "a tuning change in status.history",
+                    TUNE_DEADLINE_S,
+                )
+            status = first["status"]
+            change = status["history"][0]
+            assert change["action"] == "grow_batch", change
+            assert change["maxBatchSize"] > 1
+            assert status["observed"]["requestRate"] > 0
+            for type_ in ("Tuning", "MetricsAvailable"):
+                assert condition(first, type_)["status"] == "True"  # type: ignore[index]
+            assert condition(first, "SLOMet") is not None
+            # The decision is in force everywhere: ConfigMap, the server, status.
+            in_force = await get_batching(session, server.url)
+            cm = await cluster.get(kube.CONFIGMAPS, ns, builders.config_map_name("llm"))
+            assert cm is not None
+            stored = builders.parse_config_data(cm["data"])
+            assert stored is not None
+            assert in_force.max_batch_size == stored.max_batch_size == status["maxBatchSize"]
+            events = {e["reason"]: e for e in await cluster.events_for(ns, "llm")}
+            assert "Tuned" in events, events
+            refused = events["PushRefused"]
+            assert refused["type"] == "Warning"
+            assert "llm-1: unreachable" in refused["message"]
+
+            # A new operator starts from what is in force, not from `initial`.
+            with run_operator(cluster):
+                def decided_again(obj: dict[str, Any]) -> bool:
+                    last = (obj.get("status") or {}).get("lastDecision") or {}
+                    return last.get("time", "") > status["lastDecision"]["time"]
+
+                resumed = await cluster.wait_for(
+                    kube.POLICIES, ns, "llm", decided_again, "a decision after the restart",
+                    TUNE_DEADLINE_S,
+                )
+            assert resumed["status"]["maxBatchSize"] >= status["maxBatchSize"] > 1
+            pushed = await get_batching(session, server.url)
+            assert pushed.max_batch_size >= in_force.max_batch_size
+
+
+async def test_disabled_autotune_changes_nothing(cluster: Cluster, tmp_path: Path) -> None:
+    ns = "disabled"
+    async with (
+        server_pod(cluster, tmp_path, ns) as server,
+        background_load(server.url),
+        aiohttp.ClientSession() as session,
+    ):
+        with run_operator(cluster):
+            await cluster.create(kube.POLICIES, policy(ns, enabled=False))
+            found = await cluster.wait_for_condition(
+                ns, "llm", "Tuning", "False", "Disabled", TUNE_DEADLINE_S
+            )
+            assert "enabled is false" in found["message"]
+            # A round ran under a load that makes an enabled tuner grow the batch
+            # at its first round (the test above): here nothing moved.
+            current = await cluster.get(kube.POLICIES, ns, "llm")
+        assert current is not None
+        assert not (current.get("status") or {}).get("history")
+        assert (current.get("status") or {}).get("lastDecision") is None
+        assert (await get_batching(session, server.url)).max_batch_size == 1
+        cm = await cluster.get(kube.CONFIGMAPS, ns, builders.config_map_name("llm"))
+        assert cm is not None
+        stored = builders.parse_config_data(cm["data"])
+        assert stored is not None and stored.max_batch_size == 1
+
+
+async def test_unreachable_prometheus_sets_metrics_available_false_and_holds(
+    cluster: Cluster,
+) -> None:
+    ns = "noprom"
+    dead = f"http://127.0.0.1:{free_port()}"
+    with run_operator(cluster):
+        await cluster.create(kube.POLICIES, policy(ns, prometheusUrl=dead))
+        found = await cluster.wait_for_condition(
+            ns, "llm", "MetricsAvailable", "False", "MetricsUnavailable", TUNE_DEADLINE_S
+        )
+        current = await cluster.get(kube.POLICIES, ns, "llm")
+    assert f"Prometheus at {dead} is unreachable" in found["message"]
+    assert current is not None
+    status = current["status"]
+    assert status["lastDecision"]["action"] == "hold"
+    assert status["maxBatchSize"] == 1
+    assert condition(current, "SLOMet")["status"] == "Unknown"  # type: ignore[index]
+
+
+@requires_prometheus
+async def test_prometheus_outage_holds_with_metrics_unavailable_and_recovers(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    ns = "outage"
+    async with server_pod(cluster, tmp_path, ns) as server:
+        with run_prometheus(
+            tmp_path, [f"127.0.0.1:{server.port}"], labels={"namespace": ns, "policy": "llm"}
+        ) as prometheus:
+            prometheus.wait_for_targets_up()
+            async with background_load(server.url):
+                with run_operator(cluster):
+                    await cluster.create(kube.POLICIES, policy(ns, prometheusUrl=prometheus.url))
+                    await cluster.wait_for_condition(
+                        ns, "llm", "MetricsAvailable", "True", "MetricsRead", TUNE_DEADLINE_S
+                    )
+                    prometheus.stop()
+                    down = await cluster.wait_for_condition(
+                        ns, "llm", "MetricsAvailable", "False", "MetricsUnavailable",
+                        TUNE_DEADLINE_S,
+                    )
+                    during = await cluster.get(kube.POLICIES, ns, "llm")
+                    prometheus.start()
+                    await cluster.wait_for_condition(
+                        ns, "llm", "MetricsAvailable", "True", "MetricsRead", TUNE_DEADLINE_S
+                    )
+    assert f"Prometheus at {prometheus.url} is unreachable" in down["message"]
+    assert during is not None
+    assert during["status"]["lastDecision"]["action"] == "hold"
+
+
+async def test_pods_holding_other_values_get_the_config_in_force_again(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """llm-0 runs other knobs than the ConfigMap (as after a refused push); llm-1 too,
+    but it knows an older token: one is brought back in line, the other reported once."""
+    ns = "resync"
+    await admin_secret(cluster, ns)
+    with (
+        spawn_server(
+            tmp_path=tmp_path, max_batch_size=3, batch_timeout_ms=7, admin_token=TOKEN
+        ) as drifted,
+        spawn_server(tmp_path=tmp_path, max_batch_size=2, admin_token="stale-token") as locked,
+    ):
+        await cluster.add_server_pod(ns, "llm", "llm-0", "127.0.0.1", drifted.port)
+        await cluster.add_server_pod(ns, "llm", "llm-1", "127.0.0.1", locked.port)
+        with run_operator(cluster):
+            await cluster.create(kube.POLICIES, policy(ns))
+            last = ""
+            for round_ in range(3):  # three rounds: the refusal must not repeat
+
+                def decided_again(obj: dict[str, Any], after: str = last) -> bool:
+                    decision = (obj.get("status") or {}).get("lastDecision") or {}
+                    return decision.get("time", "") > after
+
+                found = await cluster.wait_for(
+                    kube.POLICIES, ns, "llm", decided_again, f"round {round_ + 1}",
+                    TUNE_DEADLINE_S,
+                )
+                last = found["status"]["lastDecision"]["time"]
+                assert found["status"]["lastDecision"]["action"] == "hold"
+        async with aiohttp.ClientSession() as session:
+            brought_back = await get_batching(session, drifted.url)
+            still = await get_batching(session, locked.url)
+    assert (brought_back.max_batch_size, brought_back.batch_timeout_ms) == (1, 0)
+    assert still.max_batch_size == 2
+    events = await cluster.events_for(ns, "llm")
+    resynced = [e["message"] for e in events if e["reason"] == "Resynced"]
+    assert resynced == ["maxBatchSize 1, batchTimeoutMs 0 pushed again to llm-0: they held "
+                        "other values"]
+    refused = [e for e in events if e["reason"] == "PushRefused"]
+    assert len(refused) == 1 and refused[0]["type"] == "Warning"
+    assert refused[0]["message"].startswith("resync refused by llm-1: HTTP 403")

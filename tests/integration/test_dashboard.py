@@ -1,0 +1,221 @@
+"""manifests/grafana: the dashboard's structure, its provisioning, and every query against
+a real Prometheus scraping real servers under load.
+
+Grafana cannot run here, so the test does what Grafana would: substitute the
+template variables into each panel target and annotation, and run the query
+on the Prometheus HTTP API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from batchpilot_operator.policy_metrics import PolicyMetrics
+from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
+
+from tests.support import ROOT
+from tests.support.prometheus import requires_prometheus, run_prometheus
+from tests.support.servers import ServerProcess, spawn_server
+
+pytestmark = requires_prometheus
+
+GRAFANA_DIR = ROOT / "manifests" / "grafana"
+DASHBOARD = GRAFANA_DIR / "batchpilot.json"
+NAMESPACE = "test"
+# policy -> server mode: one of each, so mode-specific panels (hostage) have data
+POLICIES = {"cont": "continuous", "dyn": "dynamic"}
+# Grafana's $__rate_interval is at least 4 scrape intervals; the load runs longer.
+RATE_INTERVAL = "20s"
+LOAD_S = 14.0
+
+
+def load_dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def panel_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(where, expr) for every panel target and every Prometheus annotation."""
+    queries = [
+        (f"panel {panel['id']} {panel['title']!r} target {target['refId']}", target["expr"])
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+    ]
+    queries += [
+        (f"annotation {a['name']!r}", a["expr"])
+        for a in dashboard["annotations"]["list"]
+        if "expr" in a
+    ]
+    return queries
+
+
+def substitute(expr: str) -> str:
+    """What Grafana sends for namespace=test and policy=[cont, dyn] (multi-value regex)."""
+    out = (
+        expr.replace("$__rate_interval", RATE_INTERVAL)
+        .replace("$namespace", NAMESPACE)
+        .replace("$policy", "(" + "|".join(POLICIES) + ")")
+    )
+    assert "$" not in out, f"unsubstituted variable in {out}"
+    return out
+
+
+def label_values_query(definition: str) -> tuple[str, str]:
+    """Grafana's `label_values(selector, label)` as the PromQL `group by (label) (selector)`."""
+    match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", definition)
+    assert match, f"not a label_values() definition: {definition}"
+    selector, label = match.groups()
+    return f"group by ({label}) ({substitute(selector)})", label
+
+
+# --- structure -------------------------------------------------------------------------
+
+
+def test_panel_ids_refids_and_datasources() -> None:
+    dashboard = load_dashboard()
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids)), f"duplicate panel ids: {ids}"
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    uses_var = {"type": "prometheus", "uid": "${datasource}"}
+    for panel in dashboard["panels"]:
+        assert panel["datasource"] == uses_var, panel["title"]
+        refids = [target["refId"] for target in panel["targets"]]
+        assert len(refids) == len(set(refids)), panel["title"]
+        for target in panel["targets"]:
+            assert target["datasource"] == uses_var, panel["title"]
+            assert 'namespace=~"$namespace"' in target["expr"], panel["title"]
+            assert 'policy=~"$policy"' in target["expr"], panel["title"]
+    for annotation in dashboard["annotations"]["list"]:
+        if "expr" in annotation:
+            assert annotation["datasource"] == uses_var
+    for name in ("namespace", "policy"):
+        assert variables[name]["multi"] and variables[name]["includeAll"]
+
+
+def test_panels_do_not_overlap() -> None:
+    cells: set[tuple[int, int]] = set()
+    for panel in load_dashboard()["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
+        mine = {
+            (x, y)
+            for x in range(grid["x"], grid["x"] + grid["w"])
+            for y in range(grid["y"], grid["y"] + grid["h"])
+        }
+        assert not cells & mine, f"{panel['title']} overlaps another panel"
+        cells |= mine
+
+
+def test_kustomize_provisions_the_dashboard_verbatim() -> None:
+    rendered = subprocess.run(
+        ["kubectl", "kustomize", str(GRAFANA_DIR)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    maps = {doc["metadata"]["name"]: doc for doc in yaml.safe_load_all(rendered.stdout)}
+    dashboards = maps["batchpilot-grafana-dashboards"]
+    assert dashboards["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboards["data"]["batchpilot.json"]) == load_dashboard()
+    provisioning = maps["batchpilot-grafana-provisioning"]["data"]
+    provider = yaml.safe_load(provisioning["dashboards.yaml"])["providers"][0]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards/batchpilot"
+    datasource = yaml.safe_load(provisioning["datasources.yaml"])["datasources"][0]
+    assert datasource["type"] == "prometheus"
+
+
+# --- every query against real servers --------------------------------------------------
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[dict[str, ServerProcess]]:
+    with (
+        spawn_server(tmp_path=tmp_path, mode=POLICIES["cont"], max_batch_size=8) as cont,
+        spawn_server(tmp_path=tmp_path, mode=POLICIES["dyn"], max_batch_size=8) as dyn,
+    ):
+        yield {"cont": cont, "dyn": dyn}
+
+
+@pytest.fixture
+def policy_metrics() -> Iterator[int]:
+    """The per-policy SLO and watermark gauges, served as the operator would; yields the port."""
+    metrics = PolicyMetrics()
+    for policy in POLICIES:
+        metrics.publish(NAMESPACE, policy, slo_p99_ms=500, kv_high_watermark=0.9)
+    http, thread = metrics.serve(0, addr="127.0.0.1")
+    try:
+        yield http.server_port
+    finally:
+        http.shutdown()
+        thread.join(timeout=5)
+
+
+def put_batching(server: ServerProcess, changes: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        f"{server.url}/admin/batching",
+        data=json.dumps(changes).encode(),
+        method="PUT",
+        headers={"Authorization": f"Bearer {server.token}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return dict(json.loads(response.read()))
+
+
+def finite_values(result: list[dict[str, Any]]) -> list[float]:
+    return [float(s["value"][1]) for s in result if math.isfinite(float(s["value"][1]))]
+
+
+async def test_every_query_returns_data(
+    tmp_path: Path, servers: dict[str, ServerProcess], policy_metrics: int
+) -> None:
+    targets = {f"127.0.0.1:{s.port}": policy for policy, s in servers.items()}
+    operator_target = f"127.0.0.1:{policy_metrics}"
+    target_labels = {
+        target: {"policy": policy, "namespace": NAMESPACE, "pod": f"{policy}-0"}
+        for target, policy in targets.items()
+    }
+    with run_prometheus(
+        tmp_path, [*targets, operator_target], target_labels=target_labels
+    ) as prom:
+        await asyncio.to_thread(prom.wait_for_targets_up)
+        spec = LoadSpec(
+            urls=[s.url for s in servers.values()],
+            rate=12.0,
+            duration_s=LOAD_S,
+            prompt_len=LengthDist("fixed", 16),
+            # mixed lengths in one dynamic batch: the short ones are held hostage
+            output_len=LengthDist("uniform", 4, 24),
+        )
+        load = asyncio.create_task(run_load(spec))
+        await asyncio.sleep(LOAD_S / 2)  # the tuner's move lands mid-load, as in production
+        applied = await asyncio.to_thread(
+            put_batching, servers["cont"], {"max_batch_size": 4, "batch_timeout_ms": 5}
+        )
+        assert applied["max_batch_size"] == 4
+        report = await load
+        assert report.ok > 0, report
+
+        for where, expr in panel_queries(load_dashboard()):
+            result = await asyncio.to_thread(prom.query, substitute(expr))
+            assert finite_values(result), f"{where}: no data for {substitute(expr)}: {result}"
+
+        # mixed output lengths in dynamic batches: finished members held their slots
+        waste = next(p for p in load_dashboard()["panels"] if p["title"] == "Batch slot waste")
+        finished = await asyncio.to_thread(prom.query, substitute(waste["targets"][0]["expr"]))
+        shares = {s["metric"]["policy"]: float(s["value"][1]) for s in finished}
+        assert shares["cont"] == 0.0 < shares["dyn"] < 1.0, shares
+
+        variables = {v["name"]: v for v in load_dashboard()["templating"]["list"]}
+        for name, expected in (("namespace", {NAMESPACE}), ("policy", set(POLICIES))):
+            query, label = label_values_query(variables[name]["definition"])
+            values = {s["metric"][label] for s in await asyncio.to_thread(prom.query, query)}
+            assert values == expected, f"variable {name}: {values}"

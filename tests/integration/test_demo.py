@@ -1,0 +1,210 @@
+"""`batchpilot demo` as a user runs it: a real subprocess with real servers, Prometheus,
+load and tuner; it must write its plot and summary and leave no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from batchpilot_tools.demo.cli import main as demo_main
+from batchpilot_tools.demo.cli import options_from
+from batchpilot_tools.demo.options import SERVERS
+from batchpilot_tools.prometheus_local import find_binary
+
+from tests.support.usage import refused_usage
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+EXIT_DEADLINE_S = 60.0
+# the servers, plus Prometheus where it is installed
+CHILDREN = SERVERS + (find_binary() is not None)
+
+
+def children_of(pid: int) -> set[int]:
+    """Live processes whose parent is `pid`, read from /proc."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited while we looked
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+class DemoRun:
+    """The demo as a subprocess; tracks every child it ever had, always kills what is left."""
+
+    def __init__(self, tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.out = tmp_path / "demo.png"
+        self.log = tmp_path / "demo.out"
+        command = [
+            sys.executable, "-m", "batchpilot_server.cli", "demo",
+            "--out", str(self.out), *args,
+        ]  # fmt: skip
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
+        self.children: set[int] = set()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def watch_until(self, done: object, timeout_s: float) -> None:
+        """Record children while polling `done()` (a callable) until true or the demo exits."""
+        assert callable(done)
+        deadline = time.monotonic() + timeout_s
+        while self.proc.poll() is None and not done():
+            self.children |= children_of(self.proc.pid)
+            assert time.monotonic() < deadline, f"timed out; output:\n{self.output()}"
+            time.sleep(0.2)
+
+    def run_to_exit(self) -> int:
+        """The demo's exit code once it ends by itself; anything it left running is killed."""
+        try:
+            self.watch_until(lambda: False, EXIT_DEADLINE_S + 300)
+            return self.proc.wait()
+        finally:
+            self.kill_leftovers()
+
+    def kill_leftovers(self) -> None:
+        for pid in [self.proc.pid, *self.children]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def assert_clean(run: DemoRun, expected_children: int) -> None:
+    assert len(run.children) >= expected_children, (run.children, run.output())
+    deadline = time.monotonic() + 5  # the kernel reaps reparented children asynchronously
+    while any(alive(pid) for pid in run.children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [pid for pid in run.children if alive(pid)]
+    assert not left, f"processes left behind: {left}\n{run.output()}"
+
+
+def assert_plot(path: Path) -> None:
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC)
+    assert len(data) > 10_000  # a real figure, not an empty canvas
+
+
+def test_short_demo_writes_plot_and_summary(tmp_path: Path) -> None:
+    run = DemoRun(tmp_path, "--duration", "20", "--interval", "4")
+    code = run.run_to_exit()
+    output = run.output()
+    assert code == 0, output
+    # not a terminal: one plain line per tuner interval, then the summary
+    interval_lines = [line for line in output.splitlines() if line.startswith("t=")]
+    assert len(interval_lines) >= 3, output
+    assert "batchpilot demo summary" in output
+    assert "\x1b[" not in output
+    assert_plot(run.out)
+    assert_clean(run, expected_children=CHILDREN)
+
+
+@pytest.mark.parametrize(
+    ("sig", "extra", "children"),
+    [
+        (signal.SIGINT, [], CHILDREN),
+        # SIGTERM on the direct-scrape path, so that path runs too
+        (signal.SIGTERM, ["--no-prometheus"], SERVERS),
+    ],
+    ids=["sigint-prometheus", "sigterm-direct-scrape"],
+)
+def test_signal_midway_stops_everything(
+    tmp_path: Path, sig: signal.Signals, extra: list[str], children: int
+) -> None:
+    run = DemoRun(tmp_path, "--duration", "120", "--interval", "3", *extra)
+    try:
+        run.watch_until(lambda: "t=" in run.output(), timeout_s=90)
+        assert run.proc.poll() is None, run.output()
+        run.proc.send_signal(sig)
+        code = run.proc.wait(timeout=EXIT_DEADLINE_S)
+    finally:
+        run.kill_leftovers()
+    output = run.output()
+    assert code == 128 + sig, output
+    assert "summary (interrupted)" in output
+    assert "Traceback" not in output
+    assert_plot(run.out)
+    assert_clean(run, expected_children=children)
+
+
+def test_sigint_while_starting_stops_the_servers(tmp_path: Path) -> None:
+    run = DemoRun(tmp_path, "--duration", "60")
+    try:
+        # the servers are being started: interrupt before anything is ready
+        run.watch_until(lambda: len(run.children) >= SERVERS, timeout_s=30)
+        run.proc.send_signal(signal.SIGINT)
+        code = run.proc.wait(timeout=EXIT_DEADLINE_S)
+    finally:
+        run.kill_leftovers()
+    output = run.output()
+    assert code == 128 + signal.SIGINT, output
+    assert "interrupted while starting" in output
+    assert "Traceback" not in output
+    assert not run.out.exists()
+    assert_clean(run, expected_children=SERVERS)
+
+
+def test_broken_prometheus_is_reported_and_servers_stopped(tmp_path: Path) -> None:
+    run = DemoRun(tmp_path, "--duration", "60", env={"PROMETHEUS_BIN": "/bin/false"})
+    code = run.run_to_exit()
+    output = run.output()
+    assert code == 1, output
+    assert "batchpilot demo: prometheus exited during start" in output
+    assert "Traceback" not in output
+    assert_clean(run, expected_children=SERVERS)
+
+
+def test_the_servers_serve_the_model_the_demo_is_given(tmp_path: Path) -> None:
+    # A model path that does not exist: the servers get it and refuse it at once,
+    # which shows it reached them without loading a real model for minutes.
+    missing = tmp_path / "no-such-model.gguf"
+    run = DemoRun(tmp_path, "--model", str(missing), "--duration", "20", "--interval", "4",
+                  "--no-prometheus")
+    code = run.run_to_exit()
+    output = run.output()
+    assert code == 1, output
+    assert f"servers of {missing}" in output
+    assert "exited with" in output and str(missing) in output.split("exited with", 1)[1]
+    assert not run.out.exists()
+    assert_clean(run, expected_children=SERVERS)
+
+
+def test_a_real_model_gets_a_lighter_load_and_a_longer_slo_unless_told_otherwise() -> None:
+    tiny, real = options_from([]), options_from(["--model", "SmolLM2.gguf"])
+    assert tiny.model == "tiny" and real.model == "SmolLM2.gguf"
+    assert real.base_rate < tiny.base_rate
+    assert real.base_rate * real.step_factor < tiny.base_rate * tiny.step_factor
+    assert real.slo_p99_ms > tiny.slo_p99_ms
+    told = options_from(["--model", "SmolLM2.gguf", "--rate", "3", "--slo-p99-ms", "700"])
+    assert (told.base_rate, told.slo_p99_ms) == (3.0, 700.0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--duration", "0"], "--duration must be positive"),
+        (["--duration", "10", "--interval", "5"], "too short for --interval"),
+    ],
+)
+def test_bad_flags_are_explained(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert message in refused_usage(demo_main, argv, capsys)

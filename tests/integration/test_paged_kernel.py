@@ -1,0 +1,339 @@
+"""The native paged-attention kernel: built with the system compiler into the
+user's cache, reused when unchanged, and a clear error or the torch fallback
+where it cannot be built. And both paged attention paths (the kernel and torch)
+against full causal attention for grouped-query shapes, dtypes and chunked
+prefill, below the model: an `AttentionProbe` feeds them fixed random q/k/v."""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import replace
+from itertools import pairwise
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from batchpilot_server.attention_kernel import NativeDecodeAttention, row_parts
+from batchpilot_server.attention_kernel_build import (
+    KernelUnavailableError,
+    library_path,
+    paged_decode_kernel,
+)
+from batchpilot_server.block_pool import KVAccountingError
+from batchpilot_server.engine_api import SamplingParams
+from batchpilot_server.kv_cache import KVCache
+from batchpilot_server.model_runner import ModelRunner
+from batchpilot_server.models import Attention, CausalAttention, ModelSpec, build_model, get_spec
+from batchpilot_server.sequence import Sequence
+from batchpilot_server.serve import main as serve_main
+
+from tests.support.engine_helpers import ATTENTIONS, requires_c_compiler
+
+LOAD = (
+    "from batchpilot_server.attention_kernel_build import paged_decode_kernel; "
+    "paged_decode_kernel()"
+)
+
+
+@pytest.fixture
+def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty kernel cache, and no kernel loaded in this process yet."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    paged_decode_kernel.cache_clear()
+    yield tmp_path / "batchpilot"
+    paged_decode_kernel.cache_clear()
+
+
+def runner(attention: str, dtype: torch.dtype = torch.float32) -> ModelRunner:
+    cache = KVCache(get_spec("tiny"), num_blocks=8, block_size=16, device="cpu", dtype=dtype)
+    return ModelRunner(build_model("tiny", "cpu"), cache, attention)  # type: ignore[arg-type]
+
+
+@requires_c_compiler
+def test_built_once_into_the_cache_then_reused(fresh_cache: Path) -> None:
+    env = {**os.environ, "XDG_CACHE_HOME": str(fresh_cache.parent)}
+    subprocess.run([sys.executable, "-c", LOAD], env=env, check=True, timeout=120)
+    built = library_path()
+    assert built.parent == fresh_cache and built.exists()
+    first = built.stat().st_mtime_ns
+    # a second process must load the same file, not rebuild it: with no compiler at
+    # all it still succeeds
+    env["CC"] = "/nonexistent/cc"
+    subprocess.run([sys.executable, "-c", LOAD], env=env, check=True, timeout=120)
+    assert built.stat().st_mtime_ns == first
+    assert [p.name for p in fresh_cache.iterdir()] == [built.name]  # no temporary left
+
+
+@requires_c_compiler
+def test_a_library_others_could_replace_is_refused(fresh_cache: Path) -> None:
+    runner("native")  # builds it
+    library = library_path()
+    assert stat.S_IMODE(library.stat().st_mode) == 0o755  # other users may load it
+    fresh_cache.chmod(0o777)
+    paged_decode_kernel.cache_clear()
+    with pytest.raises(KernelUnavailableError, match=r"refusing to load the kernel: .* mode 777"):
+        runner("native")
+    assert runner("auto").attention == "torch"
+    fresh_cache.chmod(0o755)
+    library.chmod(0o766)
+    paged_decode_kernel.cache_clear()
+    with pytest.raises(KernelUnavailableError, match=r"paged_attention-.*\.so is owned by"):
+        runner("native")
+
+
+def test_native_without_a_compiler_is_a_clear_error(
+    fresh_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(KernelUnavailableError, match=r"no C compiler .*'/nonexistent/cc' not"):
+        runner("native")
+
+
+def test_a_failing_compiler_shows_its_message(
+    fresh_cache: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'fatal: no space left on device' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    with pytest.raises(KernelUnavailableError, match=r"failed .*exit 3.*no space left on device"):
+        runner("native")
+    assert [p.name for p in fresh_cache.iterdir()] == []  # no half-built library
+
+
+def test_auto_falls_back_to_torch_and_says_why(
+    fresh_cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING):
+        assert runner("auto").attention == "torch"
+    assert "using the slower torch path: no C compiler" in caplog.text
+
+
+@requires_c_compiler
+def test_backend_choice_and_its_errors(fresh_cache: Path) -> None:
+    assert runner("auto").attention == "native"
+    assert runner("torch").attention == "torch"
+    with pytest.raises(ValueError, match="attention must be one of auto, native, torch"):
+        runner("fast")
+    with pytest.raises(ValueError, match="runs on the CPU in float32; this cache is cpu"):
+        runner("native", torch.float64)
+    assert runner("auto", torch.float64).attention == "torch"
+
+
+def test_serve_without_the_kernel_exits_1_with_the_reason(
+    fresh_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    code = serve_main(["--device", "cpu", "--threads", "1", "--attention", "native", "--port", "0"])
+    assert code == 1
+    assert "cannot start the engine: no C compiler" in capsys.readouterr().err
+
+
+@requires_c_compiler
+def test_a_table_too_short_for_its_tokens_is_refused_before_c_reads_it() -> None:
+    native = runner("native")
+    seq = Sequence("short", [256, *range(1, 20)], SamplingParams(max_tokens=4), 0.0, None, None)
+    assert native.cache.pool.grow(seq.block_table, 16)  # one block for 20 tokens
+    with pytest.raises(KVAccountingError, match="fewer blocks than its tokens need"):
+        native.decode([seq])
+
+
+def test_row_parts_cover_every_row_once_with_balanced_tokens() -> None:
+    lengths = np.array([500, 20, 20, 20, 400, 100, 300, 40])  # 1400 tokens
+    parts = row_parts(lengths, most=3, min_tokens=100)
+    assert parts[0][0] == 0 and parts[-1][1] == len(lengths)
+    assert all(a[1] == b[0] for a, b in pairwise(parts))  # contiguous, no gap or overlap
+    tokens = [int(lengths[start:stop].sum()) for start, stop in parts]
+    assert len(parts) == 3 and max(tokens) <= 2 * min(tokens), tokens
+    assert row_parts(lengths, most=3, min_tokens=1000) == [(0, 8)]  # too few tokens to split
+    assert row_parts(lengths, most=1, min_tokens=1) == [(0, 8)]
+    assert len(row_parts(np.array([5, 5]), most=8, min_tokens=1)) == 2  # never an empty part
+
+
+@requires_c_compiler
+def test_rows_split_across_threads_decode_exactly_as_one_thread() -> None:
+    model = build_model("tiny", "cpu")
+    outputs = []
+    for threads in (1, 3):
+        cache = KVCache(get_spec("tiny"), num_blocks=32, block_size=16, device="cpu")
+        runner = ModelRunner(model, cache, "native", threads)
+        assert runner.kernel is not None
+        runner.kernel.min_tokens_per_part = 1  # split even this small batch
+        params = SamplingParams(max_tokens=8)
+        seqs = [
+            Sequence(str(n), [256, *range(1, 5 + 9 * n)], params, 0.0, None, None) for n in range(5)
+        ]
+        for seq in seqs:
+            assert cache.pool.grow(seq.block_table, seq.max_total_tokens)
+        logits = [runner.prefill(seqs)]
+        for _ in range(6):
+            for seq, row in zip(seqs, logits[-1], strict=True):
+                seq.token_ids.append(int(row.argmax()))
+            logits.append(runner.decode(seqs))
+        parts = NativeDecodeAttention(runner.kernel, seqs).parts
+        assert len(parts) == threads
+        runner.close()
+        outputs.append(torch.stack(logits))
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def heads(n_heads: int, n_kv_heads: int, head_dim: int) -> ModelSpec:
+    """A two-layer spec with these attention heads (all the KV cache reads of it)."""
+    return replace(
+        get_spec("tiny"), n_layers=2, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim
+    )
+
+
+class AttentionProbe:
+    """Stands in for the decoder under `ModelRunner`: layer l's q/k/v at position p of
+    sequence n are fixed random tensors, every token id of sequence n is n (so a row
+    finds its own), and `hidden` returns each layer's attention output side by side
+    for every token (kept in `last`: the runner's logits hold only each row's last
+    token; `logits` is the identity)."""
+
+    def __init__(self, spec: ModelSpec, sequences: int, length: int, dtype: torch.dtype) -> None:
+        generator = torch.Generator().manual_seed(0)
+
+        def draw(n_heads: int) -> torch.Tensor:
+            shape = (spec.n_layers, sequences, length, n_heads, spec.head_dim)
+            return torch.randn(shape, generator=generator).to(dtype)
+
+        self.q, self.k, self.v = draw(spec.n_heads), draw(spec.n_kv_heads), draw(spec.n_kv_heads)
+        self.lm_head = torch.nn.Linear(1, 1)  # ModelRunner reads the model's device from it
+        self.last = torch.empty(0)
+
+    def hidden(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attention: Attention
+    ) -> torch.Tensor:
+        mixed = [
+            attention(
+                layer, q[token_ids, positions], k[token_ids, positions], v[token_ids, positions]
+            )
+            for layer, (q, k, v) in enumerate(zip(self.q, self.k, self.v, strict=True))
+        ]
+        self.last = torch.cat([out.flatten(2) for out in mixed], -1)
+        return self.last
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def reference(self, sequence: int) -> torch.Tensor:
+        """`CausalAttention` (full recompute, no cache) of every layer at every position
+        of one sequence, in float32: [positions, features]."""
+        length = self.q.shape[2]
+        return self.hidden(
+            torch.full((1, length), sequence),
+            torch.arange(length)[None],
+            lambda layer, q, k, v: CausalAttention()(layer, q.float(), k.float(), v.float()),
+        )[0]
+
+
+def probe_runner(
+    attention: str, spec: ModelSpec, probe: AttentionProbe, num_blocks: int = 64
+) -> ModelRunner:
+    """A runner over the probe whose pool hands out blocks in a scrambled order, as
+    after churn, so no sequence's cache is contiguous."""
+    cache = KVCache(spec, num_blocks, block_size=16, device="cpu")
+    scattered: list[int] = []
+    cache.pool.grow(scattered, num_blocks * 16)
+    cache.pool.release(np.random.default_rng(1).permutation(scattered).tolist())
+    return ModelRunner(probe, cache, attention)  # type: ignore[arg-type]
+
+
+def probe_sequences(runner: ModelRunner, lengths: list[int], decode_steps: int) -> list[Sequence]:
+    params = SamplingParams(max_tokens=decode_steps)
+    seqs = [
+        Sequence(str(n), [n] * length, params, 0.0, None, None) for n, length in enumerate(lengths)
+    ]
+    for seq in seqs:
+        assert runner.cache.pool.grow(seq.block_table, seq.max_total_tokens)
+    return seqs
+
+
+def run_probe(
+    runner: ModelRunner, probe: AttentionProbe, seqs: list[Sequence], decode_steps: int
+) -> list[tuple[Sequence, int, torch.Tensor]]:
+    """Prefill in two uneven chunked steps (some rows whole, some split inside and at
+    a block boundary), then decode: the output of every token computed, with its
+    sequence and position."""
+    outputs = []
+
+    def prefill(rows: list[Sequence], chunks: list[int]) -> None:
+        starts = [seq.num_computed for seq in rows]
+        runner.prefill(rows, chunks)
+        outputs.extend(
+            (seq, start + column, probe.last[row, column])
+            for row, (seq, start, chunk) in enumerate(zip(rows, starts, chunks, strict=True))
+            for column in range(chunk)
+        )
+
+    prefill(seqs, [len(seqs[0].token_ids), 10, 16, len(seqs[3].token_ids)])
+    rest = [seq for seq in seqs if not seq.ready_to_sample]
+    prefill(rest, [seq.num_uncomputed for seq in rest])
+    for _ in range(decode_steps):
+        for n, seq in enumerate(seqs):
+            seq.token_ids.append(n)
+        logits = runner.decode(seqs)
+        outputs += [(seq, seq.num_tokens - 1, row) for seq, row in zip(seqs, logits, strict=True)]
+    return outputs
+
+
+LENGTHS = [5, 37, 40, 33]  # ragged; the two chunked rows resume mid-block and on a boundary
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_paged_attention_matches_full_causal_attention_for_grouped_heads(
+    attention: str, group: int, head_dim: int
+) -> None:
+    """Chunked prefill and decode, scattered blocks, n_heads / n_kv_heads = group."""
+    spec = heads(2 * group, 2, head_dim)
+    steps = 20
+    probe = AttentionProbe(spec, len(LENGTHS), max(LENGTHS) + steps, torch.float32)
+    runner = probe_runner(attention, spec, probe)
+    assert runner.attention == attention
+    seqs = probe_sequences(runner, LENGTHS, steps)
+    references = [probe.reference(n) for n in range(len(seqs))]
+    for seq, position, row in run_probe(runner, probe, seqs, steps):
+        expected = references[int(seq.request_id)][position]
+        torch.testing.assert_close(row, expected, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_bfloat16_activations_over_a_float32_cache(attention: str) -> None:
+    """The model runs bfloat16, the cache stays float32: attention computes in float32
+    and hands back bfloat16."""
+    spec = heads(9, 3, 64)
+    steps = 12
+    probe = AttentionProbe(spec, len(LENGTHS), max(LENGTHS) + steps, torch.bfloat16)
+    runner = probe_runner(attention, spec, probe)
+    assert runner.cache.k.dtype == torch.float32 and runner.attention == attention
+    references = [probe.reference(n) for n in range(len(LENGTHS))]
+    for seq, position, row in run_probe(
+        runner, probe, probe_sequences(runner, LENGTHS, steps), steps
+    ):
+        assert row.dtype == torch.bfloat16
+        expected = references[int(seq.request_id)][position].to(torch.bfloat16)
+        torch.testing.assert_close(row, expected)  # bfloat16's own tolerance
+
+
+@requires_c_compiler
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_the_kernel_and_the_torch_path_agree(head_dim: int) -> None:
+    spec = heads(12, 4, head_dim)
+    steps = 20
+    probe = AttentionProbe(spec, len(LENGTHS), max(LENGTHS) + steps, torch.float32)
+    outputs = []
+    for attention in ("native", "torch"):
+        runner = probe_runner(attention, spec, probe)
+        rows = run_probe(runner, probe, probe_sequences(runner, LENGTHS, steps), steps)
+        outputs.append(torch.stack([row for _, _, row in rows]))
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=0)

@@ -1,0 +1,111 @@
+"""Both signal sources against two real servers under load and a real Prometheus."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_instances
+from batchpilot_operator.signals_scrape import ScrapeSource
+from batchpilot_operator.tune_local import TuneOptions, tune_loop
+from batchpilot_operator.tuner import Bounds, Cadence, Goal, Slo
+from batchpilot_operator.tuning_loop import TuneStep
+from batchpilot_server import metric_names as names
+from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
+
+from tests.support.prometheus import requires_prometheus, run_prometheus
+from tests.support.servers import spawn_server
+
+BOUNDS = (*names.LATENCY_BUCKETS, math.inf)
+BATCH = 16
+SETTLE_DEADLINE_S = 30.0
+
+
+def bucket_of(value: float) -> int:
+    return int(np.searchsorted(np.asarray(BOUNDS), value, side="left"))
+
+
+def within_bucket_resolution(measured: float, estimate: float | None) -> bool:
+    """Same histogram bucket, or the next one over (the client also times the HTTP hop)."""
+    return estimate is not None and abs(bucket_of(estimate) - bucket_of(measured)) <= 1
+
+
+@requires_prometheus
+async def test_p99_agrees_with_the_load_generator_and_the_tuner_rides_out_an_outage(
+    tmp_path: Path,
+) -> None:
+    with (
+        spawn_server(tmp_path=tmp_path, max_batch_size=BATCH) as first,
+        spawn_server(tmp_path=tmp_path, max_batch_size=BATCH) as second,
+    ):
+        urls = [first.url, second.url]
+        hosts = [u.removeprefix("http://") for u in urls]
+        with run_prometheus(tmp_path, hosts, labels={"policy": "local"}) as prom:
+            await asyncio.to_thread(prom.wait_for_targets_up)
+            async with aiohttp.ClientSession() as session:
+                scrape = ScrapeSource(urls, session)
+                await scrape.scrape()
+                started = time.monotonic()
+                report = await run_load(
+                    LoadSpec(
+                        urls=urls, rate=25.0, duration_s=8.0,
+                        prompt_len=LengthDist("uniform", 8, 64),
+                        output_len=LengthDist("uniform", 4, 48),
+                    )
+                )
+                assert report.ok >= 100, report.errors_by_status
+                measured = report.latency_s["p99"]
+                assert measured is not None
+
+                # The direct scrape sees exactly the requests that finished.
+                scraped = await scrape.read(time.monotonic() - started + 1.0)
+                assert scraped.status == "ok", scraped.detail
+                assert scraped.requests == report.ok
+                assert within_bucket_resolution(measured, scraped.p99_latency_s), (
+                    measured, scraped.p99_latency_s)
+
+                # Prometheus, once it scraped the last of them, agrees.
+                count = f"sum({names.REQUEST_DURATION}_count{{{selector_for_instances(urls)}}})"
+                deadline = time.monotonic() + SETTLE_DEADLINE_S
+                while float((await asyncio.to_thread(prom.query, count))[0]["value"][1]) < (
+                    report.ok
+                ):
+                    assert time.monotonic() < deadline, "Prometheus never saw every request"
+                    await asyncio.sleep(0.5)
+                source = PrometheusSource(prom.url, selector_for_instances(urls), session)
+                window = time.monotonic() - started + 5.0
+                signals = await source.read(window)
+                assert signals.status == "ok", signals.detail
+                assert within_bucket_resolution(measured, signals.p99_latency_s), (
+                    measured, signals.p99_latency_s)
+                assert signals.kv_usage is not None and 0 <= signals.kv_usage <= 1
+                assert signals.mean_batch_size is not None and signals.mean_batch_size >= 1
+                assert signals.tokens_per_s > 0
+
+            # The tuner holds while Prometheus is down and resumes when it is back.
+            async def outage(step: TuneStep) -> None:
+                if step.index == 0:
+                    await asyncio.to_thread(prom.stop)
+                elif step.index == 1:
+                    await asyncio.to_thread(prom.start)
+
+            # Bounds that pin the knobs where the servers run them: every round holds, so
+            # the window stays whole (a change would cut it to the last interval).
+            timeout = BatchingConfig().batch_timeout_ms
+            pinned = Bounds(BATCH, BATCH, timeout, timeout)
+            options = TuneOptions(
+                servers=tuple(urls), goal=Goal(Slo(60.0), pinned), prometheus_url=prom.url,
+                cadence=Cadence(0.5, window + 10), iterations=3,
+            )
+            steps = await tune_loop(options, outage)
+    before, during, after = (s.signals for s in steps)
+    assert before.status == "ok" and after.status == "ok", (before.detail, after.detail)
+    assert during.status == "no_data"
+    assert f"Prometheus at {prom.url} is unreachable" in during.detail
+    assert steps[1].decision.action == "hold"
+    assert steps[1].decision.config == steps[1].before

@@ -1,0 +1,151 @@
+"""Simulator sanity: conservation, determinism, the engine semantics it claims, the tuning
+loop, and fast-forward changing nothing (test_simulator_replay.py checks it against the
+engine itself)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from batchpilot_operator.tuner import Goal, Slo
+from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_tools.simulator import (
+    Scenario,
+    SimOptions,
+    StepCurve,
+    Workload,
+    make_workload,
+    simulate,
+    simulate_workload,
+    static,
+)
+
+CURVE = StepCurve.from_points({1: 0.002, 64: 0.02}, "test")
+SLO = Slo(p99_latency_s=2.0)
+SHORT = Scenario("steady", 600.0, 10.0, output_tokens=32, prompt_tokens=(8, 32))
+
+
+def options(mode: str, **changes: object) -> SimOptions:
+    base = SimOptions(mode=mode, config=BatchingConfig(), goal=Goal(SLO))  # type: ignore[arg-type]
+    return replace(base, **changes)  # type: ignore[arg-type]
+
+
+DRAIN_S = 300.0  # time after the last arrival for every queued request to finish
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "continuous"])
+def test_every_admitted_request_completes(mode: str) -> None:
+    work = make_workload(SHORT, seed=3)
+    result = simulate(SHORT, static(options(mode), BatchingConfig()), CURVE, 3, DRAIN_S)
+    assert result.rejected == 0
+    assert result.completed == result.arrived == len(work.arrivals) > 0
+
+
+def test_preempted_sequences_still_complete() -> None:
+    # A KV pool far too small for 64 long sequences: continuous mode must preempt.
+    tight = options("continuous", kv_blocks=60)
+    scenario = replace(SHORT, base_rate=20.0, output_tokens=96)
+    config = BatchingConfig(max_batch_size=64)
+    result = simulate(scenario, static(tight, config), CURVE, 1, DRAIN_S)
+    assert sum(iv.preemptions for iv in result.intervals) > 0
+    assert result.completed == result.arrived - result.rejected > 0
+
+
+def test_queue_overflow_is_rejected_not_lost() -> None:
+    flood = replace(SHORT, base_rate=200.0)
+    small = BatchingConfig(max_batch_size=1, max_queue_size=16)
+    result = simulate(flood, static(options("continuous"), small), CURVE, 2, DRAIN_S)
+    assert result.rejected > 0
+    assert result.completed + result.rejected == result.arrived
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "continuous"])
+def test_deterministic_with_a_seed(mode: str) -> None:
+    first = simulate(SHORT, options(mode), CURVE, seed=7)
+    again = simulate(SHORT, options(mode), CURVE, seed=7)
+    other = simulate(SHORT, options(mode), CURVE, seed=8)
+    trace = [(iv.p99_s, iv.config, iv.decision) for iv in first.intervals]
+    assert trace == [(iv.p99_s, iv.config, iv.decision) for iv in again.intervals]
+    assert first.good == again.good
+    assert [iv.p99_s for iv in other.intervals] != [iv.p99_s for iv in first.intervals]
+
+
+def two_requests(outputs: tuple[int, int]) -> Workload:
+    return Workload(np.array([0.0, 0.001]), np.array([8, 8]), np.array(outputs))
+
+
+def test_dynamic_batches_hold_every_member_until_the_longest_ends() -> None:
+    """A 10-token and a 100-token request in one batch finish together (the hostage effect)."""
+    config = BatchingConfig(max_batch_size=2, batch_timeout_ms=50.0)
+    result = simulate_workload(
+        two_requests((10, 100)), static(options("dynamic"), config), CURVE, 60.0
+    )
+    first, second = result.intervals[0].latencies
+    assert first == pytest.approx(second + 0.001)
+
+
+def test_continuous_batching_lets_the_short_request_leave_first() -> None:
+    config = BatchingConfig(max_batch_size=2, batch_timeout_ms=50.0)
+    result = simulate_workload(
+        two_requests((10, 100)), static(options("continuous"), config), CURVE, 60.0
+    )
+    short, long = result.intervals[0].latencies
+    assert short < long / 5
+
+
+def test_the_tuning_loop_runs_every_interval_and_acts_on_overload() -> None:
+    overload = replace(SHORT, base_rate=60.0)
+    start = BatchingConfig(max_batch_size=1, batch_timeout_ms=0.0)
+    result = simulate(overload, options("continuous", config=start), CURVE, seed=4)
+    decisions = [iv.decision for iv in result.intervals]
+    assert all(d is not None for d in decisions)
+    assert len(decisions) == int(SHORT.duration_s // 30.0)
+    assert max(iv.config.max_batch_size for iv in result.intervals if iv.config) > 1
+
+
+def test_dynamic_throughput_grows_with_the_batch_under_overload() -> None:
+    overload = replace(SHORT, base_rate=80.0)
+    small = simulate(overload, static(options("dynamic"), BatchingConfig(2)), CURVE, seed=5)
+    large = simulate(overload, static(options("dynamic"), BatchingConfig(32)), CURVE, seed=5)
+    assert large.completed > small.completed
+
+
+def test_step_curve_prefers_the_measured_file(tmp_path: Path) -> None:
+    path = tmp_path / "step_times.json"
+    assert StepCurve.load(path).source.startswith("fallback")
+    path.write_text(json.dumps({"model": "tiny", "step_seconds": {"1": 0.001, "8": 0.002}}))
+    curve = StepCurve.load(path)
+    assert curve.source == "measured: step_times.json"
+    assert curve.step_s(4) == pytest.approx(0.001 + 3 * (0.001 / 7))
+    assert curve.step_s(16) == pytest.approx(0.002 + 8 * (0.001 / 7))  # extrapolated
+    path.write_text(json.dumps({"model": "tiny"}))
+    with pytest.raises(ValueError, match="no \\{batch size: seconds\\} mapping"):
+        StepCurve.load(path)
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "continuous"])
+@pytest.mark.parametrize(
+    "kv_blocks", [pytest.param(4096, id="ample-kv"), pytest.param(90, id="tight-kv")]
+)
+def test_fast_forward_changes_no_completion(mode: str, kv_blocks: int) -> None:
+    """Steps applied together complete every request at the same time and step as steps
+    planned one by one, with the same batch sizes, preemptions and rejections."""
+    bursts = Scenario("bursts", 120.0, 25.0, output_tokens=64, prompt_tokens=(8, 32))
+    traced = options(mode, kv_blocks=kv_blocks, trace=True, config=BatchingConfig(24, 10.0))
+    fast = simulate(bursts, traced, CURVE, seed=2, drain_s=DRAIN_S)
+    slow = simulate(bursts, replace(traced, fast_forward=False), CURVE, seed=2, drain_s=DRAIN_S)
+    # Steps summed one by one and multiplied together round differently in the last bit.
+    assert [(c.request, c.step) for c in fast.completions] == [
+        (c.request, c.step) for c in slow.completions
+    ]
+    assert [c.at_s for c in fast.completions] == pytest.approx([c.at_s for c in slow.completions])
+    assert len(fast.completions) > 1000
+    assert fast.batch_sizes == slow.batch_sizes
+    assert fast.rejected == slow.rejected
+    assert [iv.preemptions for iv in fast.intervals] == [iv.preemptions for iv in slow.intervals]
+    assert [iv.decision for iv in fast.intervals] == [iv.decision for iv in slow.intervals]
+    if kv_blocks == 90 and mode == "continuous":
+        assert sum(iv.preemptions for iv in fast.intervals) > 0

@@ -1,0 +1,122 @@
+"""`batchpilot tune` and its loop on real servers: bad configs move the right way."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+from batchpilot_operator.actuators import get_batching
+from batchpilot_operator.tune_local import TuneOptions, main, tune_loop
+from batchpilot_operator.tuner import Cadence, Goal, Slo
+from batchpilot_operator.tuning_loop import TuneStep
+from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
+
+from tests.support.servers import free_port, serve_in_process, spawn_server
+
+DEADLINE_S = 40.0  # the load stops here at the latest; the tuner acts well before
+
+
+async def tune_until_first_change(
+    url: str, token: str | None, slo: Slo, load: LoadSpec
+) -> tuple[TuneStep, list[TuneStep]]:
+    """Run the load and the tuner together; stop both at the tuner's first change."""
+    stop = asyncio.Event()
+    options = TuneOptions(
+        servers=(url,), goal=Goal(slo), cadence=Cadence(2.0, 2.0), token=token, min_requests=10,
+    )
+
+    def on_step(step: TuneStep) -> None:
+        if step.decision.action != "hold":
+            stop.set()
+
+    loader = asyncio.create_task(run_load(load))
+    try:
+        steps = await asyncio.wait_for(tune_loop(options, on_step, stop), DEADLINE_S)
+    finally:
+        loader.cancel()
+        await asyncio.gather(loader, return_exceptions=True)
+    changes = [s for s in steps if s.decision.action != "hold"]
+    assert changes, [s.decision.reason for s in steps]
+    return changes[0], steps
+
+
+async def test_batch_of_one_under_heavy_load_grows(tmp_path: Path) -> None:
+    # A server process of its own: the load generator must not starve it of the event loop.
+    with spawn_server(
+        tmp_path=tmp_path, max_batch_size=1, batch_timeout_ms=0, max_queue_size=4096
+    ) as srv:
+        load = LoadSpec(
+            urls=[srv.url], rate=40.0, duration_s=DEADLINE_S,
+            prompt_len=LengthDist("fixed", 16), output_len=LengthDist("fixed", 24),
+        )
+        change, _ = await tune_until_first_change(srv.url, srv.token, Slo(30.0), load)
+        assert change.decision.action == "grow_batch", change.decision.reason
+        assert change.report.ok
+        async with aiohttp.ClientSession() as session:
+            in_force = await get_batching(session, srv.url)
+        assert in_force.max_batch_size == change.decision.config.max_batch_size > 1
+
+
+async def test_batch_of_64_with_a_tight_slo_shrinks() -> None:
+    async with serve_in_process(max_batch_size=64, batch_timeout_ms=0, kv_cache_mb=64) as srv:
+        # 64 closed-loop clients keep the batch full: every step is a batch-64 step.
+        load = LoadSpec(
+            urls=[srv.url], arrival="concurrency", concurrency=64, duration_s=DEADLINE_S,
+            prompt_len=LengthDist("fixed", 16), output_len=LengthDist("fixed", 32),
+        )
+        change, _ = await tune_until_first_change(srv.url, srv.token, Slo(0.05), load)
+        assert change.decision.action == "backoff_batch", change.decision.reason
+        async with aiohttp.ClientSession() as session:
+            in_force = await get_batching(session, srv.url)
+        assert in_force.max_batch_size == change.decision.config.max_batch_size < 64
+
+
+async def test_cli_prints_json_decisions_and_holds_without_traffic(tmp_path: Path) -> None:
+    async with serve_in_process() as srv:
+        token_file = tmp_path / "token"
+        token_file.write_text(f"{srv.token}\n")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "batchpilot_server.cli", "tune", "--server", srv.url,
+            "--slo-p99-ms", "500", "--interval", "0.5", "--window", "0.5", "--iterations", "2",
+            "--token-file", str(token_file), "--json",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    lines = [json.loads(line) for line in out.decode().splitlines()]
+    assert [line["index"] for line in lines] == [0, 1]
+    for line in lines:
+        assert line["action"] == "hold"
+        assert line["signals"]["status"] == "no_traffic"
+        assert (line["max_batch_size"], line["batch_timeout_ms"]) == (8, 10.0)
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["--slo-p99-ms", "0"], 2, "SLO must be positive"),
+        (["--slo-p99-ms", "500", "--interval", "30", "--window", "10"], 2,
+         "must be at least the interval"),
+        (["--slo-p99-ms", "500", "--min-batch", "9", "--max-batch", "4"], 2, "1 <= min <= max"),
+        (["--slo-p99-ms", "500", "--token-file", "/nonexistent/token"], 2,
+         "cannot read --token-file"),
+        (["--slo-p99-ms", "500", "--iterations", "0"], 2, "--iterations must be at least 1"),
+    ],
+)
+def test_cli_refuses_bad_options_with_a_clear_message(
+    args: list[str], code: int, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--server", "http://127.0.0.1:1", *args]) == code
+    assert message in capsys.readouterr().err
+
+
+def test_cli_says_when_the_server_is_not_there(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    assert main(["--server", url, "--slo-p99-ms", "500", "--iterations", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot read the batching config of {url}" in err
+    assert "batchpilot serve" in err

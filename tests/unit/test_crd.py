@@ -1,0 +1,268 @@
+"""The BatchingPolicy CRD: its schema (with jsonschema), its CEL rules (with cel-python),
+and its agreement with the operator's own spec parsing."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from batchpilot_operator.spec import SpecError, parse_spec
+
+from tests.support import ROOT
+from tests.support.crd import CEL, CRD, SCHEMA, VERSION, refusals, to_cel, with_defaults
+from tests.support.policies import policy_object
+
+# A preset policy is one file; a policy of weights in a volume is a kustomize
+# directory with the claim that holds them (test_manifests.py renders those).
+EXAMPLES_DIR = ROOT / "manifests" / "examples"
+EXAMPLES = sorted(
+    [*EXAMPLES_DIR.glob("*.yaml"), *EXAMPLES_DIR.glob("*/policy.yaml")],
+    key=lambda p: p.relative_to(EXAMPLES_DIR).as_posix(),
+)
+
+
+def example(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
+def test_there_are_cpu_and_gpu_examples_of_a_preset_and_of_real_models() -> None:
+    names = [p.relative_to(EXAMPLES_DIR).as_posix() for p in EXAMPLES]
+    assert names == [
+        "cpu-policy.yaml", "gpu-policy.yaml",
+        "llama3-8b-gpu/policy.yaml", "smollm2-cpu/policy.yaml",
+    ]
+    for gpu_example in ("gpu-policy.yaml", "llama3-8b-gpu/policy.yaml"):
+        gpu = example(EXAMPLES_DIR / gpu_example)["spec"]["server"]
+        assert gpu["gpus"] >= 1 and gpu["device"] == "cuda"
+    llama = example(EXAMPLES_DIR / "llama3-8b-gpu/policy.yaml")["spec"]["server"]
+    assert (llama["dtype"], llama["maxModelLen"]) == ("bfloat16", 8192)
+    smollm2 = example(EXAMPLES_DIR / "smollm2-cpu/policy.yaml")["spec"]
+    assert smollm2["server"]["device"] == "cpu" and smollm2["batching"]["mode"] == "continuous"
+    for spec in (llama, smollm2["server"]):
+        assert spec["model"]["persistentVolumeClaim"]["claimName"]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_are_accepted_by_the_crd_and_the_operator(path: Path) -> None:
+    obj = example(path)
+    assert refusals(obj) == []
+    assert obj["apiVersion"] == f"{CRD['spec']['group']}/{VERSION['name']}"
+    assert obj["kind"] == CRD["spec"]["names"]["kind"]
+    parse_spec(with_defaults(SCHEMA, obj)["spec"])
+
+
+def test_crd_defaults_are_the_operators_defaults() -> None:
+    defaulted = with_defaults(SCHEMA, {"spec": {}})["spec"]
+    assert parse_spec(defaulted) == parse_spec({})
+
+
+def policy(**spec: Any) -> dict[str, Any]:
+    return policy_object("p", "default", spec)
+
+
+INVALID = [
+    # (id, spec, words in the API server's refusal)
+    ("unknown mode", {"batching": {"mode": "greedy"}}, "'greedy' is not one of"),
+    ("negative replicas", {"replicas": -1}, "-1 is less than the minimum"),
+    ("batch over the server limit", {"batching": {"maxBatchSize": {"max": 2000}}}, "maximum"),
+    ("unknown device", {"server": {"device": "tpu"}}, "'tpu' is not one of"),
+    ("timeout as text", {"batching": {"batchTimeoutMs": {"initial": "ten"}}}, "not of type"),
+    ("watermark over 1", {"autotune": {"kvHighWatermark": 1.5}}, "maximum"),
+    ("zero SLO", {"slo": {"p99LatencyMs": 0}}, "less than the minimum"),
+    (
+        "initial above max",
+        {"batching": {"maxBatchSize": {"initial": 80, "min": 1, "max": 64}}},
+        "maxBatchSize needs min <= initial <= max",
+    ),
+    (
+        "min above initial",
+        {"batching": {"maxBatchSize": {"initial": 2, "min": 4, "max": 64}}},
+        "maxBatchSize needs min <= initial <= max",
+    ),
+    (
+        "timeout initial above max",
+        {"batching": {"batchTimeoutMs": {"initial": 300}}},
+        "batchTimeoutMs needs min <= initial <= max",
+    ),
+    (
+        "timeout min above initial",
+        {"batching": {"batchTimeoutMs": {"initial": 5, "min": 6, "max": 50}}},
+        "batchTimeoutMs needs min <= initial <= max",
+    ),
+    (
+        "batch that cannot fill the queue",
+        {"batching": {"maxQueueSize": 4, "maxBatchSize": {"initial": 8, "min": 8, "max": 16}}},
+        "maxBatchSize.min must not exceed maxQueueSize",
+    ),
+    (
+        "timeout floor above the SLO",
+        {"batching": {"batchTimeoutMs": {"initial": 60, "min": 50, "max": 100}},
+         "slo": {"p99LatencyMs": 40}},
+        "SLO could never be met",
+    ),
+    (
+        "window shorter than interval",
+        {"autotune": {"intervalSeconds": 60, "windowSeconds": 30}},
+        "windowSeconds must be at least intervalSeconds",
+    ),
+    ("unknown dtype", {"server": {"dtype": "int4"}}, "'int4' is not one of"),
+    ("zero model length", {"server": {"maxModelLen": 0}}, "less than the minimum"),
+    ("instant startup timeout", {"server": {"startupTimeoutSeconds": 1}}, "less than the minimum"),
+    (
+        "reference without claim",
+        {"server": {"model": {"persistentVolumeClaim": {}, "path": "m"}}},
+        "'claimName' is a required property",
+    ),
+    (
+        "reference without path",
+        {"server": {"model": {"persistentVolumeClaim": {"claimName": "w"}}}},
+        "'path' is a required property",
+    ),
+    (
+        "absolute model path",
+        {"server": {"model": {"persistentVolumeClaim": {"claimName": "w"}, "path": "/etc/x"}}},
+        "path must be relative to the volume",
+    ),
+    (
+        "model path that leaves the volume",
+        {"server": {"model": {"persistentVolumeClaim": {"claimName": "w"}, "path": "a/../../x"}}},
+        "path must be relative to the volume and must not contain '..'",
+    ),
+    (
+        "subPath that leaves the volume",
+        {"server": {"model": {"persistentVolumeClaim": {"claimName": "w"}, "path": "m",
+                              "subPath": ".."}}},
+        "subPath must be relative to the volume",
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "words"), [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
+def test_invalid_policies_are_refused_by_the_crd_and_the_operator(
+    spec: dict[str, Any], words: str
+) -> None:
+    found = refusals(policy(**spec))
+    assert any(words in message for message in found), found
+    # Where CEL is not enforced (old clusters, the test emulator) the operator refuses it too.
+    with pytest.raises(SpecError):
+        parse_spec(with_defaults(SCHEMA, policy(**spec))["spec"])
+
+
+def test_a_policy_without_spec_is_refused() -> None:
+    obj = policy()
+    del obj["spec"]
+    assert refusals(obj) == ["'spec' is a required property"]
+
+
+def test_mode_rule_refuses_unknown_modes_on_its_own() -> None:
+    # The enum already refuses them; the CEL rule states the same intent for clusters
+    # and tools that only read x-kubernetes-validations.
+    batching = with_defaults(SCHEMA, {"spec": {}})["spec"]["batching"]
+    node = SCHEMA["properties"]["spec"]["properties"]["batching"]
+    (mode_rule,) = [r for r in node["x-kubernetes-validations"] if "self.mode" in r["rule"]]
+    program = CEL.program(CEL.compile(mode_rule["rule"]))
+    for mode, accepted in (("dynamic", True), ("continuous", True), ("greedy", False)):
+        verdict = program.evaluate({"self": to_cel(node, {**batching, "mode": mode})})
+        assert bool(verdict) is accepted
+
+
+def test_both_model_forms_are_accepted_by_the_crd_and_the_operator() -> None:
+    reference = {"persistentVolumeClaim": {"claimName": "w"}, "path": "models/x.gguf",
+                 "subPath": "team-a"}
+    for model in ("tiny", reference):
+        obj = policy(server={"model": model})
+        assert refusals(obj) == []
+        assert parse_spec(with_defaults(SCHEMA, obj)["spec"]).server.model is not None
+
+
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        (7, "InvalidSpec"),
+        ("gpt-9", "UnknownModel"),
+        ({"persistentVolumeClaim": {"claimName": "w"}, "path": "m", "pth": "n"},
+         "InvalidModelReference"),
+    ],
+    ids=["number", "unknown preset", "unknown field"],
+)
+def test_what_the_schema_cannot_type_the_operator_refuses(model: Any, reason: str) -> None:
+    # server.model is a string or an object: an untyped node, so the API server lets
+    # these through (and keeps unknown fields) and the operator says why with Ready=False.
+    obj = policy(server={"model": model})
+    assert refusals(obj) == []
+    with pytest.raises(SpecError) as caught:
+        parse_spec(with_defaults(SCHEMA, obj)["spec"])
+    assert caught.value.reason == reason
+
+
+JUNCTORS = ("allOf", "anyOf", "oneOf", "not")
+# What Kubernetes forbids inside a junctor (the int-or-string patterns aside, unused here).
+FORBIDDEN_IN_JUNCTORS = ("type", "default", "description", "additionalProperties", "nullable")
+
+
+def junctor_violations(schema: Any, path: str) -> Iterator[str]:
+    """Keywords inside allOf/anyOf/oneOf/not that make a schema non-structural."""
+    branches = schema if isinstance(schema, list) else [schema]
+    for branch in branches:
+        if not isinstance(branch, dict):
+            continue
+        for key in FORBIDDEN_IN_JUNCTORS:
+            if key in branch:
+                yield f"{path} sets {key} inside a junctor"
+        for key, sub in branch.get("properties", {}).items():
+            yield from junctor_violations(sub, f"{path}.{key}")
+        for junctor in JUNCTORS:
+            if junctor in branch:
+                yield from junctor_violations(branch[junctor], path)
+
+
+def structural_violations(schema: dict[str, Any], path: str = "") -> Iterator[str]:
+    """Kubernetes' structural-schema rules: a type on every node unless it is
+    int-or-string or preserves unknown fields, nothing typed inside junctors, and
+    properties never next to additionalProperties."""
+    untyped_ok = schema.get("x-kubernetes-int-or-string") or schema.get(
+        "x-kubernetes-preserve-unknown-fields"
+    )
+    if "type" not in schema and not untyped_ok:
+        yield f"{path or '<root>'} has no type"
+    if "type" not in schema and schema.get("x-kubernetes-validations"):
+        yield f"{path} has CEL rules but no type: Kubernetes cannot compile them"
+    if "properties" in schema and "additionalProperties" in schema:
+        yield f"{path} has both properties and additionalProperties"
+    for junctor in JUNCTORS:
+        if junctor in schema:
+            yield from junctor_violations(schema[junctor], path)
+    for key, sub in schema.get("properties", {}).items():
+        yield from structural_violations(sub, f"{path}.{key}")
+    if isinstance(schema.get("items"), dict):
+        yield from structural_violations(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from structural_violations(schema["additionalProperties"], f"{path}{{}}")
+
+
+def test_schema_is_structural() -> None:
+    assert list(structural_violations(SCHEMA)) == []
+
+
+def test_names_subresource_and_printer_columns() -> None:
+    assert CRD["metadata"]["name"] == f"{CRD['spec']['names']['plural']}.{CRD['spec']['group']}"
+    assert CRD["spec"]["names"]["shortNames"] == ["bp"]
+    assert VERSION["subresources"] == {"status": {}}
+    columns = VERSION["additionalPrinterColumns"]
+    assert [c["name"].upper() for c in columns] == [
+        "MODE", "BATCH", "TIMEOUT", "P99", "SLO", "READY", "AGE",
+    ]
+    for column in columns:
+        field_path = re.sub(r"\[\?.*\]", "", column["jsonPath"])
+        node = SCHEMA
+        for key in field_path.strip(".").split("."):
+            if key == "metadata":
+                break
+            node = node["properties"][key]
+            node = node.get("items", node)
+        else:
+            assert node["type"] in (column["type"], "integer" if column["type"] == "number" else "")

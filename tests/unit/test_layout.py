@@ -1,0 +1,98 @@
+"""The repository's shape: which package may import which, and where tests live.
+
+Read from the source with `ast`, so an import inside a function counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+from tests.support import ROOT
+
+# import name -> folder (pyproject's package-dir)
+PACKAGES = {"batchpilot_server": "server", "batchpilot_operator": "operator",
+            "batchpilot_tools": "tools"}  # fmt: skip
+# what each package may import of the others
+ALLOWED = {
+    "batchpilot_server": set(),
+    "batchpilot_operator": {"batchpilot_server"},
+    "batchpilot_tools": {"batchpilot_server", "batchpilot_operator"},
+}
+TEST_FOLDERS = ("unit", "integration", "e2e")
+
+
+def imported(path: Path) -> Iterator[str]:
+    """Every absolute module name `path` imports."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            yield node.module
+
+
+def modules(package: str) -> dict[str, Path]:
+    """Module name -> file for every module of `package`."""
+    folder = ROOT / PACKAGES[package]
+    found = {}
+    for path in folder.rglob("*.py"):
+        parts = path.relative_to(folder).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join((package, *parts))] = path
+    return found
+
+
+def test_each_package_imports_only_the_packages_below_it() -> None:
+    crossings = {
+        f"{name} imports {target}"
+        for package, allowed in ALLOWED.items()
+        for name, path in modules(package).items()
+        for target in imported(path)
+        if (top := target.split(".")[0]) in PACKAGES and top != package and top not in allowed
+    }
+    assert not crossings
+
+
+def test_the_server_modules_the_operator_imports_never_reach_torch() -> None:
+    server = modules("batchpilot_server")
+    pending = [
+        target
+        for path in modules("batchpilot_operator").values()
+        for target in imported(path)
+        if target in server
+    ]
+    assert pending, "the operator imports nothing of the server: this test checks nothing"
+    seen: set[str] = set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        targets = set(imported(server[name]))
+        assert "torch" not in {t.split(".")[0] for t in targets}, f"{name} imports torch"
+        pending += [t for t in targets if t in server]
+
+
+def test_every_test_file_lives_in_a_test_folder() -> None:
+    tests = ROOT / "tests"
+    misplaced = [
+        path.relative_to(tests).as_posix()
+        for path in tests.rglob("test_*.py")
+        if path.relative_to(tests).parts[0] not in TEST_FOLDERS
+    ]
+    assert not misplaced
+
+
+def test_tests_import_shared_helpers_from_tests_support_only() -> None:
+    tests = ROOT / "tests"
+    helpers = {path.stem for path in (tests / "support").glob("*.py")} - {"__init__"}
+    stray = {
+        f"{path.relative_to(tests).as_posix()}: {target}"
+        for path in tests.rglob("*.py")
+        for target in imported(path)
+        if target.split(".")[0] in helpers
+        or (target.split(".")[0] == "tests" and not target.startswith("tests.support"))
+    }
+    assert not stray

@@ -1,0 +1,159 @@
+"""The decoder and its paged forwards, below the engine: the tiny preset, and each
+supported architecture against transformers with random weights."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from batchpilot_server.engine_api import SamplingParams
+from batchpilot_server.kv_cache import KVCache
+from batchpilot_server.model_runner import ModelRunner
+from batchpilot_server.models import PRESETS, Decoder, build_model, get_spec, resolve_device
+from batchpilot_server.sequence import Sequence
+from batchpilot_server.weights import load_model, spec_from_config
+from tokenizers import Tokenizer as Pipeline
+from tokenizers.models import WordLevel
+
+from tests.support.engine_helpers import ATTENTIONS
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Two torch threads thrash when the 2-core machine is busy with other tests."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_presets_and_their_errors() -> None:
+    spec = get_spec("tiny")
+    shape = (spec.d_model, spec.n_layers, spec.n_heads, spec.n_kv_heads, spec.head_dim)
+    assert shape == (256, 4, 4, 2, 64) and spec.architecture == "LlamaForCausalLM"
+    with pytest.raises(ValueError, match="unknown model 'huge'; known: tiny"):
+        get_spec("huge")
+    with pytest.raises(ValueError, match="auto, cpu or cuda"):
+        resolve_device("tpu")
+    assert resolve_device("auto") in ("cpu", "cuda") and set(PRESETS) >= {"tiny"}
+
+
+def test_weights_come_from_the_seed() -> None:
+    ids = [256, 1, 2, 3]
+    same = build_model("tiny", "cpu", seed=0).full_logits(ids)
+    assert torch.equal(build_model("tiny", "cpu", seed=0).full_logits(ids), same)
+    assert not torch.allclose(build_model("tiny", "cpu", seed=1).full_logits(ids), same)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_paged_forwards_match_full_recompute_with_scattered_blocks(attention: str) -> None:
+    """A ragged batch whose blocks are interleaved in the pool (as after churn),
+    through the C kernel and through the torch fallback."""
+    prompts = [[256, *range(1, 3 + 11 * n)] for n in range(4)]
+    worst = paged_against_full_recompute(build_model("tiny", "cpu"), attention, prompts, 30)
+    assert worst <= 1e-4
+
+
+def paged_against_full_recompute(
+    model: Decoder, attention: str, prompts: list[list[int]], steps: int
+) -> float:
+    """Greedy decode of `prompts` through the paged cache, blocks scattered over the
+    pool; the largest |logit| difference from recomputing each sequence in full."""
+    block_size = 16
+    needed = sum(-(-(len(p) + steps) // block_size) for p in prompts)
+    cache = KVCache(model.spec, num_blocks=2 * needed, block_size=block_size, device="cpu")
+    rng = random.Random(1)
+    # take blocks out of order so no sequence's cache is contiguous
+    scattered: list[int] = []
+    cache.pool.grow(scattered, 2 * needed * block_size)
+    cache.pool.release(rng.sample(scattered, len(scattered)))
+    runner = ModelRunner(model, cache, attention)  # type: ignore[arg-type]
+    assert runner.attention == attention
+    seqs = [
+        Sequence(str(n), prompt, SamplingParams(max_tokens=steps), 0.0, None, None)
+        for n, prompt in enumerate(prompts)
+    ]
+    for seq in seqs:
+        assert cache.pool.grow(seq.block_table, seq.max_total_tokens)
+    worst = 0.0
+    logits = runner.prefill(seqs)
+    for _ in range(steps):
+        for seq, row in zip(seqs, logits, strict=True):
+            reference = model.full_logits(seq.token_ids)[-1]
+            worst = max(worst, float((row - reference).abs().max()))
+            seq.token_ids.append(int(row.argmax()))
+        logits = runner.decode(seqs)
+    runner.close()
+    return worst
+
+
+# Small random configs of each architecture, with what sets it apart: llama3 rope
+# scaling, untied embeddings; Qwen2's q/k/v bias; Qwen3's q/k norm with a head_dim
+# other than hidden_size / heads. Mistral's sliding window is off (a window caps
+# the context instead: test_sliding_window_caps_the_context).
+SMALL = {
+    "vocab_size": 64,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+ARCHITECTURES = {
+    "llama3": ("LlamaConfig", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+}
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_each_architecture_matches_transformers(architecture: str, tmp_path: Path) -> None:
+    """Same logits as transformers' own model from the same checkpoint directory
+    (measured: bit for bit in float32). Qwen3's is written in shards."""
+    config_class, extra = ARCHITECTURES[architecture]
+    config = getattr(transformers, config_class)(**SMALL, **extra)
+    reference = _random_reference(config)
+    shard = "20KB" if architecture == "qwen3" else "1GB"
+    reference.save_pretrained(tmp_path, max_shard_size=shard)
+    assert (tmp_path / "model.safetensors.index.json").exists() == (architecture == "qwen3")
+    Pipeline(WordLevel({"a": 0}, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
+    loaded = load_model(str(tmp_path), device="cpu")
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ours = loaded.model.full_logits(ids[0].tolist())
+        theirs = reference(ids).logits[0]
+    assert loaded.spec.architecture == config.architectures[0]
+    assert float((ours - theirs).abs().max()) <= 1e-5
+
+
+def _random_reference(config: transformers.PretrainedConfig) -> torch.nn.Module:
+    """transformers' model with random weights, norms and biases included (their
+    defaults, ones and zeros, would hide a norm or bias left out)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name or name.endswith("bias"):
+                    param.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    config.architectures = [type(model).__name__]
+    return model
+
+
+def test_sliding_window_caps_the_context() -> None:
+    config = {**SMALL, "architectures": ["MistralForCausalLM"], "sliding_window": 32}
+    assert spec_from_config(config, "m").max_seq_len == 32
+    assert spec_from_config({**config, "sliding_window": None}, "m").max_seq_len == 128

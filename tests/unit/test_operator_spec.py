@@ -1,0 +1,141 @@
+"""Policy spec parsing: defaults, the checks a schema cannot make, and clamping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from batchpilot_operator.spec import (
+    PRESET_STARTUP_TIMEOUT_S,
+    REFERENCE_STARTUP_TIMEOUT_S,
+    ModelReference,
+    SpecError,
+    parse_spec,
+)
+from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.model_presets import PRESET_NAMES
+
+
+def test_every_preset_name_is_a_server_model() -> None:
+    models = pytest.importorskip("batchpilot_server.models")  # imports torch
+    assert set(PRESET_NAMES) == set(models.PRESETS)
+
+
+def test_empty_spec_takes_the_documented_defaults() -> None:
+    spec = parse_spec({})
+    assert spec.replicas == 1
+    assert (spec.server.model, spec.server.device, spec.server.gpus) == ("tiny", "auto", 0)
+    assert spec.batching.mode == "continuous"
+    assert spec.initial_config() == BatchingConfig(8, 10.0, 256)
+    assert spec.autotune.enabled and spec.p99_latency_ms == 500
+    assert (spec.server.dtype, spec.server.max_model_len, spec.server.served_model_name) == (
+        "auto", None, None,
+    )
+    assert spec.server.startup_timeout_seconds == PRESET_STARTUP_TIMEOUT_S
+
+
+def reference(**fields: Any) -> dict[str, Any]:
+    return {"persistentVolumeClaim": {"claimName": "weights"}, "path": "SmolLM2", **fields}
+
+
+def test_a_model_reference_names_the_claim_and_the_path_inside_it() -> None:
+    spec = parse_spec({"server": {
+        "model": reference(path="team/SmolLM2-135M.Q4_1.gguf", subPath="models"),
+        "dtype": "bfloat16", "maxModelLen": 4096, "servedModelName": "smol",
+    }})
+    assert spec.server.model == ModelReference("weights", "team/SmolLM2-135M.Q4_1.gguf", "models")
+    assert (spec.server.dtype, spec.server.max_model_len, spec.server.served_model_name) == (
+        "bfloat16", 4096, "smol",
+    )
+
+
+def test_a_reference_waits_longer_for_its_model_to_load() -> None:
+    assert parse_spec({"server": {"model": reference()}}).server.startup_timeout_seconds == (
+        REFERENCE_STARTUP_TIMEOUT_S
+    )
+    assert REFERENCE_STARTUP_TIMEOUT_S > PRESET_STARTUP_TIMEOUT_S
+    chosen = parse_spec({"server": {"model": reference(), "startupTimeoutSeconds": 1800}})
+    assert chosen.server.startup_timeout_seconds == 1800
+
+
+def test_an_unknown_preset_names_the_known_ones() -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec({"server": {"model": "/models/llama"}})
+    assert caught.value.reason == "UnknownModel"
+    assert all(name in caught.value.message for name in PRESET_NAMES)
+    assert "persistentVolumeClaim" in caught.value.message  # how to name weights instead
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason", "words"),
+    [
+        ({"server": {"model": "llama-70b"}}, "UnknownModel", "'llama-70b' is not a model preset"),
+        ({"batching": {"maxBatchSize": {"initial": 100}}}, "InvalidBounds", "initial=100"),
+        ({"batching": {"batchTimeoutMs": {"min": 20, "initial": 10}}}, "InvalidBounds", "min=20"),
+        (
+            {"batching": {"maxQueueSize": 2, "maxBatchSize": {"min": 4, "initial": 4}}},
+            "InvalidBounds", "could never fill",
+        ),
+        (
+            {"slo": {"p99LatencyMs": 10}, "batching": {"batchTimeoutMs": {"min": 10}}},
+            "InvalidBounds", "SLO could never be met",
+        ),
+        ({"server": {"device": "cuda"}}, "InvalidDevice", "needs server.gpus >= 1"),
+        ({"server": {"device": "cpu", "gpus": 2}}, "InvalidDevice", "never uses"),
+        ({"autotune": {"intervalSeconds": 60, "windowSeconds": 30}}, "InvalidAutotune", "shorter"),
+        ({"replicas": "two"}, "InvalidSpec", "replicas must be an integer"),
+        ({"replicas": True}, "InvalidSpec", "replicas must be an integer"),
+        (
+            {"batching": {"mode": "greedy"}},
+            "InvalidSpec",
+            "must be one of static, dynamic, continuous",
+        ),
+        ({"batching": []}, "InvalidSpec", "batching must be an object"),
+        ({"autotune": {"enabled": "yes"}}, "InvalidSpec", "true or false"),
+        ({"batching": {"maxBatchSize": {"max": 5000}}}, "InvalidSpec", "between 1 and 1024"),
+        ({"server": {"model": 7}}, "InvalidSpec", "a preset name or a model reference"),
+        (
+            {"server": {"model": {"path": "SmolLM2"}}},
+            "InvalidModelReference", "needs persistentVolumeClaim.claimName",
+        ),
+        (
+            {"server": {"model": {"persistentVolumeClaim": {"claimName": ""}, "path": "m"}}},
+            "InvalidModelReference", "needs persistentVolumeClaim.claimName",
+        ),
+        (
+            {"server": {"model": {"persistentVolumeClaim": {"claimName": "w"}}}},
+            "InvalidModelReference", "needs path",
+        ),
+        ({"server": {"model": reference(path="/etc/passwd")}}, "InvalidModelReference",
+         "'/etc/passwd' must be relative"),
+        ({"server": {"model": reference(path="a/../../b")}}, "InvalidModelReference",
+         "must not contain '..'"),
+        ({"server": {"model": reference(subPath="..")}}, "InvalidModelReference",
+         "subPath '..' must not contain '..'"),
+        ({"server": {"model": reference(pth="x")}}, "InvalidModelReference",
+         "unknown field(s) pth"),
+        ({"server": {"dtype": "int4"}}, "InvalidSpec", "must be one of auto, float32"),
+        ({"server": {"maxModelLen": 0}}, "InvalidSpec", "server.maxModelLen must be between"),
+        ({"server": {"servedModelName": ""}}, "InvalidSpec", "1 to 253 characters"),
+        ({"server": {"startupTimeoutSeconds": 1}}, "InvalidSpec", "between 10 and 7200"),
+    ],
+)
+def test_unservable_specs_name_their_reason(raw: dict[str, Any], reason: str, words: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(raw)
+    assert caught.value.reason == reason
+    assert words in caught.value.message
+
+
+def test_clamp_keeps_tuned_values_inside_the_bounds() -> None:
+    spec = parse_spec({
+        "batching": {
+            "maxBatchSize": {"initial": 8, "min": 4, "max": 16},
+            "batchTimeoutMs": {"initial": 10, "min": 5, "max": 20},
+            "maxQueueSize": 99,
+        }
+    })
+    assert spec.clamp(BatchingConfig(64, 1.0, 256)) == BatchingConfig(16, 5.0, 99)
+    assert spec.clamp(BatchingConfig(2, 50.0, 256)) == BatchingConfig(4, 20.0, 99)
+    inside = BatchingConfig(12, 7.5, 99)
+    assert spec.clamp(inside) == inside
