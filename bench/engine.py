@@ -78,7 +78,7 @@ QUICK = Plan(decode_tokens=32, mixed_seconds=5.0, gather_steps=6, rounds=1)
 
 
 class IndexSelectAttention:
-    """The naive paged read DESIGN measured: copy every sequence's blocks into
+    """The naive paged read: copy every sequence's blocks into
     contiguous K/V with index_select each step. It reads a token-major copy of the
     pool ([blocks, block_size, kv_heads, head_dim]) so that the gather is the only copy."""
 

@@ -32,7 +32,7 @@ POLICY_METRICS = "policy_metrics"
 METRICS_SERVER = "policy_metrics_server"
 FAILURES = "reconcile_failures"  # memo key: (namespace, name) -> the last reconcile error
 
-# What Kopf itself calls on the API for these handlers (tests/test_rbac.py checks
+# What Kopf itself calls on the API for these handlers (tests/integration/test_rbac.py checks
 # the ClusterRole covers it): list+watch of every handled kind, merge-patches of
 # its progress annotations on the policy, and its own Events for handler errors.
 KOPF_PERMISSIONS: Mapping[tuple[kube.Kind, str | None], frozenset[kube.Verb]] = {

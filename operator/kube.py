@@ -2,7 +2,7 @@
 
 Every request goes through `Client._call`, which refuses any (kind, verb) not
 declared in `PERMISSIONS`: that table is the operator's whole footprint on the
-API, and tests/test_rbac.py checks the ClusterRole in manifests/ against it.
+API, and tests/integration/test_rbac.py checks the ClusterRole in manifests/ against it.
 Kopf's own calls (watching, its progress annotations, its events) are listed
 separately in `batchpilot_operator.handlers.KOPF_PERMISSIONS`.
 

@@ -1,4 +1,4 @@
-"""Prometheus metric names of DESIGN's table. Torch-free: the tuner imports it."""
+"""Prometheus metric names (the README's Metrics table). Torch-free: the tuner imports it."""
 
 REQUEST_DURATION = "batchpilot_request_duration_seconds"
 TIME_TO_FIRST_TOKEN = "batchpilot_time_to_first_token_seconds"

@@ -1,4 +1,4 @@
-"""Prometheus metrics of DESIGN's table, one registry per server app.
+"""Prometheus metrics (the README's Metrics table), one registry per server app.
 
 `ServerMetrics` is also the engine's `EngineObserver`: the engine calls its
 hooks from the model thread; prometheus_client's metrics are thread-safe.

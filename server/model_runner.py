@@ -73,7 +73,7 @@ class PagedDecodeAttention:
     torch ops: for CUDA, and for a CPU where the C kernel cannot be built.
 
     Copying every sequence's blocks into a contiguous tensor each step costs
-    more than the attention itself at long contexts (DESIGN: +35-60% at 512).
+    more than the attention itself at long contexts (the index_select row of docs/benchmarks.md).
     Instead each pool block in use is scored against its owner's query where it
     lies (one batched matmul over `span` blocks), only the small score tensor is
     rearranged per sequence for the softmax, and the weights go back to block
