@@ -366,6 +366,7 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
 REAL_SLO_S = 1.0
 REAL_INTERVAL_S, REAL_WINDOW_S = 10.0, 20.0
 REAL_TOKEN = "bench-tuner-token"
+REAL_READY_TIMEOUT_S = 90.0  # the tiny model is built in seconds; the machine may be busy
 
 
 def real_rate(seconds: float) -> Callable[[float], float]:
@@ -410,7 +411,7 @@ async def _real(seconds: float, workdir: Path) -> dict[str, Any]:
     try:
         async with aiohttp.ClientSession() as session:
             for server in servers:
-                await wait_ready(server, session)
+                await wait_ready(server, session, REAL_READY_TIMEOUT_S)
             load = [
                 LoadSpec(
                     urls=[server.url], rate_schedule=real_rate(seconds), duration_s=seconds,
