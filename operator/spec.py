@@ -263,9 +263,10 @@ def _autotune(raw: Mapping[str, Any]) -> AutotuneSpec:
         window_seconds=_int(
             raw, "windowSeconds", int(cadence.window_s), "autotune.windowSeconds", 10, 86400
         ),
+        # the watermark is a share of the KV pool: at 0 every reading would cut the batch
         kv_high_watermark=_number(
             raw, "kvHighWatermark", KV_HIGH_WATERMARK, "autotune.kvHighWatermark",
-            low=0.0, high=1.0,
+            low=0.01, high=1.0,
         ),
         prometheus_url=_str(raw, "prometheusUrl", "", "autotune.prometheusUrl"),
     )

@@ -72,6 +72,7 @@ INVALID = [
     ("unknown device", {"server": {"device": "tpu"}}, "'tpu' is not one of"),
     ("timeout as text", {"batching": {"batchTimeoutMs": {"initial": "ten"}}}, "not of type"),
     ("watermark over 1", {"autotune": {"kvHighWatermark": 1.5}}, "maximum"),
+    ("watermark of 0", {"autotune": {"kvHighWatermark": 0}}, "minimum"),
     ("zero SLO", {"slo": {"p99LatencyMs": 0}}, "less than the minimum"),
     (
         "initial above max",

@@ -92,6 +92,7 @@ def test_an_unknown_preset_names_the_known_ones() -> None:
         ),
         ({"batching": []}, "InvalidSpec", "batching must be an object"),
         ({"autotune": {"enabled": "yes"}}, "InvalidSpec", "true or false"),
+        ({"autotune": {"kvHighWatermark": 0}}, "InvalidSpec", "between 0.01 and 1"),
         ({"batching": {"maxBatchSize": {"max": 5000}}}, "InvalidSpec", "between 1 and 1024"),
         ({"server": {"model": 7}}, "InvalidSpec", "a preset name or a model reference"),
         (
