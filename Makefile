@@ -45,6 +45,9 @@ lint: $(STAMP)
 bench: setup
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/serve.py
+	$(BIN)/python bench/engine.py --model smollm2
+	$(BIN)/python bench/serve.py --model smollm2
+	$(BIN)/python bench/tradeoff.py
 	$(BIN)/python bench/tuner.py
 
 demo: setup
