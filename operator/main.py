@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import re
 import sys
 from urllib.parse import urlparse
 
 import kopf
-from batchpilot_operator.registry import load_handlers
 from kopf._core.engines.activities import ActivityError  # kopf.run raises it; not exported
 
 DEFAULT_LIVENESS_PORT = 8080
 DEFAULT_METRICS_PORT = 8081
 NAMESPACE_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+# The modules whose import registers Kopf handlers: `handlers` reconciles each
+# policy's objects; `autotune` starts and stops each policy's tuning task.
+HANDLER_MODULES: tuple[str, ...] = ("batchpilot_operator.handlers", "batchpilot_operator.autotune")
+
+
+def load_handlers() -> None:
+    """Import every handler module so that its decorators register on Kopf's default registry."""
+    for module in HANDLER_MODULES:
+        importlib.import_module(module)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -66,8 +66,7 @@ def test_missing_credentials_exit_1_at_once_with_the_reason(
 def test_the_operator_never_imports_torch() -> None:
     code = (
         "import sys\n"
-        "from batchpilot_operator.registry import load_handlers\n"
-        "import batchpilot_operator.main\n"
+        "from batchpilot_operator.main import load_handlers\n"
         "load_handlers()\n"
         "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "assert not loaded, loaded\n"

@@ -38,7 +38,7 @@ import kopf
 import yaml
 from batchpilot_operator import builders, kube
 from batchpilot_operator.handlers import configure
-from batchpilot_operator.registry import load_handlers
+from batchpilot_operator.main import load_handlers
 from typing_extensions import override
 
 from tests.support import ROOT
