@@ -4,6 +4,7 @@ load and tuner; it must write its plot and summary and leave no process behind."
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -113,8 +114,32 @@ def test_short_demo_writes_plot_and_summary(tmp_path: Path) -> None:
     assert len(interval_lines) >= 3, output
     assert "batchpilot demo summary" in output
     assert "\x1b[" not in output
+    assert_slot_waste(output)
     assert_plot(run.out)
     assert_clean(run, expected_children=CHILDREN)
+
+
+def assert_slot_waste(output: str) -> None:
+    """The summary's slot waste: shares of the servers' own slot-step counters, whose
+    finished part is 0 because the demo's servers batch continuously."""
+    line = next((line for line in output.splitlines() if "slot waste:" in line), None)
+    assert line is not None, output
+    share = r"(\d+\.\d+)"
+    servers = ", ".join(rf"server-{index} {share}" for index in range(SERVERS))
+    match = re.search(
+        rf"{share} finished-but-held \+ {share} padding = {share} of (\d+) batch slot-steps "
+        rf"\({servers}\)",
+        line,
+    )
+    assert match, line
+    groups = match.groups()
+    finished, padding, waste = (float(value) for value in groups[:3])
+    per_server = [float(value) for value in groups[4:]]
+    assert int(groups[3]) > 0, line
+    assert all(0.0 <= value <= 1.0 for value in (finished, padding, waste, *per_server)), line
+    assert finished == 0.0, line
+    assert waste == pytest.approx(finished + padding, abs=0.0015), line  # each rounded to 0.001
+    assert "0 by construction" in output, output
 
 
 @pytest.mark.parametrize(

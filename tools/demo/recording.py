@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from batchpilot_operator.tuning_loop import TuneStep
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_tools.demo.options import INITIAL, DemoOptions
+from batchpilot_tools.demo.waste import SlotWaste
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class Recording:
     samples: list[Sample] = field(default_factory=list)
     config: BatchingConfig = INITIAL
     signal_source: str = ""
+    # read once the load has ended, while the servers still run
+    slot_waste: SlotWaste | None = None
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started

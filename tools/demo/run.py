@@ -24,6 +24,7 @@ from batchpilot_tools.demo.supervisor import (
     wait_ready,
 )
 from batchpilot_tools.demo.view import LiveView, keep_view_fresh, say
+from batchpilot_tools.demo.waste import read_slot_waste
 from batchpilot_tools.loadgen import LengthDist, LoadReport, LoadSpec, run_load
 from batchpilot_tools.prometheus_local import LocalPrometheus, find_binary
 
@@ -102,7 +103,9 @@ async def run_demo(
         else:
             say(stream, "--no-prometheus: the tuner scrapes the servers' /metrics itself")
         recording.signal_source = "prometheus" if prometheus else "direct scrape"
-        return recording, await drive(options, servers, prometheus, recording, stop, stream)
+        report = await drive(options, servers, prometheus, recording, stop, stream)
+        recording.slot_waste = await read_slot_waste(servers)
+        return recording, report
 
 
 async def drive(

@@ -8,6 +8,7 @@ from typing import TextIO
 
 from batchpilot_tools.demo.options import INITIAL, DemoOptions
 from batchpilot_tools.demo.recording import Recording, Sample
+from batchpilot_tools.demo.waste import FINISHED, PADDING, SlotWaste
 from batchpilot_tools.loadgen import LoadReport
 
 VIEW_REFRESH_S = 1.0
@@ -102,8 +103,36 @@ def summary_lines(recording: Recording, report: LoadReport | None, interrupted: 
         f"  config: batch {INITIAL.max_batch_size} -> {recording.config.max_batch_size}, "
         f"timeout {INITIAL.batch_timeout_ms:g} -> {recording.config.batch_timeout_ms:g} ms",
     ]
+    if recording.slot_waste is not None:
+        lines += slot_waste_lines(recording.slot_waste)
     if samples:
         lines.append(f"  plot: {options.out}")
+    return lines
+
+
+def _share(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def slot_waste_lines(waste: SlotWaste) -> list[str]:
+    """Shares of the run's batch slot-steps held by finished rows or spent on padding."""
+    overall = waste.overall
+    if overall.total == 0:
+        return ["  slot waste: n/a (no batch slot-steps were read from the servers)"]
+    per_server = ", ".join(
+        f"{name} {_share(None if steps is None else steps.waste)}"
+        for name, steps in waste.per_server.items()
+    )
+    lines = [
+        f"  slot waste: {_share(overall.share(FINISHED))} finished-but-held + "
+        f"{_share(overall.share(PADDING))} padding = {_share(overall.waste)} of "
+        f"{overall.total:.0f} batch slot-steps ({per_server})"
+    ]
+    if overall.modes == {"continuous"}:
+        lines.append(
+            "    (continuous batching frees a finished row at once, so finished-but-held "
+            "is 0 by construction)"
+        )
     return lines
 
 
