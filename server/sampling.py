@@ -39,7 +39,10 @@ def _sample_row(
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always the top token)
+        # keep the smallest prefix whose mass reaches top_p, always the top token: a
+        # top_p that float32 rounds to 0 would mask it too, and multinomial over all
+        # zeros raises in the engine thread
         outside = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
+        outside[0] = False
         probs = probs.scatter(0, order, sorted_probs.masked_fill(outside, 0.0))
     return torch.multinomial(probs, 1, generator=generator)[0]
