@@ -1,7 +1,8 @@
-"""Session fixtures shared by test modules: the real SmolLM2 test model's files."""
+"""Fixtures shared by test modules: the real SmolLM2 test model's files, one torch thread."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,3 +20,14 @@ def smollm2_gguf() -> Path:
 def smollm2_dir() -> Path:
     """The same model as a Hugging Face directory (float32 safetensors), cached on disk."""
     return smollm2.hf_directory()
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Two torch threads thrash when the 2-core machine is busy with other tests."""
+    import torch  # here, not at the top: most tests never load torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -28,10 +28,9 @@ from batchpilot_server.models import UnsupportedModelError
 from batchpilot_server.weights import LoadedModel, ModelLoadError, load_model
 from gguf import GGUFWriter
 from safetensors.torch import save_file
-from test_model import paged_against_full_recompute
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from tests.support.engine_helpers import ATTENTIONS
+from tests.support.engine_helpers import ATTENTIONS, paged_against_full_recompute
 
 NEW_TOKENS = 32
 # max |our logits - transformers' logits| over the prompts of the logits test: measured
@@ -69,12 +68,7 @@ TEXTS = [
 STREAMED = "Ünïcödé: 日本語 🚀🧪👩‍👩‍👧 and ASCII"
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @dataclass

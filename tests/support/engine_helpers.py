@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import shutil
 import threading
 import time
@@ -13,7 +14,17 @@ from dataclasses import dataclass, field
 import pytest
 from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.engine import Engine, RequestStream
-from batchpilot_server.engine_api import AttentionBackend, EngineOptions, Execution, TokenEvent
+from batchpilot_server.engine_api import (
+    AttentionBackend,
+    EngineOptions,
+    Execution,
+    SamplingParams,
+    TokenEvent,
+)
+from batchpilot_server.kv_cache import KVCache
+from batchpilot_server.model_runner import ModelRunner
+from batchpilot_server.models import Decoder
+from batchpilot_server.sequence import Sequence
 
 requires_c_compiler = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None,
@@ -106,3 +117,36 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout_s}s")
         await asyncio.sleep(0.005)
+
+
+def paged_against_full_recompute(
+    model: Decoder, attention: str, prompts: list[list[int]], steps: int
+) -> float:
+    """Greedy decode of `prompts` through the paged cache, blocks scattered over the
+    pool; the largest |logit| difference from recomputing each sequence in full."""
+    block_size = 16
+    needed = sum(-(-(len(p) + steps) // block_size) for p in prompts)
+    cache = KVCache(model.spec, num_blocks=2 * needed, block_size=block_size, device="cpu")
+    rng = random.Random(1)
+    # take blocks out of order so no sequence's cache is contiguous
+    scattered: list[int] = []
+    cache.pool.grow(scattered, 2 * needed * block_size)
+    cache.pool.release(rng.sample(scattered, len(scattered)))
+    runner = ModelRunner(model, cache, attention)  # type: ignore[arg-type]
+    assert runner.attention == attention
+    seqs = [
+        Sequence(str(n), prompt, SamplingParams(max_tokens=steps), 0.0, None, None)
+        for n, prompt in enumerate(prompts)
+    ]
+    for seq in seqs:
+        assert cache.pool.grow(seq.block_table, seq.max_total_tokens)
+    worst = 0.0
+    logits = runner.prefill(seqs)
+    for _ in range(steps):
+        for seq, row in zip(seqs, logits, strict=True):
+            reference = model.full_logits(seq.token_ids)[-1]
+            worst = max(worst, float((row - reference).abs().max()))
+            seq.token_ids.append(int(row.argmax()))
+        logits = runner.decode(seqs)
+    runner.close()
+    return worst

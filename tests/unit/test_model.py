@@ -3,32 +3,19 @@ supported architecture against transformers with random weights."""
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from batchpilot_server.engine_api import SamplingParams
-from batchpilot_server.kv_cache import KVCache
-from batchpilot_server.model_runner import ModelRunner
-from batchpilot_server.models import PRESETS, Decoder, build_model, get_spec, resolve_device
-from batchpilot_server.sequence import Sequence
+from batchpilot_server.models import PRESETS, build_model, get_spec, resolve_device
 from batchpilot_server.weights import load_model, spec_from_config
 from tokenizers import Tokenizer as Pipeline
 from tokenizers.models import WordLevel
 
-from tests.support.engine_helpers import ATTENTIONS
+from tests.support.engine_helpers import ATTENTIONS, paged_against_full_recompute
 
-
-@pytest.fixture(autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Two torch threads thrash when the 2-core machine is busy with other tests."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_presets_and_their_errors() -> None:
@@ -56,39 +43,6 @@ def test_paged_forwards_match_full_recompute_with_scattered_blocks(attention: st
     prompts = [[256, *range(1, 3 + 11 * n)] for n in range(4)]
     worst = paged_against_full_recompute(build_model("tiny", "cpu"), attention, prompts, 30)
     assert worst <= 1e-4
-
-
-def paged_against_full_recompute(
-    model: Decoder, attention: str, prompts: list[list[int]], steps: int
-) -> float:
-    """Greedy decode of `prompts` through the paged cache, blocks scattered over the
-    pool; the largest |logit| difference from recomputing each sequence in full."""
-    block_size = 16
-    needed = sum(-(-(len(p) + steps) // block_size) for p in prompts)
-    cache = KVCache(model.spec, num_blocks=2 * needed, block_size=block_size, device="cpu")
-    rng = random.Random(1)
-    # take blocks out of order so no sequence's cache is contiguous
-    scattered: list[int] = []
-    cache.pool.grow(scattered, 2 * needed * block_size)
-    cache.pool.release(rng.sample(scattered, len(scattered)))
-    runner = ModelRunner(model, cache, attention)  # type: ignore[arg-type]
-    assert runner.attention == attention
-    seqs = [
-        Sequence(str(n), prompt, SamplingParams(max_tokens=steps), 0.0, None, None)
-        for n, prompt in enumerate(prompts)
-    ]
-    for seq in seqs:
-        assert cache.pool.grow(seq.block_table, seq.max_total_tokens)
-    worst = 0.0
-    logits = runner.prefill(seqs)
-    for _ in range(steps):
-        for seq, row in zip(seqs, logits, strict=True):
-            reference = model.full_logits(seq.token_ids)[-1]
-            worst = max(worst, float((row - reference).abs().max()))
-            seq.token_ids.append(int(row.argmax()))
-        logits = runner.decode(seqs)
-    runner.close()
-    return worst
 
 
 # Small random configs of each architecture, with what sets it apart: llama3 rope
