@@ -24,7 +24,6 @@ from batchpilot_server.protocol import Limits, Served, read_chat
 from batchpilot_server.sequence import Sequence
 from batchpilot_server.serve import batching_config, engine_options, parser
 from batchpilot_server.serve import main as serve_main
-from test_real_model import LOGIT_TOLERANCE, _load
 
 from tests.support.engine_helpers import (
     ATTENTIONS,
@@ -34,6 +33,7 @@ from tests.support.engine_helpers import (
     started,
     wait_until,
 )
+from tests.support.smollm2 import LOGIT_TOLERANCE, load_float32
 
 TOKENS = 40
 FORCED = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
@@ -138,7 +138,7 @@ def test_chunked_prefill_on_the_real_model_matches_full_recompute(
     tokens per row and step, resuming mid-block and on block boundaries, then a
     decode step; each sampled row's logits against recomputing the sequence in full
     (measured 6.7e-5 with either attention path)."""
-    model = _load(str(smollm2_dir)).model
+    model = load_float32(str(smollm2_dir)).model
     vocab = model.spec.vocab_size
     prompts = [random.Random(n).choices(range(vocab), k=k) for n, k in enumerate((300, 45, 130))]
     cache = KVCache(model.spec, num_blocks=64, block_size=16, device="cpu")
@@ -257,14 +257,14 @@ async def test_the_default_pool_caps_smollm2s_context_so_a_chat_without_max_toke
     """SmolLM2's 8192-token context needs more than the default 64 MiB of float32 KV:
     the engine serves what the pool holds, and the chat default (what the context
     leaves after the prompt) is admitted and runs instead of being refused."""
-    monkeypatch.setattr(engine_module, "load_model", lambda source, **_: _load(source))
+    monkeypatch.setattr(engine_module, "load_model", lambda source, **_: load_float32(source))
     options = EngineOptions(
         mode="continuous", config=BatchingConfig(), model=str(smollm2_dir), threads=1
     )
     engine = Engine(options)
     await engine.start()
     try:
-        spec = _load(str(smollm2_dir)).spec
+        spec = load_float32(str(smollm2_dir)).spec
         per_block = bytes_per_block(spec, options.block_size, torch.float32)
         pool_tokens = int(options.kv_cache_mb * 2**20 // per_block) * options.block_size
         assert engine.max_model_len == pool_tokens < spec.max_seq_len

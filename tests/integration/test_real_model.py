@@ -31,13 +31,9 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from tests.support.engine_helpers import ATTENTIONS, paged_against_full_recompute
+from tests.support.smollm2 import LOGIT_TOLERANCE, load_float32
 
 NEW_TOKENS = 32
-# max |our logits - transformers' logits| over the prompts of the logits test: measured
-# 0.0 on this machine (same ops in the same order, float32), from both sources. The
-# margin is for BLAS kernels that sum in another order on other CPUs: logits reach
-# ~40 and float32 keeps ~7 digits, so reordering moves them by ~1e-5 per layer.
-LOGIT_TOLERANCE = 1e-3
 
 PROMPTS = [
     "The quick brown fox",
@@ -102,10 +98,6 @@ def reference(smollm2_dir: Path) -> Reference:
 
 
 @cache
-def _load(source: str) -> LoadedModel:
-    return load_model(source, device="cpu", dtype="float32")
-
-
 @pytest.fixture(scope="module", params=["gguf", "dir"])
 def source(request: pytest.FixtureRequest, smollm2_gguf: Path, smollm2_dir: Path) -> str:
     return str(smollm2_gguf if request.param == "gguf" else smollm2_dir)
@@ -113,7 +105,7 @@ def source(request: pytest.FixtureRequest, smollm2_gguf: Path, smollm2_dir: Path
 
 @pytest.fixture(scope="module")
 def loaded(source: str) -> LoadedModel:
-    return _load(source)
+    return load_float32(source)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +113,7 @@ def engines_share_loads() -> Iterator[None]:
     """Every engine of this module loads its model through the real loader once per
     source; loading itself is what the other tests here check."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine_module, "load_model", lambda source, **_: _load(source))
+        patch.setattr(engine_module, "load_model", lambda source, **_: load_float32(source))
         yield
 
 
@@ -142,7 +134,7 @@ def test_prefill_logits_match_transformers(loaded: LoadedModel, reference: Refer
 def test_paged_forwards_match_full_recompute(smollm2_dir: Path, attention: str) -> None:
     """The tiny model's paged-cache check on real weights (three query heads per KV
     head, head_dim 64): measured 7.7e-5 with either attention path."""
-    loaded = _load(str(smollm2_dir))
+    loaded = load_float32(str(smollm2_dir))
     prompts = [
         loaded.tokenizer.encode(text)
         for text in ("Hi", "The history of the Roman Empire is long and", "def f(x):\n    return")
@@ -383,7 +375,7 @@ def test_gguf_errors_name_what_is_wrong(tmp_path: Path) -> None:
 
 def test_max_model_len_caps_the_context(smollm2_dir: Path) -> None:
     source = str(smollm2_dir)
-    assert _load(source).spec.max_seq_len == 8192  # the model's own
+    assert load_float32(source).spec.max_seq_len == 8192  # the model's own
     capped = load_model(source, device="cpu", max_model_len=512)
     assert capped.spec.max_seq_len == 512 and capped.model.rope_cos.shape[0] == 512
     with pytest.raises(ModelLoadError, match="the model's context of 8192 tokens"):

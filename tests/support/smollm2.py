@@ -19,9 +19,22 @@ from pathlib import Path
 
 from batchpilot_server.gguf_checkpoint import GGUFCheckpoint
 from batchpilot_server.tokenizer import byte_level_pipeline
+from batchpilot_server.weights import LoadedModel, load_model
 from safetensors.torch import save_file
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# max |our logits - transformers' logits| over the prompts of the logits test: measured
+# 0.0 on this machine (same ops in the same order, float32), from both sources. The
+# margin is for BLAS kernels that sum in another order on other CPUs: logits reach
+# ~40 and float32 keeps ~7 digits, so reordering moves them by ~1e-5 per layer.
+LOGIT_TOLERANCE = 1e-3
+
+
+def load_float32(source: str) -> LoadedModel:
+    """The model at `source` as the parity tests compare it: float32 on the CPU."""
+    return load_model(source, device="cpu", dtype="float32")
 
 
 def gguf_path() -> Path:
