@@ -5,7 +5,8 @@ start config) form one local "policy"; Prometheus scrapes them when its
 binary is installed (otherwise the tuner scrapes `/metrics` itself); the load
 generator offers a steady rate that steps up midway; the local tuning loop
 moves both knobs. A live view shows what happens; at the end the run is
-plotted to `docs/demo.png` and summarised.
+plotted to `batchpilot-demo.png` (untracked: `make demo` changes no file of the
+repository; the README's figure is a run with `--out docs/demo.png`) and summarised.
 
 `--model DIR|FILE.gguf` runs it on a real model instead of `tiny`, with a load
 scaled down to what a real model serves on a few CPU cores.
@@ -46,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
         help=f"p99 latency SLO (ms; default {tiny.slo_p99_ms:g}, {real.slo_p99_ms:g} for a "
         "real model)",
     )  # fmt: skip
-    p.add_argument("--out", type=Path, default=Path("docs/demo.png"), help="plot to write")
+    p.add_argument("--out", type=Path, default=Path("batchpilot-demo.png"), help="plot to write")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between tuner decisions")
     p.add_argument(
         "--rate", type=float,
