@@ -37,6 +37,7 @@ import model_refs
 from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.engine_api import EngineOptions, NullObserver, SamplingParams
 from batchpilot_server.metric_names import BATCH_SIZE
+from batchpilot_tools.demo.supervisor import stop_process
 from batchpilot_tools.loadgen import PROMPT_ALPHABET, LengthDist, LoadSpec, run_load
 from batchpilot_tools.prometheus_local import free_port
 from sections import replace_section
@@ -73,12 +74,7 @@ def server(
         _wait_ready(url, proc)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], deadline_s: float = 120) -> None:

@@ -23,6 +23,7 @@ import json
 import random
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -32,6 +33,7 @@ from typing import Any
 
 import aiohttp
 from batchpilot_server import metric_names as names
+from batchpilot_tools.demo.supervisor import stop_process
 from batchpilot_tools.prometheus_local import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from sections import replace_section
@@ -269,22 +271,14 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    token_dir = Path(f"/tmp/batchpilot-soak-{free_port()}")
-    token_dir.mkdir(parents=True, exist_ok=True)
-    token_file = token_dir / "token"
-    token_file.write_text(TOKEN)
-    proc, url = start_server(args, token_file)
-    try:
-        result = asyncio.run(soak(args, url, proc.pid))
-    finally:
-        proc.terminate()
+    with tempfile.TemporaryDirectory(prefix="batchpilot-soak-") as token_dir:
+        token_file = Path(token_dir) / "token"
+        token_file.write_text(TOKEN)
+        proc, url = start_server(args, token_file)
         try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        token_file.unlink(missing_ok=True)
-        token_dir.rmdir()
+            result = asyncio.run(soak(args, url, proc.pid))
+        finally:
+            stop_process(proc)
     text = table(result)
     print(text)
     if not args.no_doc:

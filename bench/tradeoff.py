@@ -35,6 +35,7 @@ import model_refs
 import numpy as np
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.metric_names import BATCH_SLOT_STEPS_TOTAL, STEP_DURATION
+from batchpilot_tools.demo.supervisor import stop_process
 from batchpilot_tools.prometheus_local import free_port
 from sections import replace_section
 from serve import _wait_ready
@@ -368,8 +369,7 @@ async def example(source: str) -> dict[str, Any]:
             await asyncio.to_thread(_wait_ready, url, proc)
             results[served.name] = await example_run(url)
         finally:
-            proc.terminate()
-            proc.wait(30)
+            stop_process(proc)
         print(f"  example {served.name}: done", file=sys.stderr)
     return results
 
