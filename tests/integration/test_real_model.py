@@ -14,7 +14,6 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import pytest
@@ -97,7 +96,6 @@ def reference(smollm2_dir: Path) -> Reference:
     return Reference(tokenizer, model, prompt_ids, out[:, width:].tolist())
 
 
-@cache
 @pytest.fixture(scope="module", params=["gguf", "dir"])
 def source(request: pytest.FixtureRequest, smollm2_gguf: Path, smollm2_dir: Path) -> str:
     return str(smollm2_gguf if request.param == "gguf" else smollm2_dir)

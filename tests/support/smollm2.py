@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+from functools import cache
 from pathlib import Path
 
 from batchpilot_server.gguf_checkpoint import GGUFCheckpoint
@@ -32,8 +33,10 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOGIT_TOLERANCE = 1e-3
 
 
+@cache
 def load_float32(source: str) -> LoadedModel:
-    """The model at `source` as the parity tests compare it: float32 on the CPU."""
+    """The model at `source` as the parity tests compare it: float32 on the CPU (loaded
+    once per process: the tests only read it)."""
     return load_model(source, device="cpu", dtype="float32")
 
 

@@ -35,7 +35,8 @@ async def test_dynamic_holds_every_response_until_the_longest_ends() -> None:
     observer = RecordingObserver()
     completed = await run_hostage_example("dynamic", observer)
     assert observer.batches == [4]  # one batch, fired by the timeout (8 never arrived)
-    assert min(observer.scheduled) >= 0.1
+    # the oldest waited the whole timeout; the others arrived microseconds later
+    assert max(observer.scheduled) >= 0.1
     assert len(set(completed)) == 1
     held = sorted(observer.hostage)
     assert held[0] < held[1] < held[2] < held[3]  # the 200-token one waits for nobody
