@@ -43,6 +43,12 @@ class Signals:
     # Output tokens per finished request: the median and the 90th percentile.
     output_tokens_p50: float | None = None
     output_tokens_p90: float | None = None
+    # The capacity model's inputs: requests arriving (admitted or not) per second, seconds
+    # of model forwards per generated token (all pods' forward time over all their tokens,
+    # prefills included), and how many pods the window covers.
+    arrival_rate: float | None = None
+    busy_s_per_token: float | None = None
+    pods: int = 0  # 0: the source could not tell
     detail: str = ""  # why the status is not ok, for humans
 
     @property
@@ -56,6 +62,25 @@ class Signals:
         if p50 is None or p90 is None or p50 <= 0:
             return None
         return p90 / p50
+
+    @property
+    def demand_rate(self) -> float:
+        """Requests per second the fleet must carry: arrivals where measured, else finished."""
+        return self.request_rate if self.arrival_rate is None else self.arrival_rate
+
+    @property
+    def mean_output_tokens(self) -> float | None:
+        """Tokens generated per finished request over the window."""
+        if self.request_rate <= 0 or self.tokens_per_s <= 0:
+            return None
+        return self.tokens_per_s / self.request_rate
+
+    @property
+    def utilisation(self) -> float | None:
+        """The share of the window the average pod spent in model forwards."""
+        if self.busy_s_per_token is None or self.pods <= 0:
+            return None
+        return self.busy_s_per_token * self.tokens_per_s / self.pods
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -71,6 +71,11 @@ def queries(selector: str, window_s: float) -> dict[str, str]:
         "mean_latency": mean(names.REQUEST_DURATION),
         "output_tokens_p50": quantile(0.5, names.REQUEST_GENERATION_TOKENS),
         "output_tokens_p90": quantile(0.9, names.REQUEST_GENERATION_TOKENS),
+        "arrival_rate": f"sum(rate({names.REQUESTS_ARRIVED_TOTAL}{sel}[{w}]))",
+        "busy_per_token": f"sum(rate({names.STEP_DURATION}_sum{sel}[{w}])) / "
+        f"sum(rate({names.GENERATION_TOKENS_TOTAL}{sel}[{w}]))",
+        # every pod exports the config it runs: one series each
+        "pods": f"count({names.CONFIG_MAX_BATCH_SIZE}{sel})",
     }
 
 
@@ -156,6 +161,9 @@ class PrometheusSource:
             mean_latency_s=values["mean_latency"],
             output_tokens_p50=values["output_tokens_p50"],
             output_tokens_p90=values["output_tokens_p90"],
+            arrival_rate=values["arrival_rate"],
+            busy_s_per_token=values["busy_per_token"],
+            pods=round(values["pods"] or 0),
             detail=status_detail(status, requests, self.min_requests),
         )
 

@@ -36,8 +36,12 @@ SCHEDULING_SLACK_S = 0.25
 SCHEDULING_SLACK_SHARE = 0.05
 HISTOGRAMS = (
     names.REQUEST_DURATION, names.QUEUE_WAIT, names.BATCH_SIZE, names.REQUEST_GENERATION_TOKENS,
+    names.STEP_DURATION,
 )
-COUNTERS = (names.REQUESTS_TOTAL, names.GENERATION_TOKENS_TOTAL, names.PREEMPTIONS_TOTAL)
+COUNTERS = (
+    names.REQUESTS_TOTAL, names.REQUESTS_ARRIVED_TOTAL, names.GENERATION_TOKENS_TOTAL,
+    names.PREEMPTIONS_TOTAL,
+)
 GAUGES = (names.KV_CACHE_USAGE, names.REQUESTS_WAITING)
 
 
@@ -215,6 +219,9 @@ class ScrapeSource:
             mean_latency_s=_mean(deltas, names.REQUEST_DURATION),
             output_tokens_p50=quantile_from_buckets(0.5, lengths),
             output_tokens_p90=quantile_from_buckets(0.9, lengths),
+            arrival_rate=_rate_if_exported(deltas, names.REQUESTS_ARRIVED_TOTAL, window_s),
+            busy_s_per_token=_per_token(deltas, names.STEP_DURATION),
+            pods=len(deltas),
             detail=detail,
         )
 
@@ -241,6 +248,19 @@ def _merged_buckets(deltas: Sequence[Totals], name: str) -> dict[float, float]:
 
 def _total(deltas: Sequence[Totals], name: str) -> float:
     return sum(t.counts.get(name, 0.0) for t in deltas)
+
+
+def _rate_if_exported(deltas: Sequence[Totals], name: str, window_s: float) -> float | None:
+    """Per second over the window; None when no server exports the counter (an older one)."""
+    if not any(name in t.counts for t in deltas):
+        return None
+    return _total(deltas, name) / window_s
+
+
+def _per_token(deltas: Sequence[Totals], histogram: str) -> float | None:
+    """A histogram's summed seconds per generated token; None when no token was generated."""
+    tokens = _total(deltas, names.GENERATION_TOKENS_TOTAL)
+    return sum(t.sums.get(histogram, 0.0) for t in deltas) / tokens if tokens else None
 
 
 def _mean(deltas: Sequence[Totals], histogram: str) -> float | None:

@@ -36,6 +36,14 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+from batchpilot_operator.capacity_model import (
+    CapacityModel,
+    StepSample,
+    fit,
+    remember,
+    sample_of,
+)
+from batchpilot_operator.replica_rule import SCALE_OUT_UTILISATION, Capacity, ReplicaBounds
 from batchpilot_operator.signals import Signals
 from batchpilot_server.batching_config import BatchingConfig
 
@@ -119,6 +127,8 @@ class TunerParams:
     # window at the last change (`signal_window_s`), so none are needed by default.
     cooldown_intervals: int = 0
     ceiling_ttl_intervals: int = 20  # how long a breach caps growth
+    # The capacity model sizes the batch so each pod is at most this busy.
+    busy_target: float = SCALE_OUT_UTILISATION
 
 
 @dataclass(frozen=True)
@@ -128,6 +138,7 @@ class Goal:
     slo: Slo
     bounds: Bounds = field(default_factory=Bounds)
     params: TunerParams = field(default_factory=TunerParams)
+    replicas: ReplicaBounds | None = None  # None: the loop leaves the replica count alone
 
 
 @dataclass(frozen=True)
@@ -160,6 +171,7 @@ class TunerState:
     since_change: int = SINCE_CHANGE_CAP
     ceiling: int | None = None  # batch size that last broke the SLO or the KV guard
     ceiling_age: int = 0
+    samples: tuple[StepSample, ...] = ()  # the capacity model's recent windows
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -174,6 +186,10 @@ class TunerState:
             since_change=max(0, int(data.get("since_change", SINCE_CHANGE_CAP))),
             ceiling=None if ceiling is None else int(ceiling),
             ceiling_age=max(0, int(data.get("ceiling_age", 0))),
+            samples=tuple(
+                StepSample(float(item["batch"]), float(item["iteration_s"]))
+                for item in data.get("samples") or ()
+            ),
         )
 
 
@@ -183,13 +199,21 @@ class Decision:
     action: Action
     reason: str
     state: TunerState = field(default_factory=TunerState)
+    # The capacity model's view of this round (None without a model), and whether the
+    # knobs can add no more capacity: what the replica rule needs to know.
+    capacity: Capacity | None = None
+    spent: bool = False
 
 
 def decide(
     signals: Signals, current: BatchingConfig, goal: Goal, state: TunerState
 ) -> Decision:
     """The next batching config for these signals; see the module docstring."""
-    decision = _decide(_Case(signals, current, goal, state))
+    state = replace(state, samples=remember(state.samples, sample_of(signals)))
+    case = _Case(signals, current, goal, state)
+    case = replace(case, capacity=_capacity(case))
+    decision = _decide(case)
+    decision = replace(decision, capacity=case.capacity, spent=_spent(case, decision))
     if decision.config == current:
         held = decision.state
         since = min(held.since_change + 1, SINCE_CHANGE_CAP)
@@ -205,6 +229,11 @@ class _Case:
     current: BatchingConfig
     goal: Goal
     state: TunerState
+    capacity: Capacity | None = None
+
+    @property
+    def model(self) -> CapacityModel | None:
+        return fit(self.state.samples)
 
     @property
     def batch(self) -> int:
@@ -308,7 +337,7 @@ def _on_breach(case: _Case, p99: float) -> Decision:
     head = f"p99 {_ms(p99)} > SLO {_ms(case.slo_s)}"
     queue_wait = min(p99, signals.queue_wait_p99_s or 0.0)
     service = p99 - queue_wait
-    if service > p.service_share * case.slo_s:
+    if _running_too_slow(case):
         if queue_wait >= p.queue_share * p99:
             # Both halves break the SLO: a smaller batch queues more, a larger one runs
             # slower. Moving would only add noise; say so and wait for the load to drop.
@@ -341,9 +370,12 @@ def _on_breach(case: _Case, p99: float) -> Decision:
             f"timeout {timeout:g} -> {new_timeout:g} ms",
             timeout=new_timeout,
         )
-    # Capacity growth ignores the probing ceiling: a ceiling learnt at another load
-    # must not keep requests queued; if the bigger batch runs too slowly, the next
-    # window says so and the batch backs off again.
+    predicted = _predicted_growth(case, f"{head} from queueing")
+    if predicted is not None:
+        return predicted
+    # Without a model, capacity growth ignores the probing ceiling: a ceiling learnt at
+    # another load must not keep requests queued; if the bigger batch runs too slowly,
+    # the next window says so and the batch backs off again.
     if batch < bounds.max_batch:
         new_batch = min(bounds.max_batch, max(batch + 1, round(batch * p.capacity_factor)))
         return case.change(
@@ -364,6 +396,9 @@ def _on_headroom(case: _Case, p99: float) -> Decision:
     head = f"p99 {_ms(p99)} < {_ms((1 - p.band) * case.slo_s)}"
     limit = _growth_limit(case)
     if _queueing(case) and _full(case) and batch < limit:
+        predicted = _predicted_growth(case, f"{head} and requests queue behind full batches")
+        if predicted is not None:
+            return predicted
         new_batch = min(limit, batch + p.additive_step)
         return case.change(
             "grow_batch",
@@ -398,6 +433,9 @@ def _in_band(case: _Case, p99: float) -> Decision:
     limit = _growth_limit(case)
     if queue_wait >= p.queue_share * p99 and batch < limit:
         # Near the SLO because requests queue: add room before the p99 breaks it.
+        predicted = _predicted_growth(case, f"p99 {_ms(p99)} nears the SLO from queueing")
+        if predicted is not None:
+            return predicted
         new_batch = min(limit, batch + p.additive_step)
         return case.change(
             "grow_batch",
@@ -409,6 +447,79 @@ def _in_band(case: _Case, p99: float) -> Decision:
         f"p99 {_ms(p99)} within the band [{_ms((1 - p.band) * case.slo_s)}, "
         f"{_ms(case.slo_s)}]"
     )
+
+
+def _capacity(case: _Case) -> Capacity | None:
+    """The model's view of this round: how far the batch may go, and what one pod carries
+    there; None while there is no model or no output length to size requests by."""
+    model, signals, p = case.model, case.signals, case.p
+    tokens = signals.mean_output_tokens
+    if model is None or tokens is None:
+        return None
+    limit = _growth_limit(case)
+    p99, batch_seen = signals.p99_latency_s, signals.mean_batch_size
+    if p99 is not None and batch_seen is not None:
+        # Running time grows with the iteration: the largest batch whose requests still
+        # run within the SLO's band, scaled from the running time seen at `batch_seen`.
+        running = max(1e-6, p99 - min(p99, signals.queue_wait_p99_s or 0.0))
+        budget = (1 - p.band) * case.slo_s
+        allowed = model.iteration_s(batch_seen) * budget / running
+        limit = min(limit, max(case.bounds.min_batch, model.largest_batch_within(allowed)))
+    # The backlog counts as demand to drain within one window.
+    demand = signals.demand_rate + signals.waiting / max(signals.window_s, 1e-9)
+    return Capacity(
+        batch_limit=limit,
+        per_pod_rps=model.throughput_rps(limit, tokens),
+        demand_rps=demand,
+        prediction=f"{model.describe()}, {tokens:.0f} tokens a request",
+    )
+
+
+def _predicted_growth(case: _Case, head: str) -> Decision | None:
+    """The batch the model says carries this window's demand per pod at `busy_target`
+    busy, in one jump; None without a model (the caller steps by AIMD)."""
+    capacity, model = case.capacity, case.model
+    tokens = case.signals.mean_output_tokens
+    if capacity is None or model is None or tokens is None:
+        return None
+    batch, limit = case.batch, capacity.batch_limit
+    pods = max(1, case.signals.pods)
+    per_pod = capacity.demand_rps / pods
+    needed = model.batch_for(per_pod, tokens, case.p.busy_target)
+    wants = f"{per_pod:.2f} req/s per pod needs batch " + (
+        f"{needed}" if needed is not None else f"> {limit}: more than any batch carries"
+    )
+    target = limit if needed is None else min(limit, max(case.bounds.min_batch, needed))
+    if target > batch:
+        return case.change(
+            "grow_batch",
+            f"{head}: model ({capacity.prediction}): {wants} at {case.p.busy_target:.0%} "
+            f"busy: batch {batch} -> {target}",
+            batch=target,
+        )
+    if needed is not None and needed <= batch:
+        return case.hold(f"{head}: model: {wants}; batch {batch} carries it, the queue drains")
+    return case.hold(f"{head}: model: {wants}; batch {batch} is at its limit {limit}")
+
+
+def _running_too_slow(case: _Case) -> bool:
+    """Running alone (p99 less queue wait) exceeds what the SLO allows."""
+    p99 = case.signals.p99_latency_s
+    if p99 is None:
+        return False
+    queue_wait = min(p99, case.signals.queue_wait_p99_s or 0.0)
+    return p99 - queue_wait > case.p.service_share * case.slo_s
+
+
+def _spent(case: _Case, decision: Decision) -> bool:
+    """Whether the knobs can add no more capacity: the batch sits at the most they may
+    give, the KV guard or a back-off cut it, or running alone breaks the SLO."""
+    if decision.action in ("kv_guard", "backoff_batch"):
+        return True
+    if decision.action not in ("hold", "grow_batch"):
+        return False
+    limit = case.capacity.batch_limit if case.capacity is not None else _growth_limit(case)
+    return decision.config.max_batch_size >= limit or _running_too_slow(case)
 
 
 def _underfilled(case: _Case) -> bool:
@@ -458,7 +569,9 @@ def _age_ceiling(state: TunerState, p: TunerParams) -> TunerState:
 def _after_change(state: TunerState, p: TunerParams, ceiling: int | None = None) -> TunerState:
     if ceiling is None:
         return replace(state, cooldown=p.cooldown_intervals, since_change=0)
-    return TunerState(cooldown=p.cooldown_intervals, since_change=0, ceiling=ceiling)
+    return replace(
+        state, cooldown=p.cooldown_intervals, since_change=0, ceiling=ceiling, ceiling_age=0
+    )
 
 
 def signal_window_s(state: TunerState, cadence: Cadence) -> float:

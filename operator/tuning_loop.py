@@ -12,6 +12,13 @@ What differs between them are its three plug points and who paces the rounds:
 - the simulator (`tools/simulator.py`): the simulated server is signal source and
   actuator, each interval's record keeps the decision; a virtual clock.
 
+A policy whose goal has replica bounds (`Goal.replicas`) and whose plug
+points have a `Scaler` also gets the replica rule (`replica_rule.py`) in the
+same round, after the knobs and on the same signals: the knobs are spent
+before the pod count moves. A scale step restarts the signal window, as a
+change of the knobs does. A scaler that does not own the replica count (an
+HPA does, say) answers no fleet, and the rule stands back.
+
 The config in force is the actuator's config of record: the ConfigMap in the
 operator, the actuator's memory elsewhere. A decision is in force once the
 actuator recorded it, even where some target refused the push; rounds without
@@ -23,9 +30,16 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from batchpilot_operator.replica_rule import (
+    Fleet,
+    ReplicaCase,
+    ReplicaState,
+    ScaleDecision,
+    decide_replicas,
+)
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.tuner import (
     Cadence,
@@ -91,6 +105,17 @@ class Actuator(Protocol):
         ...
 
 
+class Scaler(Protocol):
+    async def fleet(self) -> Fleet | None:
+        """The replica count of record and the pods ready; None when something else owns
+        the count (the rule then stands back)."""
+        ...
+
+    async def scale(self, decision: ScaleDecision) -> None:
+        """Record `decision.replicas` as the count of record and start moving the fleet."""
+        ...
+
+
 @dataclass(frozen=True)
 class TuneStep:
     """One round: what was seen, decided and done."""
@@ -101,6 +126,8 @@ class TuneStep:
     before: BatchingConfig  # in force when the round started
     decision: Decision  # its config is in force after the round
     report: ActuationReport  # apply's after a change, resync's otherwise
+    scale: ScaleDecision | None = None  # None: the round did not decide the replica count
+    fleet: Fleet | None = None  # the fleet the replica rule saw
 
     @property
     def changed(self) -> bool:
@@ -115,6 +142,7 @@ class PlugPoints:
     source: SignalSource
     actuator: Actuator
     recorder: Recorder
+    scaler: Scaler | None = None
 
 
 class TuningLoop:
@@ -123,6 +151,7 @@ class TuningLoop:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
         self.state = TunerState()
+        self.replica_state = ReplicaState()
         self.rounds = 0
 
     async def round(
@@ -150,9 +179,44 @@ class TuningLoop:
                 report = await plugs.actuator.resync(before)
             # From here the decision is in force: a failed record must not repeat it.
             self.state = decision.state
-            step = TuneStep(self.rounds, self.clock(), signals, before, decision, report)
+            at = self.clock()
+            fleet, scale = await self._scale(goal, plugs, signals, decision, at)
+            step = TuneStep(
+                self.rounds, at, signals, before, decision, report, scale=scale, fleet=fleet
+            )
             self.rounds += 1
             recorded = plugs.recorder(step)
             if recorded is not None:
                 await recorded
         return step
+
+    async def _scale(
+        self, goal: Goal, plugs: PlugPoints, signals: Signals, decision: Decision, at: float
+    ) -> tuple[Fleet | None, ScaleDecision | None]:
+        """The replica rule's round, where the goal and the plug points ask for one."""
+        if goal.replicas is None or plugs.scaler is None:
+            return None, None
+        fleet = await plugs.scaler.fleet()
+        if fleet is None:
+            return None, None
+        p = goal.params
+        scale = decide_replicas(
+            ReplicaCase(
+                signals=signals,
+                slo_s=goal.slo.p99_latency_s,
+                band=p.band,
+                queue_share=p.queue_share,
+                knobs_spent=decision.spent,
+                capacity=decision.capacity,
+                fleet=fleet,
+                bounds=goal.replicas,
+                state=self.replica_state,
+                now=at,
+            )
+        )
+        if scale.replicas != fleet.desired:
+            await plugs.scaler.scale(scale)
+            # The next window must show the new fleet alone.
+            self.state = replace(self.state, since_change=0)
+        self.replica_state = scale.state
+        return fleet, scale

@@ -292,6 +292,7 @@ async def _serve_generation(
 ) -> web.StreamResponse:
     state = request.app[STATE]
     arrival = time.monotonic()
+    state.metrics.arrivals.inc()
     state.inflight.enter()
     outcome = "error"  # also when the client goes away and the handler is cancelled
     try:

@@ -11,6 +11,8 @@ KV_CACHE_USAGE = "batchpilot_kv_cache_usage_ratio"
 REQUESTS_RUNNING = "batchpilot_requests_running"
 REQUESTS_WAITING = "batchpilot_requests_waiting"
 REQUESTS_TOTAL = "batchpilot_requests_total"  # label outcome: ok|rejected|timeout|error
+# Every generation request as it arrives, before admission: the load the fleet is offered.
+REQUESTS_ARRIVED_TOTAL = "batchpilot_requests_arrived_total"
 PROMPT_TOKENS_TOTAL = "batchpilot_prompt_tokens_total"
 GENERATION_TOKENS_TOTAL = "batchpilot_generation_tokens_total"
 # Output tokens per finished request: the length spread `batching.mode: auto` reads.

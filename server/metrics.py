@@ -91,6 +91,7 @@ class ServerMetrics:
         self.slot_steps = {
             state: slot_steps.labels(**self._values, state=state) for state in names.SLOT_STATES
         }
+        self.arrivals = counter(names.REQUESTS_ARRIVED_TOTAL, "Generation requests arrived.")
         self.prompt_tokens = counter(names.PROMPT_TOKENS_TOTAL, "Prompt tokens admitted.")
         self.generation_tokens = counter(names.GENERATION_TOKENS_TOTAL, "Tokens generated.")
         self.preemptions = counter(names.PREEMPTIONS_TOTAL, "Sequences evicted for KV space.")

@@ -1,0 +1,307 @@
+"""The replica rule: how many pods a policy runs, decided after the knobs each round.
+
+Pure and deterministic, like the tuner: the same (signals, knob decision,
+fleet, bounds, state, now) always gives the same answer. It runs in the same
+round as `tuner.decide`, on the same signals, after it, so that the knobs are
+spent before the pod count moves:
+
+1. hold while the fleet is not what was asked for (pods still starting or
+   stopping) or the window does not cover every pod yet: a scale step's
+   effect must be seen before the next one;
+2. scale out when the SLO is broken by queueing, or the capacity model says
+   the demand exceeds what the pods can carry at all, *and* the knobs cannot
+   add capacity: the batch is at the most the knobs may give (bound, probing
+   ceiling, the SLO's running-time cap) or cut by the KV guard or a back-off.
+   The step is sized, not one pod at a time: enough pods that each carries at
+   most `SCALE_OUT_UTILISATION` of its throughput (the model's at the batch
+   limit, else the measured completions per saturated pod);
+3. scale in when fewer pods would carry the demand at `SCALE_IN_UTILISATION`
+   of their throughput, the SLO has headroom and nothing queues, for a whole
+   scale-down stabilization window (the window's highest recommendation
+   wins, as HPA does), and never within that window of the last change;
+4. `minReplicas <= replicas <= maxReplicas` always.
+
+The two utilisations leave a band between them, so a steady load that sits
+at one pod count recommends that same count from both sides: no flapping.
+docs/tuning.md gives the numbers behind each constant.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from batchpilot_operator.signals import Signals
+
+ScaleAction = Literal["hold", "scale_out", "scale_in"]
+
+SCALE_OUT_UTILISATION = 0.8  # a scale-out sizes the fleet so each pod runs at most this busy
+SCALE_IN_UTILISATION = 0.6  # a scale-in only to a fleet that would run at most this busy
+RECOMMENDATION_LIMIT = 64  # kept rounds, whatever the window (a 300 s window at 30 s is 11)
+# HPA's default scale-down stabilization: long enough to ride out a lull between bursts.
+SCALE_DOWN_STABILIZATION_S = 300.0
+
+
+@dataclass(frozen=True)
+class ReplicaBounds:
+    """`spec.autoscale`: the range the rule moves the replica count in, and its patience."""
+
+    min_replicas: int = 1
+    max_replicas: int = 10
+    scale_up_stabilization_s: float = 0.0
+    scale_down_stabilization_s: float = SCALE_DOWN_STABILIZATION_S
+
+    def __post_init__(self) -> None:
+        # At least one pod: a fleet of none has no signals to scale up from.
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(
+                "replica bounds must satisfy 1 <= min <= max, got "
+                f"{self.min_replicas}..{self.max_replicas}"
+            )
+        if self.scale_up_stabilization_s < 0 or self.scale_down_stabilization_s < 0:
+            raise ValueError("stabilization windows cannot be negative")
+
+    def clamp(self, replicas: int) -> int:
+        return min(max(replicas, self.min_replicas), self.max_replicas)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The replica count of record and how many of its pods serve now."""
+
+    desired: int
+    ready: int
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the knob decision leaves for the replica rule: how far the batch may go now,
+    and what one pod carries there."""
+
+    batch_limit: int  # the most batch the knobs may give (bounds, ceiling, running-time cap)
+    per_pod_rps: float  # one always-busy pod at batch_limit, by the capacity model
+    demand_rps: float  # the fleet's arrivals (plus its backlog to drain)
+    prediction: str  # the model and its numbers, for reasons
+
+
+@dataclass(frozen=True)
+class ScaleChange:
+    at: float
+    before: int
+    after: int
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """What the rule remembers between rounds; the operator keeps it in the policy's status,
+    so a restarted operator resumes mid-scaling without a second step."""
+
+    last_change: ScaleChange | None = None
+    recommendations: tuple[tuple[float, int], ...] = ()  # (at, replicas), newest last
+
+    def to_dict(self) -> dict[str, Any]:
+        change = self.last_change
+        return {
+            "lastChange": None
+            if change is None
+            else {"at": change.at, "from": change.before, "to": change.after},
+            "recommendations": [[at, n] for at, n in self.recommendations],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ReplicaState:
+        """Whatever was stored; what cannot be read is left out (a fresh rule is safe)."""
+        if not isinstance(data, dict):
+            return cls()
+        change = data.get("lastChange")
+        last: ScaleChange | None = None
+        try:
+            if isinstance(change, dict):
+                last = ScaleChange(float(change["at"]), int(change["from"]), int(change["to"]))
+        except (KeyError, TypeError, ValueError):
+            last = None
+        recs: list[tuple[float, int]] = []
+        for item in data.get("recommendations") or []:
+            try:
+                at, n = item
+                recs.append((float(at), int(n)))
+            except (TypeError, ValueError):
+                continue
+        return cls(last, tuple(recs[-RECOMMENDATION_LIMIT:]))
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    replicas: int
+    action: ScaleAction
+    reason: str
+    state: ReplicaState = field(default_factory=ReplicaState)
+
+
+@dataclass(frozen=True)
+class ReplicaCase:
+    """One round's inputs to the rule."""
+
+    signals: Signals
+    slo_s: float
+    band: float  # the tuner's hysteresis band: headroom means p99 < (1 - band) * SLO
+    queue_share: float  # queue wait >= share * p99: the breach is queueing
+    knobs_spent: bool  # the knob decision cannot add capacity
+    capacity: Capacity | None
+    fleet: Fleet
+    bounds: ReplicaBounds
+    state: ReplicaState
+    now: float
+
+
+def decide_replicas(case: ReplicaCase) -> ScaleDecision:
+    """The replica count for this round; see the module docstring."""
+    fleet, bounds, signals = case.fleet, case.bounds, case.signals
+    desired = fleet.desired
+    if not bounds.min_replicas <= desired <= bounds.max_replicas:
+        target = bounds.clamp(desired)
+        return _change(
+            case, target, f"{desired} replicas is outside autoscale's "
+            f"{bounds.min_replicas}..{bounds.max_replicas}",
+        )  # fmt: skip
+    if fleet.ready < desired:
+        return _hold(case, f"{fleet.ready} of {desired} pods ready: waiting for them")
+    if signals.pods and signals.pods < desired:
+        return _hold(
+            case, f"the window covers {signals.pods} of {desired} pods: waiting for one that "
+            "shows them all",
+        )  # fmt: skip
+    if not signals.ok or signals.p99_latency_s is None:
+        return _hold(case, f"no judgement on this window ({signals.status.replace('_', ' ')})")
+    out = _scale_out(case)
+    if out is not None:
+        return out
+    return _scale_in(case)
+
+
+def _scale_out(case: ReplicaCase) -> ScaleDecision | None:
+    signals, desired = case.signals, case.fleet.desired
+    p99 = signals.p99_latency_s or 0.0
+    queue_wait = signals.queue_wait_p99_s or 0.0
+    breach = p99 > case.slo_s and queue_wait >= case.queue_share * p99
+    per_pod = _per_pod_throughput(case)
+    overload = (
+        case.capacity is not None
+        and per_pod is not None
+        and case.capacity.demand_rps > desired * per_pod
+    )
+    if not (breach or overload):
+        return None
+    head = (
+        f"p99 {_ms(p99)} > SLO {_ms(case.slo_s)} from queueing (queue wait p99 {_ms(queue_wait)})"
+        if breach
+        else f"demand {_rate(case)} exceeds what {desired} pod(s) carry"
+    )
+    if not case.knobs_spent:
+        return _hold(case, f"{head}, but the batch can still grow: knobs first")
+    if desired >= case.bounds.max_replicas:
+        return _hold(case, f"{head} at maxReplicas {desired}: the load exceeds the fleet")
+    change = case.state.last_change
+    if change is not None and case.now - change.at < case.bounds.scale_up_stabilization_s:
+        return _hold(case, f"{head}; scale-up stabilization since the last change")
+    if per_pod is None or per_pod <= 0:
+        return _hold(case, f"{head}, but no pod throughput is known yet to size the step")
+    wanted = math.ceil(_demand(case) / (SCALE_OUT_UTILISATION * per_pod) - 1e-9)
+    target = case.bounds.clamp(max(desired + 1, wanted))
+    return _change(
+        case, target,
+        f"{head} and the batch is spent: {_rate(case)} over {per_pod:.2f} req/s per pod "
+        f"({_basis(case)}) needs {wanted} at {SCALE_OUT_UTILISATION:.0%} busy",
+    )  # fmt: skip
+
+
+def _scale_in(case: ReplicaCase) -> ScaleDecision:
+    signals, desired, bounds = case.signals, case.fleet.desired, case.bounds
+    p99 = signals.p99_latency_s or 0.0
+    per_pod = _per_pod_throughput(case)
+    if per_pod is None or per_pod <= 0:
+        return _hold(case, "no pod throughput known: the replica count stays")
+    wanted = bounds.clamp(math.ceil(_demand(case) / (SCALE_IN_UTILISATION * per_pod) - 1e-9))
+    quiet = p99 < (1 - case.band) * case.slo_s and signals.waiting <= 0
+    # A round that is not quiet recommends what runs now: it keeps the count up.
+    recommended = wanted if quiet else max(wanted, desired)
+    case = replace(case, state=_recommend(case.state, case.now, recommended, bounds))
+    if recommended >= desired:
+        return _hold(case, f"{desired} pod(s) needed for {_rate(case)}")
+    change = case.state.last_change
+    window = bounds.scale_down_stabilization_s
+    if change is not None and case.now - change.at < window:
+        return _hold(
+            case, f"{wanted} pod(s) would do, but the last change was "
+            f"{case.now - change.at:.0f} s ago (scale-down stabilization {window:.0f} s)",
+        )  # fmt: skip
+    in_window = [n for at, n in case.state.recommendations if at >= case.now - window]
+    highest = max(in_window)
+    if highest >= desired:
+        return _hold(
+            case, f"{wanted} pod(s) would do now, but {highest} were needed within the last "
+            f"{window:.0f} s",
+        )  # fmt: skip
+    return _change(
+        case, highest,
+        f"p99 {_ms(p99)} with headroom: {_rate(case)} over {per_pod:.2f} req/s per pod "
+        f"({_basis(case)}) needs {highest} at {SCALE_IN_UTILISATION:.0%} busy for "
+        f"{window:.0f} s",
+    )  # fmt: skip
+
+
+def _per_pod_throughput(case: ReplicaCase) -> float | None:
+    """The model's throughput at the batch limit; without a model, what each pod finished
+    while requests queued (saturated pods finish what they can)."""
+    if case.capacity is not None:
+        return case.capacity.per_pod_rps
+    signals = case.signals
+    queueing = (signals.queue_wait_p99_s or 0.0) >= case.queue_share * (signals.p99_latency_s or 0)
+    pods = signals.pods or case.fleet.ready
+    if queueing and pods > 0 and signals.request_rate > 0:
+        return signals.request_rate / pods
+    return None
+
+
+def _demand(case: ReplicaCase) -> float:
+    if case.capacity is not None:
+        return case.capacity.demand_rps
+    return case.signals.demand_rate
+
+
+def _basis(case: ReplicaCase) -> str:
+    if case.capacity is not None:
+        return f"model at batch {case.capacity.batch_limit}: {case.capacity.prediction}"
+    return "measured while saturated"
+
+
+def _rate(case: ReplicaCase) -> str:
+    return f"{_demand(case):.2f} req/s"
+
+
+def _recommend(
+    state: ReplicaState, now: float, replicas: int, bounds: ReplicaBounds
+) -> ReplicaState:
+    keep_from = now - max(bounds.scale_down_stabilization_s, bounds.scale_up_stabilization_s)
+    recent = [(at, n) for at, n in state.recommendations if at >= keep_from]
+    return replace(state, recommendations=(*recent, (now, replicas))[-RECOMMENDATION_LIMIT:])
+
+
+def _hold(case: ReplicaCase, reason: str) -> ScaleDecision:
+    return ScaleDecision(case.fleet.desired, "hold", reason, case.state)
+
+
+def _change(case: ReplicaCase, replicas: int, reason: str) -> ScaleDecision:
+    desired = case.fleet.desired
+    action: ScaleAction = "scale_out" if replicas > desired else "scale_in"
+    state = ReplicaState(
+        last_change=ScaleChange(case.now, desired, replicas),
+        # Recommendations from before the change described another fleet.
+        recommendations=(),
+    )
+    return ScaleDecision(replicas, action, f"{desired} -> {replicas} replicas: {reason}", state)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms"
