@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any, Literal, cast
 
+from batchpilot_operator.replica_rule import ReplicaBounds
 from batchpilot_operator.tuner import KV_HIGH_WATERMARK, Bounds, Cadence, Goal, Slo
 from batchpilot_server.batching_config import (
     MAX_BATCH_SIZE_LIMIT,
@@ -38,6 +39,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_IMAGE = "batchpilot:0.1.0"
 MAX_REPLICAS = 100
+MAX_STABILIZATION_S = 3600  # HPA's own limit for its stabilization windows
 MAX_GPUS = 16
 MAX_KV_CACHE_MB = 1_048_576
 MAX_MODEL_LEN = 1_048_576
@@ -107,6 +109,8 @@ class PolicySpec:
     batching: BatchingSpec
     p99_latency_ms: float
     autotune: AutotuneSpec
+    # spec.autoscale: None keeps `replicas` as the user (or an HPA) sets it
+    autoscale: ReplicaBounds | None = None
 
     def initial_config(self) -> BatchingConfig:
         return self.batching.initial
@@ -114,7 +118,7 @@ class PolicySpec:
     @property
     def goal(self) -> Goal:
         slo = Slo(self.p99_latency_ms / 1000.0, self.autotune.kv_high_watermark)
-        return Goal(slo, self.batching.bounds)
+        return Goal(slo, self.batching.bounds, replicas=self.autoscale)
 
     @property
     def cadence(self) -> Cadence:
@@ -136,6 +140,7 @@ def parse_spec(raw: Mapping[str, Any]) -> PolicySpec:
         batching=_batching(_section(raw, "batching")),
         p99_latency_ms=_number(_section(raw, "slo"), "p99LatencyMs", 500, "slo.p99LatencyMs"),
         autotune=_autotune(_section(raw, "autotune")),
+        autoscale=_autoscale(raw),
     )
     _check_servable(spec)
     return spec
@@ -270,6 +275,31 @@ def _autotune(raw: Mapping[str, Any]) -> AutotuneSpec:
         ),
         prometheus_url=_str(raw, "prometheusUrl", "", "autotune.prometheusUrl"),
     )
+
+
+def _autoscale(raw: Mapping[str, Any]) -> ReplicaBounds | None:
+    if raw.get("autoscale") is None:
+        return None
+    section = _section(raw, "autoscale")
+    defaults = ReplicaBounds()
+    low = _int(section, "minReplicas", defaults.min_replicas, "autoscale.minReplicas",
+               1, MAX_REPLICAS)  # fmt: skip
+    high = _int(section, "maxReplicas", defaults.max_replicas, "autoscale.maxReplicas",
+                1, MAX_REPLICAS)  # fmt: skip
+    if low > high:
+        raise SpecError(
+            "InvalidAutoscale",
+            f"autoscale.minReplicas ({low}) exceeds autoscale.maxReplicas ({high})",
+        )
+    up = _int(
+        section, "scaleUpStabilizationSeconds", int(defaults.scale_up_stabilization_s),
+        "autoscale.scaleUpStabilizationSeconds", 0, MAX_STABILIZATION_S,
+    )  # fmt: skip
+    down = _int(
+        section, "scaleDownStabilizationSeconds", int(defaults.scale_down_stabilization_s),
+        "autoscale.scaleDownStabilizationSeconds", 0, MAX_STABILIZATION_S,
+    )  # fmt: skip
+    return ReplicaBounds(low, high, float(up), float(down))
 
 
 def _check_servable(spec: PolicySpec) -> None:
