@@ -486,15 +486,16 @@ def _predicted_growth(case: _Case, head: str) -> Decision | None:
     pods = max(1, case.signals.pods)
     per_pod = capacity.demand_rps / pods
     needed = model.batch_for(per_pod, tokens, case.p.busy_target)
-    wants = f"{per_pod:.2f} req/s per pod needs batch " + (
-        f"{needed}" if needed is not None else f"> {limit}: more than any batch carries"
-    )
+    busy = f"{case.p.busy_target:.0%} busy"
+    needs = f"batch {needed}" if needed is not None else "more than any batch carries"
+    wants = f"{per_pod:.2f} req/s per pod needs {needs} at {busy}"
     target = limit if needed is None else min(limit, max(case.bounds.min_batch, needed))
+    if needed is not None and needed > limit:
+        wants += f", capped at the limit {limit}"
     if target > batch:
         return case.change(
             "grow_batch",
-            f"{head}: model ({capacity.prediction}): {wants} at {case.p.busy_target:.0%} "
-            f"busy: batch {batch} -> {target}",
+            f"{head}: model ({capacity.prediction}): {wants}: batch {batch} -> {target}",
             batch=target,
         )
     if needed is not None and needed <= batch:

@@ -6,6 +6,7 @@ import random
 from dataclasses import replace
 
 import pytest
+from batchpilot_operator.capacity_model import StepSample
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.spec import parse_spec
 from batchpilot_operator.tuner import (
@@ -307,3 +308,91 @@ def test_a_change_moves_one_knob_at_a_time_and_always_explains() -> None:
         if decision.action in ("grow_timeout", "shrink_timeout"):
             assert decision.config.max_batch_size == config.max_batch_size
             assert decision.config.batch_timeout_ms != config.batch_timeout_ms
+
+
+# -- the capacity model's jumps ---------------------------------------------------------------
+
+FIXED_S, PER_SEQ_S = 0.004, 0.0005  # the iteration line the windows below were measured on
+LINE = tuple(StepSample(b, FIXED_S + PER_SEQ_S * b) for b in (2.0, 8.0))
+
+
+def measured(batch_seen: float = 8.0, **fields: float | None) -> Signals:
+    """A window on the line: 64 tokens a request, iterating at `batch_seen`; p99 0.9 s over
+    the 0.5 s SLO, 0.6 s of it queueing (running 0.3 s)."""
+    base: dict[str, float | None] = {
+        "p99_latency_s": 0.9, "queue_wait_p99_s": 0.6, "mean_batch_size": batch_seen,
+        "tokens_per_s": 640.0, "arrival_rate": 15.0,
+        "busy_s_per_token": (FIXED_S + PER_SEQ_S * batch_seen) / batch_seen,
+    }  # fmt: skip
+    base.update(fields)
+    return replace(ok(**base), pods=1)
+
+
+def test_the_model_sizes_the_batch_for_the_demand_in_one_jump() -> None:
+    decision = decide(measured(), BatchingConfig(8, 10.0), GOAL, TunerState(samples=LINE))
+    # 15 req/s x 64 tokens at 80 % busy: b >= 1200 x (4 ms + 0.5 ms b)  ->  b = 12
+    assert (decision.action, decision.config.max_batch_size) == ("grow_batch", 12)
+    assert "model (iteration 4.00 ms + 0.500 ms per sequence" in decision.reason
+    assert "needs batch 12 at 80% busy" in decision.reason
+    assert decision.capacity is not None and not decision.spent
+    # running 0.3 s at batch 8 may grow to the band's 0.4 s: iterations up to 10.7 ms, b <= 13
+    assert decision.capacity.batch_limit == 13
+    assert decision.capacity.demand_rps == pytest.approx(15.0)
+
+
+def test_a_batch_that_carries_the_demand_holds_while_the_backlog_drains() -> None:
+    # The window after the jump still breaks the SLO from the queue built before it.
+    decision = decide(measured(12.0), BatchingConfig(12, 10.0), GOAL, TunerState(samples=LINE))
+    assert decision.action == "hold" and decision.config.max_batch_size == 12
+    assert "carries it, the queue drains" in decision.reason
+    assert not decision.spent
+
+
+def test_demand_beyond_any_batch_goes_to_the_limit_and_spends_the_knobs() -> None:
+    signals = measured(arrival_rate=24.0)
+    decision = decide(signals, BatchingConfig(8, 10.0), GOAL, TunerState(samples=LINE))
+    assert (decision.action, decision.config.max_batch_size) == ("grow_batch", 13)
+    assert "needs batch 192 at 80% busy, capped at the limit 13" in decision.reason
+    assert decision.spent and decision.capacity is not None
+    assert decision.capacity.per_pod_rps == pytest.approx(13 / (64 * (FIXED_S + PER_SEQ_S * 13)))
+    # at 13 the running time grew with the iteration, to the band's 0.4 s
+    running = 0.3 * (FIXED_S + PER_SEQ_S * 13) / (FIXED_S + PER_SEQ_S * 8)
+    signals = measured(13.0, arrival_rate=24.0, queue_wait_p99_s=0.9 - running)
+    at_limit = decide(signals, BatchingConfig(13, 10.0), GOAL, TunerState(samples=LINE))
+    assert at_limit.action == "hold" and at_limit.spent
+    assert "batch 13 is at its limit 13" in at_limit.reason
+    beyond = decide(measured(arrival_rate=40.0), BatchingConfig(8, 10.0), GOAL,
+                    TunerState(samples=LINE))  # fmt: skip
+    assert "more than any batch carries" in beyond.reason and beyond.config.max_batch_size == 13
+
+
+def test_the_backlog_counts_as_demand_to_drain_within_a_window() -> None:
+    # 300 queued over a 60 s window add 5 req/s: 20 req/s needs batch 38 (limit 13)
+    signals = measured(waiting=300.0)
+    decision = decide(signals, BatchingConfig(8, 10.0), GOAL, TunerState(samples=LINE))
+    assert decision.capacity is not None
+    assert decision.capacity.demand_rps == pytest.approx(20.0)
+    assert decision.config.max_batch_size == 13
+
+
+def test_without_a_model_growth_steps_by_aimd_and_samples_accumulate() -> None:
+    first = decide(measured(), BatchingConfig(8, 10.0), GOAL, TunerState())
+    # one sample (batch 8) is no line: the multiplicative step
+    assert (first.action, first.config.max_batch_size) == ("grow_batch", 12)
+    assert "capacity short" in first.reason and first.capacity is None
+    assert [s.batch for s in first.state.samples] == [8.0]
+    second = decide(measured(12.0), first.config, GOAL, first.state)
+    assert [s.batch for s in second.state.samples] == [8.0, 12.0]
+    assert second.capacity is not None  # 8 and 12 span enough for a line
+
+
+def test_a_kv_cut_keeps_the_samples_and_spends_the_knobs() -> None:
+    decision = decide(measured(kv_usage=0.95), BatchingConfig(8, 10.0), GOAL,
+                      TunerState(samples=LINE))  # fmt: skip
+    assert decision.action == "kv_guard" and decision.spent
+    assert len(decision.state.samples) == 3 and decision.state.ceiling == 8
+
+
+def test_tuner_state_round_trips_its_samples() -> None:
+    state = TunerState(ceiling=12, samples=LINE)
+    assert TunerState.from_dict(state.to_dict()) == state
