@@ -18,7 +18,9 @@ spent before the pod count moves:
 3. scale in when fewer pods would carry the demand at `SCALE_IN_UTILISATION`
    of their throughput, the SLO has headroom and nothing queues, for a whole
    scale-down stabilization window (the window's highest recommendation
-   wins, as HPA does), and never within that window of the last change;
+   wins, as HPA does), and never before the fleet has been watched that long
+   since the last change (or since the rule's first round: a restarted
+   operator waits a window too);
 4. `minReplicas <= replicas <= maxReplicas` always.
 
 The two utilisations leave a band between them, so a steady load that sits
@@ -99,10 +101,13 @@ class ReplicaState:
 
     last_change: ScaleChange | None = None
     recommendations: tuple[tuple[float, int], ...] = ()  # (at, replicas), newest last
+    # Since when this fleet has been watched: the last change, or the rule's first round.
+    since: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         change = self.last_change
         return {
+            "since": self.since,
             "lastChange": None
             if change is None
             else {"at": change.at, "from": change.before, "to": change.after},
@@ -128,7 +133,12 @@ class ReplicaState:
                 recs.append((float(at), int(n)))
             except (TypeError, ValueError):
                 continue
-        return cls(last, tuple(recs[-RECOMMENDATION_LIMIT:]))
+        since = data.get("since")
+        return cls(
+            last,
+            tuple(recs[-RECOMMENDATION_LIMIT:]),
+            float(since) if isinstance(since, int | float) and math.isfinite(since) else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -157,6 +167,8 @@ class ReplicaCase:
 
 def decide_replicas(case: ReplicaCase) -> ScaleDecision:
     """The replica count for this round; see the module docstring."""
+    if case.state.since is None:
+        case = replace(case, state=replace(case.state, since=case.now))
     fleet, bounds, signals = case.fleet, case.bounds, case.signals
     desired = fleet.desired
     if not bounds.min_replicas <= desired <= bounds.max_replicas:
@@ -229,12 +241,12 @@ def _scale_in(case: ReplicaCase) -> ScaleDecision:
     case = replace(case, state=_recommend(case.state, case.now, recommended, bounds))
     if recommended >= desired:
         return _hold(case, f"{desired} pod(s) needed for {_rate(case)}")
-    change = case.state.last_change
     window = bounds.scale_down_stabilization_s
-    if change is not None and case.now - change.at < window:
+    watched = case.now - (case.state.since if case.state.since is not None else case.now)
+    if watched < window:
         return _hold(
-            case, f"{wanted} pod(s) would do, but the last change was "
-            f"{case.now - change.at:.0f} s ago (scale-down stabilization {window:.0f} s)",
+            case, f"{wanted} pod(s) would do, but this fleet has been watched for "
+            f"{watched:.0f} s of the {window:.0f} s scale-down stabilization",
         )  # fmt: skip
     in_window = [n for at, n in case.state.recommendations if at >= case.now - window]
     highest = max(in_window)
@@ -299,6 +311,7 @@ def _change(case: ReplicaCase, replicas: int, reason: str) -> ScaleDecision:
         last_change=ScaleChange(case.now, desired, replicas),
         # Recommendations from before the change described another fleet.
         recommendations=(),
+        since=case.now,
     )
     return ScaleDecision(replicas, action, f"{desired} -> {replicas} replicas: {reason}", state)
 

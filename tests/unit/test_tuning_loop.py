@@ -4,11 +4,12 @@ under which guard, and what a failure leaves."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
+from batchpilot_operator.replica_rule import Fleet, ReplicaBounds, ScaleDecision
 from batchpilot_operator.signals import Signals
-from batchpilot_operator.tuner import Cadence, Goal, Slo
+from batchpilot_operator.tuner import Bounds, Cadence, Goal, Slo
 from batchpilot_operator.tuning_loop import (
     ActuationReport,
     Applied,
@@ -129,3 +130,56 @@ async def test_an_async_recorder_is_awaited() -> None:
     plugs = PlugPoints(source=w, actuator=w, recorder=recorder)
     await TuningLoop().round(GOAL, CADENCE, plugs)
     assert recorded == [0]
+
+
+@dataclass
+class FleetOf:
+    """A scaler over an in-memory fleet; `owned=False` plays an HPA owning the count."""
+
+    desired: int
+    owned: bool = True
+    scaled: list[ScaleDecision] = field(default_factory=list)
+
+    async def fleet(self) -> Fleet | None:
+        return Fleet(self.desired, self.desired) if self.owned else None
+
+    async def scale(self, decision: ScaleDecision) -> None:
+        self.scaled.append(decision)
+        self.desired = decision.replicas
+
+
+# p99 over the SLO from queueing on one pod whose batch is at its bound: only pods help
+SPENT = replace(
+    Signals(status="ok", requests=500, request_rate=20.0, p99_latency_s=2.0,
+            queue_wait_p99_s=1.5, mean_batch_size=8.0, kv_usage=0.1, arrival_rate=50.0),
+    pods=1,
+)  # fmt: skip
+AUTOSCALED = replace(GOAL, bounds=Bounds(max_batch=8), replicas=ReplicaBounds(1, 4))
+
+
+async def test_the_replica_rule_runs_after_the_knobs_and_restarts_the_window() -> None:
+    w = world(SPENT, QUIET)
+    w.record = BatchingConfig(8)
+    scaler = FleetOf(desired=1)
+    plugs = replace(w.plugs, scaler=scaler)
+    loop = TuningLoop(clock=lambda: 100.0)
+    step = await loop.round(AUTOSCALED, CADENCE, plugs)
+    assert step is not None and not step.changed and step.decision.spent
+    assert step.scale is not None and step.scale.action == "scale_out"
+    assert step.fleet == Fleet(1, 1)
+    # 50 req/s over the 20 a saturated pod finished, at 80 % busy: ceil(3.1) = 4
+    assert [d.replicas for d in scaler.scaled] == [4] and scaler.desired == 4
+    assert loop.replica_state == step.scale.state
+    await loop.round(AUTOSCALED, CADENCE, plugs)
+    assert w.windows == [CADENCE.window_s, CADENCE.interval_s]  # the new fleet alone
+
+
+@pytest.mark.parametrize("owned", [False, True])
+async def test_no_replica_decision_without_bounds_or_ownership(owned: bool) -> None:
+    w = world(SPENT)
+    w.record = BatchingConfig(8)
+    scaler = FleetOf(desired=1, owned=owned)
+    goal = AUTOSCALED if not owned else replace(AUTOSCALED, replicas=None)
+    step = await TuningLoop().round(goal, CADENCE, replace(w.plugs, scaler=scaler))
+    assert step is not None and step.scale is None and step.fleet is None
+    assert not scaler.scaled
