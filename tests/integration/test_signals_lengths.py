@@ -1,4 +1,5 @@
-"""The output-length spread and the mean latency, from both signal sources, on real servers.
+"""The output-length spread, the mean latency and the capacity model's inputs (arrival rate,
+busy seconds per token, pods), from both signal sources, on real servers.
 
 One server gets equal output lengths, the other a spread: each read alone
 through the direct scrape and through a real Prometheus, against the lengths
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+import pytest
 from batchpilot_operator.mode_choice import ModeParams
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_instances
@@ -57,6 +59,7 @@ async def test_both_sources_read_the_length_spread_and_the_mean_latency(tmp_path
             await asyncio.to_thread(prom.wait_for_targets_up)
             async with aiohttp.ClientSession() as session:
                 scrapes = {k: ScrapeSource([u], session) for k, u in urls.items()}
+                scrapes["both"] = ScrapeSource(list(urls.values()), session)
                 for scrape in scrapes.values():
                     await scrape.scrape()
                 started = time.monotonic()
@@ -79,12 +82,26 @@ async def test_both_sources_read_the_length_spread_and_the_mean_latency(tmp_path
                 window = time.monotonic() - started + 5.0
                 queried = {
                     k: await PrometheusSource(
-                        prom.url, selector_for_instances([u]), session
+                        prom.url, selector_for_instances(us), session
                     ).read(window)
-                    for k, u in urls.items()
+                    for k, us in (*((k, [u]) for k, u in urls.items()), ("both", [*urls.values()]))
                 }
+    # Every request the load generator sent arrived, whatever its outcome: the scrape's
+    # counter deltas count them exactly, Prometheus' increase() extrapolates.
+    for kind in ("equal", "spread"):
+        sent = len(results[kind])
+        arrival = scraped[kind].arrival_rate
+        assert arrival is not None and arrival * scraped[kind].window_s == pytest.approx(sent)
+        queried_arrival = queried[kind].arrival_rate
+        assert queried_arrival is not None
+        assert 0.8 * sent <= queried_arrival * queried[kind].window_s <= 1.25 * sent
+        busy, queried_busy = scraped[kind].busy_s_per_token, queried[kind].busy_s_per_token
+        assert busy is not None and queried_busy is not None
+        assert 0.8 * busy <= queried_busy <= 1.25 * busy, (busy, queried_busy)
     for source in (scraped, queried):
-        for kind, signals in source.items():
+        assert source["both"].pods == 2 and source["equal"].pods == 1
+        for kind in ("equal", "spread"):
+            signals = source[kind]
             assert signals.status == "ok", signals.detail
             lengths = [r.completion_tokens for r in ok[kind]]
             assert reads_lengths(signals, lengths), (kind, signals)
@@ -93,6 +110,9 @@ async def test_both_sources_read_the_length_spread_and_the_mean_latency(tmp_path
             assert signals.mean_latency_s is not None
             assert 0.5 * client_mean <= signals.mean_latency_s <= client_mean, (
                 kind, signals.mean_latency_s, client_mean)
+            # Forward time per token: a pod is never busier than the whole window.
+            utilisation = signals.utilisation
+            assert utilisation is not None and 0 < utilisation <= 1, (kind, signals)
         equal, spread = source["equal"].output_spread, source["spread"].output_spread
         assert equal is not None and equal <= ModeParams().enter_spread
         assert spread is not None and spread > ModeParams().leave_spread
