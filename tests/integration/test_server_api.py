@@ -83,6 +83,7 @@ async def test_64_concurrent_requests_complete_with_their_token_counts(mode: str
     # /metrics agrees with what was served.
     prompt_tokens = sum(len(p.encode()) + 1 for p in prompts)
     assert metrics[(f"{names.REQUESTS_TOTAL}", "ok")] == 64
+    assert metrics[(names.REQUESTS_ARRIVED_TOTAL, "")] == 64
     for outcome in ("rejected", "timeout", "error"):
         assert metrics[(names.REQUESTS_TOTAL, outcome)] == 0
     assert metrics[(names.PROMPT_TOKENS_TOTAL, "")] == prompt_tokens
@@ -217,6 +218,8 @@ async def test_bad_inputs_get_their_exact_error_and_the_server_keeps_serving() -
     completion_errors = sum(1 for case in BAD_INPUTS if case[2] == "/v1/completions"
                             and case[1] == "POST")  # fmt: skip
     assert metrics[(names.REQUESTS_TOTAL, "rejected")] == completion_errors
+    # arrivals count what the tuner must carry: refused requests too, and the good one
+    assert metrics[(names.REQUESTS_ARRIVED_TOTAL, "")] == completion_errors + 1
     assert metrics[(names.REQUESTS_TOTAL, "error")] == 0
 
 
