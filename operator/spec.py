@@ -134,13 +134,16 @@ class PolicySpec:
 
 def parse_spec(raw: Mapping[str, Any]) -> PolicySpec:
     """The typed spec of a BatchingPolicy, with CRD defaults; raises SpecError with the cause."""
+    autoscale = _autoscale(raw)
+    # An omitted count starts at the bottom of the autoscale range (the CRD sets no default).
+    replicas_default = autoscale.min_replicas if autoscale is not None else 1
     spec = PolicySpec(
-        replicas=_int(raw, "replicas", 1, "replicas", 0, MAX_REPLICAS),
+        replicas=_int(raw, "replicas", replicas_default, "replicas", 0, MAX_REPLICAS),
         server=_server(_section(raw, "server")),
         batching=_batching(_section(raw, "batching")),
         p99_latency_ms=_number(_section(raw, "slo"), "p99LatencyMs", 500, "slo.p99LatencyMs"),
         autotune=_autotune(_section(raw, "autotune")),
-        autoscale=_autoscale(raw),
+        autoscale=autoscale,
     )
     _check_servable(spec)
     return spec

@@ -61,6 +61,7 @@ def policy() -> dict[str, Any]:
     body = yaml.safe_load((ROOT / "manifests" / "examples" / "cpu-policy.yaml").read_text())
     body["metadata"] = {"name": NAME, "namespace": NAMESPACE}
     spec = body["spec"]
+    spec.pop("autoscale")  # one fixed pod: a kind node has room for little more
     spec["replicas"] = 1
     spec["server"]["image"] = os.environ.get("BATCHPILOT_IMAGE", spec["server"]["image"])
     spec["server"]["resources"] = {"requests": {"cpu": "500m", "memory": "512Mi"}}

@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import yaml
-from batchpilot_operator.spec import SpecError, parse_spec
+from batchpilot_operator.replica_rule import ReplicaBounds, ReplicaState, ScaleChange
+from batchpilot_operator.spec import MAX_REPLICAS, MAX_STABILIZATION_S, SpecError, parse_spec
 
 from tests.support import ROOT
 from tests.support.crd import CEL, CRD, SCHEMA, VERSION, refusals, to_cel, with_defaults
@@ -44,6 +45,10 @@ def test_there_are_cpu_and_gpu_examples_of_a_preset_and_of_real_models() -> None
     assert smollm2["server"]["device"] == "cpu" and smollm2["batching"]["mode"] == "continuous"
     for spec in (llama, smollm2["server"]):
         assert spec["model"]["persistentVolumeClaim"]["claimName"]
+    # the CPU example is autoscaled and leaves the replica count to the operator
+    cpu = example(EXAMPLES_DIR / "cpu-policy.yaml")["spec"]
+    assert "replicas" not in cpu
+    assert parse_spec(cpu).replicas == cpu["autoscale"]["minReplicas"]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -58,6 +63,22 @@ def test_examples_are_accepted_by_the_crd_and_the_operator(path: Path) -> None:
 def test_crd_defaults_are_the_operators_defaults() -> None:
     defaulted = with_defaults(SCHEMA, {"spec": {}})["spec"]
     assert parse_spec(defaulted) == parse_spec({})
+    # autoscale has no default (absent: a fixed count); given empty, its fields have
+    autoscaled = with_defaults(SCHEMA, {"spec": {"autoscale": {}}})["spec"]
+    assert parse_spec(autoscaled) == parse_spec({"autoscale": {}})
+    assert parse_spec(autoscaled).autoscale == ReplicaBounds()
+
+
+def test_replica_limits_are_the_operators() -> None:
+    spec = SCHEMA["properties"]["spec"]["properties"]
+    autoscale = spec["autoscale"]["properties"]
+    for node in (spec["replicas"], autoscale["minReplicas"], autoscale["maxReplicas"]):
+        assert node["maximum"] == MAX_REPLICAS
+    assert autoscale["minReplicas"]["minimum"] == 1  # a fleet of none has no signals
+    for key in ("scaleUpStabilizationSeconds", "scaleDownStabilizationSeconds"):
+        assert (autoscale[key]["minimum"], autoscale[key]["maximum"]) == (0, MAX_STABILIZATION_S)
+    # No default: an omitted count under autoscale starts at minReplicas, not at 1.
+    assert "default" not in spec["replicas"]
 
 
 def policy(**spec: Any) -> dict[str, Any]:
@@ -111,6 +132,23 @@ INVALID = [
         "windowSeconds must be at least intervalSeconds",
     ),
     ("unknown dtype", {"server": {"dtype": "int4"}}, "'int4' is not one of"),
+    (
+        "autoscale min above max",
+        {"autoscale": {"minReplicas": 4, "maxReplicas": 3}},
+        "autoscale.minReplicas must not exceed autoscale.maxReplicas",
+    ),
+    (
+        "autoscale min above the default max",
+        {"autoscale": {"minReplicas": 11}},
+        "autoscale.minReplicas must not exceed autoscale.maxReplicas",
+    ),
+    ("autoscale to no pods", {"autoscale": {"minReplicas": 0}}, "less than the minimum"),
+    ("autoscale past the limit", {"autoscale": {"maxReplicas": 101}}, "maximum"),
+    (
+        "stabilization past HPA's limit",
+        {"autoscale": {"scaleDownStabilizationSeconds": 3601}},
+        "maximum",
+    ),
     ("zero model length", {"server": {"maxModelLen": 0}}, "less than the minimum"),
     ("instant startup timeout", {"server": {"startupTimeoutSeconds": 1}}, "less than the minimum"),
     (
@@ -249,13 +287,47 @@ def test_schema_is_structural() -> None:
     assert list(structural_violations(SCHEMA)) == []
 
 
+def schema_node(path: str) -> dict[str, Any]:
+    node = SCHEMA
+    for key in path.strip(".").split("."):
+        node = node["properties"][key]
+    return node
+
+
+def test_the_scale_subresource_points_at_fields_of_the_right_type() -> None:
+    # kubectl scale, HPA and KEDA read and write the policy through /scale.
+    scale = VERSION["subresources"]["scale"]
+    assert scale == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    assert schema_node(scale["specReplicasPath"])["type"] == "integer"
+    assert schema_node(scale["statusReplicasPath"])["type"] == "integer"
+    assert schema_node(scale["labelSelectorPath"])["type"] == "string"  # HPA needs a string
+
+
+def test_the_status_holds_what_the_replica_rule_records() -> None:
+    state = ReplicaState(ScaleChange(at=1.5e9, before=2, after=4), ((1.5e9, 4), (1.5e9 + 30, 3)))
+    status = {
+        "replicas": 4, "readyReplicas": 3,
+        "selector": "app.kubernetes.io/name=batchpilot-server,batchpilot.io/policy=p",
+        "lastScaling": {"time": "2026-01-01T00:00:00Z", "action": "scale_out",
+                        "from": 2, "to": 4, "reason": "batch spent"},
+        "replicaState": state.to_dict(),
+    }
+    assert refusals({**policy(), "status": status}) == []
+    assert ReplicaState.from_dict(status["replicaState"]) == state
+    assert schema_node("status.replicaState")["x-kubernetes-preserve-unknown-fields"]
+
+
 def test_names_subresource_and_printer_columns() -> None:
     assert CRD["metadata"]["name"] == f"{CRD['spec']['names']['plural']}.{CRD['spec']['group']}"
     assert CRD["spec"]["names"]["shortNames"] == ["bp"]
-    assert VERSION["subresources"] == {"status": {}}
+    assert set(VERSION["subresources"]) == {"status", "scale"}
     columns = VERSION["additionalPrinterColumns"]
     assert [c["name"].upper() for c in columns] == [
-        "MODE", "BATCH", "TIMEOUT", "P99", "SLO", "READY", "AGE",
+        "MODE", "REPLICAS", "READY-PODS", "BATCH", "TIMEOUT", "P99", "SLO", "READY", "AGE",
     ]
     for column in columns:
         field_path = re.sub(r"\[\?.*\]", "", column["jsonPath"])

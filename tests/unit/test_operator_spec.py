@@ -5,7 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from batchpilot_operator.replica_rule import ReplicaBounds
 from batchpilot_operator.spec import (
+    MAX_REPLICAS,
+    MAX_STABILIZATION_S,
     PRESET_STARTUP_TIMEOUT_S,
     REFERENCE_STARTUP_TIMEOUT_S,
     ModelReference,
@@ -32,6 +35,7 @@ def test_empty_spec_takes_the_documented_defaults() -> None:
         "auto", None, None,
     )
     assert spec.server.startup_timeout_seconds == PRESET_STARTUP_TIMEOUT_S
+    assert spec.autoscale is None and spec.goal.replicas is None  # a fixed replica count
 
 
 def reference(**fields: Any) -> dict[str, Any]:
@@ -119,6 +123,18 @@ def test_an_unknown_preset_names_the_known_ones() -> None:
         ({"server": {"maxModelLen": 0}}, "InvalidSpec", "server.maxModelLen must be between"),
         ({"server": {"servedModelName": ""}}, "InvalidSpec", "1 to 253 characters"),
         ({"server": {"startupTimeoutSeconds": 1}}, "InvalidSpec", "between 10 and 7200"),
+        (
+            {"autoscale": {"minReplicas": 5, "maxReplicas": 3}},
+            "InvalidAutoscale", "minReplicas (5) exceeds autoscale.maxReplicas (3)",
+        ),
+        ({"autoscale": {"minReplicas": 0}}, "InvalidSpec", "autoscale.minReplicas must be between"),
+        ({"autoscale": {"maxReplicas": MAX_REPLICAS + 1}}, "InvalidSpec",
+         f"between 1 and {MAX_REPLICAS}"),
+        ({"autoscale": {"scaleDownStabilizationSeconds": MAX_STABILIZATION_S + 1}},
+         "InvalidSpec", f"between 0 and {MAX_STABILIZATION_S}"),
+        ({"autoscale": {"scaleUpStabilizationSeconds": -1}}, "InvalidSpec", "between 0"),
+        ({"autoscale": {"minReplicas": 1.5}}, "InvalidSpec", "must be an integer"),
+        ({"autoscale": 3}, "InvalidSpec", "autoscale must be an object"),
     ],
 )
 def test_unservable_specs_name_their_reason(raw: dict[str, Any], reason: str, words: str) -> None:
@@ -140,3 +156,21 @@ def test_clamp_keeps_tuned_values_inside_the_bounds() -> None:
     assert spec.clamp(BatchingConfig(2, 50.0, 256)) == BatchingConfig(4, 20.0, 99)
     inside = BatchingConfig(12, 7.5, 99)
     assert spec.clamp(inside) == inside
+
+
+def test_autoscale_bounds_take_the_replica_rules_defaults_and_reach_the_goal() -> None:
+    spec = parse_spec({"autoscale": {}})
+    assert spec.autoscale == ReplicaBounds()
+    assert spec.goal.replicas == spec.autoscale
+    chosen = parse_spec({"autoscale": {
+        "minReplicas": 2, "maxReplicas": 8,
+        "scaleUpStabilizationSeconds": 30, "scaleDownStabilizationSeconds": 600,
+    }})
+    assert chosen.autoscale == ReplicaBounds(2, 8, 30.0, 600.0)
+
+
+def test_an_omitted_replica_count_starts_at_min_replicas_under_autoscale() -> None:
+    assert parse_spec({"autoscale": {"minReplicas": 3, "maxReplicas": 5}}).replicas == 3
+    assert parse_spec({"autoscale": {}}).replicas == ReplicaBounds().min_replicas
+    # a count given (by the user, kubectl scale, an HPA or the rule) is the count of record
+    assert parse_spec({"replicas": 4, "autoscale": {"minReplicas": 3}}).replicas == 4
