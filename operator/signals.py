@@ -40,12 +40,14 @@ class Signals:
     tokens_per_s: float = 0.0
     mean_batch_size: float | None = None  # sequences per executed step/batch
     mean_latency_s: float | None = None  # arrival to last byte, mean of finished requests
-    # Output tokens per finished request: the median and the 90th percentile.
+    # Output tokens per finished request: the median, the 90th and the 99th percentile.
     output_tokens_p50: float | None = None
     output_tokens_p90: float | None = None
-    # The capacity model's inputs: requests arriving (admitted or not) per second, seconds
-    # of model forwards per generated token (all pods' forward time over all their tokens,
-    # prefills included), and how many pods the window covers.
+    output_tokens_p99: float | None = None
+    # The capacity model's inputs: requests arriving (admitted or not) per second over the
+    # newer half of the window (a load that just stepped up shows there, not in the
+    # window's mean), seconds of model forwards per generated token (all pods' forward
+    # time over all their tokens, prefills included), and how many pods the window covers.
     arrival_rate: float | None = None
     busy_s_per_token: float | None = None
     pods: int = 0  # 0: the source could not tell

@@ -50,6 +50,7 @@ def _escape(value: str) -> str:
 def queries(selector: str, window_s: float) -> dict[str, str]:
     """The PromQL behind each signal; `[window]` is a whole number of seconds."""
     w = f"{max(1, round(window_s))}s"
+    half = f"{max(1, round(window_s / 2))}s"  # the arrival rate's: the newer half
     sel = "{" + selector + "}"
 
     def quantile(q: float, histogram: str) -> str:
@@ -71,7 +72,8 @@ def queries(selector: str, window_s: float) -> dict[str, str]:
         "mean_latency": mean(names.REQUEST_DURATION),
         "output_tokens_p50": quantile(0.5, names.REQUEST_GENERATION_TOKENS),
         "output_tokens_p90": quantile(0.9, names.REQUEST_GENERATION_TOKENS),
-        "arrival_rate": f"sum(rate({names.REQUESTS_ARRIVED_TOTAL}{sel}[{w}]))",
+        "output_tokens_p99": quantile(0.99, names.REQUEST_GENERATION_TOKENS),
+        "arrival_rate": f"sum(rate({names.REQUESTS_ARRIVED_TOTAL}{sel}[{half}]))",
         "busy_per_token": f"sum(rate({names.STEP_DURATION}_sum{sel}[{w}])) / "
         f"sum(rate({names.GENERATION_TOKENS_TOTAL}{sel}[{w}]))",
         # every pod exports the config it runs: one series each
@@ -161,6 +163,7 @@ class PrometheusSource:
             mean_latency_s=values["mean_latency"],
             output_tokens_p50=values["output_tokens_p50"],
             output_tokens_p90=values["output_tokens_p90"],
+            output_tokens_p99=values["output_tokens_p99"],
             arrival_rate=values["arrival_rate"],
             busy_s_per_token=values["busy_per_token"],
             pods=round(values["pods"] or 0),

@@ -219,11 +219,23 @@ class ScrapeSource:
             mean_latency_s=_mean(deltas, names.REQUEST_DURATION),
             output_tokens_p50=quantile_from_buckets(0.5, lengths),
             output_tokens_p90=quantile_from_buckets(0.9, lengths),
-            arrival_rate=_rate_if_exported(deltas, names.REQUESTS_ARRIVED_TOTAL, window_s),
+            output_tokens_p99=quantile_from_buckets(0.99, lengths),
+            arrival_rate=self._arrival_rate(baseline, now),
             busy_s_per_token=_per_token(deltas, names.STEP_DURATION),
             pods=len(deltas),
             detail=detail,
         )
+
+    def _arrival_rate(self, baseline: Snapshot, now: Snapshot) -> float | None:
+        """Arrivals per second since the newest snapshot in the newer half of the window
+        (the whole window when the scrapes in between are missing)."""
+        newer = self._baseline(now.at - (now.at - baseline.at) / 2, exclude=now) or baseline
+        deltas = [
+            totals.minus(newer.per_server[url])
+            for url, totals in now.per_server.items()
+            if url in newer.per_server
+        ]
+        return _rate_if_exported(deltas, names.REQUESTS_ARRIVED_TOTAL, now.at - newer.at)
 
     def _kv_max(self, since: float) -> float | None:
         values = [

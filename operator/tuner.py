@@ -452,18 +452,13 @@ def _in_band(case: _Case, p99: float) -> Decision:
 def _capacity(case: _Case) -> Capacity | None:
     """The model's view of this round: how far the batch may go, and what one pod carries
     there; None while there is no model or no output length to size requests by."""
-    model, signals, p = case.model, case.signals, case.p
+    model, signals = case.model, case.signals
     tokens = signals.mean_output_tokens
     if model is None or tokens is None:
         return None
     limit = _growth_limit(case)
-    p99, batch_seen = signals.p99_latency_s, signals.mean_batch_size
-    if p99 is not None and batch_seen is not None:
-        # Running time grows with the iteration: the largest batch whose requests still
-        # run within the SLO's band, scaled from the running time seen at `batch_seen`.
-        running = max(1e-6, p99 - min(p99, signals.queue_wait_p99_s or 0.0))
-        budget = (1 - p.band) * case.slo_s
-        allowed = model.iteration_s(batch_seen) * budget / running
+    allowed = _iteration_budget(case, model)
+    if allowed is not None:
         limit = min(limit, max(case.bounds.min_batch, model.largest_batch_within(allowed)))
     # The backlog counts as demand to drain within one window.
     demand = signals.demand_rate + signals.waiting / max(signals.window_s, 1e-9)
@@ -473,6 +468,25 @@ def _capacity(case: _Case) -> Capacity | None:
         demand_rps=demand,
         prediction=f"{model.describe()}, {tokens:.0f} tokens a request",
     )
+
+
+def _iteration_budget(case: _Case, model: CapacityModel) -> float | None:
+    """The longest iteration whose requests still run within the SLO's band.
+
+    The longest requests (p99 output tokens) run that many iterations. Without a
+    length histogram, the running time seen (p99 less queue wait) is scaled from
+    the window's mean batch, where queueing does not swamp it.
+    """
+    signals, budget = case.signals, (1 - case.p.band) * case.slo_s
+    if signals.output_tokens_p99 is not None and signals.output_tokens_p99 > 0:
+        return budget / signals.output_tokens_p99
+    p99, batch_seen = signals.p99_latency_s, signals.mean_batch_size
+    if p99 is None or batch_seen is None:
+        return None
+    queue_wait = min(p99, signals.queue_wait_p99_s or 0.0)
+    if queue_wait >= case.p.queue_share * p99:
+        return None  # p99 less queue wait is mostly noise here
+    return model.iteration_s(batch_seen) * budget / max(1e-6, p99 - queue_wait)
 
 
 def _predicted_growth(case: _Case, head: str) -> Decision | None:

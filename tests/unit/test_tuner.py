@@ -317,11 +317,11 @@ LINE = tuple(StepSample(b, FIXED_S + PER_SEQ_S * b) for b in (2.0, 8.0))
 
 
 def measured(batch_seen: float = 8.0, **fields: float | None) -> Signals:
-    """A window on the line: 64 tokens a request, iterating at `batch_seen`; p99 0.9 s over
-    the 0.5 s SLO, 0.6 s of it queueing (running 0.3 s)."""
+    """A window on the line: 64 tokens a request (38 at p99), iterating at `batch_seen`;
+    p99 0.9 s over the 0.5 s SLO, 0.6 s of it queueing."""
     base: dict[str, float | None] = {
         "p99_latency_s": 0.9, "queue_wait_p99_s": 0.6, "mean_batch_size": batch_seen,
-        "tokens_per_s": 640.0, "arrival_rate": 15.0,
+        "tokens_per_s": 640.0, "arrival_rate": 15.0, "output_tokens_p99": 38.0,
         "busy_s_per_token": (FIXED_S + PER_SEQ_S * batch_seen) / batch_seen,
     }  # fmt: skip
     base.update(fields)
@@ -335,7 +335,7 @@ def test_the_model_sizes_the_batch_for_the_demand_in_one_jump() -> None:
     assert "model (iteration 4.00 ms + 0.500 ms per sequence" in decision.reason
     assert "needs batch 12 at 80% busy" in decision.reason
     assert decision.capacity is not None and not decision.spent
-    # running 0.3 s at batch 8 may grow to the band's 0.4 s: iterations up to 10.7 ms, b <= 13
+    # 38 iterations within the band's 0.4 s: iterations up to 10.5 ms, b <= 13
     assert decision.capacity.batch_limit == 13
     assert decision.capacity.demand_rps == pytest.approx(15.0)
 
@@ -355,15 +355,28 @@ def test_demand_beyond_any_batch_goes_to_the_limit_and_spends_the_knobs() -> Non
     assert "needs batch 192 at 80% busy, capped at the limit 13" in decision.reason
     assert decision.spent and decision.capacity is not None
     assert decision.capacity.per_pod_rps == pytest.approx(13 / (64 * (FIXED_S + PER_SEQ_S * 13)))
-    # at 13 the running time grew with the iteration, to the band's 0.4 s
-    running = 0.3 * (FIXED_S + PER_SEQ_S * 13) / (FIXED_S + PER_SEQ_S * 8)
-    signals = measured(13.0, arrival_rate=24.0, queue_wait_p99_s=0.9 - running)
+    signals = measured(13.0, arrival_rate=24.0)
     at_limit = decide(signals, BatchingConfig(13, 10.0), GOAL, TunerState(samples=LINE))
     assert at_limit.action == "hold" and at_limit.spent
     assert "batch 13 is at its limit 13" in at_limit.reason
     beyond = decide(measured(arrival_rate=40.0), BatchingConfig(8, 10.0), GOAL,
                     TunerState(samples=LINE))  # fmt: skip
     assert "more than any batch carries" in beyond.reason and beyond.config.max_batch_size == 13
+
+
+@pytest.mark.parametrize(
+    ("queue_wait_s", "limit"),
+    [(0.2, 13), (0.6, BOUNDS.max_batch)],  # running 0.3 s at batch 8 may grow to 0.4 s
+)
+def test_without_lengths_the_running_time_seen_limits_the_batch(
+    queue_wait_s: float, limit: int
+) -> None:
+    # p99 0.5 s just over the SLO; with queueing at half the p99 or more, p99 less queue
+    # wait says too little about running to limit anything
+    signals = measured(p99_latency_s=queue_wait_s + 0.3, queue_wait_p99_s=queue_wait_s,
+                       output_tokens_p99=None)  # fmt: skip
+    decision = decide(signals, BatchingConfig(8, 10.0), GOAL, TunerState(samples=LINE))
+    assert decision.capacity is not None and decision.capacity.batch_limit == limit
 
 
 def test_the_backlog_counts_as_demand_to_drain_within_a_window() -> None:
