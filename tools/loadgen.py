@@ -3,7 +3,10 @@
 Arrivals are Poisson, fixed-rate (optionally following a rate schedule) or a
 fixed number of concurrent clients; a run lasts a duration or a request
 count. Requests go round-robin to one or more servers, streamed, so that
-time to first token and inter-token latency are seen from the client.
+time to first token and inter-token latency are seen from the client. The
+servers may change while a run lasts (`Targets`: a local fleet scaling): a
+server leaves the rotation first and is stopped only once nothing sent to it
+is still unanswered, as a load balancer deregisters a pod before it stops.
 
     report = await run_load(LoadSpec(urls=["http://127.0.0.1:8000"], rate=20, duration_s=10))
 """
@@ -12,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import math
 import random
@@ -208,6 +210,59 @@ def summarize(results: list[RequestResult], duration_s: float) -> LoadReport:
     )
 
 
+class Targets:
+    """The servers a run sends to, round robin, and what each still owes it.
+
+    `add` and `remove` take effect at the next request; a removed server still
+    answers what it was sent, and `wait_unanswered` says when it has.
+    """
+
+    def __init__(self, urls: list[str]) -> None:
+        if not urls:
+            raise ValueError("give at least one server URL")
+        self.urls = list(urls)
+        self._turn = 0
+        self._unanswered: Counter[str] = Counter()
+        self._an_end = asyncio.Event()
+
+    def add(self, url: str) -> None:
+        if url not in self.urls:
+            self.urls.append(url)
+
+    def remove(self, url: str) -> None:
+        if url in self.urls and len(self.urls) == 1:
+            raise ValueError(f"{url} is the last server: a load needs at least one")
+        if url in self.urls:
+            self.urls.remove(url)
+
+    def pick(self) -> str:
+        """The next server in turn; it owes an answer until `ended(url)`."""
+        url = self.urls[self._turn % len(self.urls)]
+        self._turn += 1
+        self._unanswered[url] += 1
+        return url
+
+    def unanswered(self, url: str) -> int:
+        """Requests sent to `url` that have not ended yet."""
+        return self._unanswered[url]
+
+    def ended(self, url: str) -> None:
+        self._unanswered[url] -= 1
+        self._an_end.set()
+
+    async def wait_unanswered(self, url: str, timeout_s: float) -> bool:
+        """Wait until every request sent to `url` has ended; False if some had not by
+        `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self._unanswered[url] > 0:
+            self._an_end.clear()
+            try:
+                await asyncio.wait_for(self._an_end.wait(), deadline - time.monotonic())
+            except TimeoutError:
+                return self._unanswered[url] == 0
+        return True
+
+
 class Progress:
     """A one-line progress bar on stderr."""
 
@@ -255,12 +310,13 @@ class _Run:
         spec: LoadSpec,
         session: aiohttp.ClientSession,
         on_result: Callable[[RequestResult], None] | None,
+        targets: Targets,
     ) -> None:
         self.spec = spec
         self.session = session
         self.on_result = on_result
         self.rng = random.Random(spec.seed)
-        self.urls = itertools.cycle(spec.urls)
+        self.targets = targets
         self.results: list[RequestResult] = []
         self.started = 0
         self.t0 = time.monotonic()
@@ -324,7 +380,7 @@ class _Run:
         prompt_tokens = self.spec.prompt_len.sample(self.rng)
         max_tokens = self.spec.output_len.sample(self.rng)
         prompt = "".join(self.rng.choice(PROMPT_ALPHABET) for _ in range(prompt_tokens))
-        url = next(self.urls)
+        url = self.targets.pick()
         result = RequestResult(url, self.elapsed(), 0.0, 0, expected_tokens=max_tokens)
         body: dict[str, Any] = {
             "prompt": prompt,
@@ -343,6 +399,8 @@ class _Run:
         except aiohttp.ClientError as exc:
             result.error = f"{type(exc).__name__}: {exc}"
             result.status = 0
+        finally:
+            self.targets.ended(url)
         result.end_s = self.elapsed()
         self.results.append(result)
         self.progress.update(result, result.end_s)
@@ -400,13 +458,18 @@ async def _error_message(response: aiohttp.ClientResponse) -> str:
 
 
 async def run_load(
-    spec: LoadSpec, on_result: Callable[[RequestResult], None] | None = None
+    spec: LoadSpec,
+    on_result: Callable[[RequestResult], None] | None = None,
+    targets: Targets | None = None,
 ) -> LoadReport:
-    """Drive `spec` against its servers; `on_result` sees every request as it ends."""
+    """Drive `spec` against its servers; `on_result` sees every request as it ends.
+
+    `targets`, when given, replaces `spec.urls` and may change while the run lasts.
+    """
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        run = _Run(spec, session, on_result)
+        run = _Run(spec, session, on_result, targets or Targets(spec.urls))
         if spec.arrival == "concurrency":
             await run.closed_loop()
         else:

@@ -1,4 +1,5 @@
-"""The load generator against real servers: counts, arrival shapes, errors, CLI output."""
+"""The load generator against real servers: counts, arrival shapes, errors, CLI output,
+servers joining and leaving a run."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 import aiohttp
 import pytest
 from batchpilot_server import metric_names as names
-from batchpilot_tools.loadgen import LengthDist, LoadSpec, RequestResult, run_load
+from batchpilot_tools.loadgen import LengthDist, LoadSpec, RequestResult, Targets, run_load
 
 from tests.support.servers import free_port, scrape, serve_in_process
 
@@ -175,3 +176,30 @@ async def test_cancelled_run_leaves_no_request_behind() -> None:
                 await asyncio.sleep(0.02)
     assert metrics[(names.KV_CACHE_USAGE, "")] == 0
     assert metrics[(names.REQUESTS_TOTAL, "error")] >= 2
+
+
+async def test_targets_change_while_a_run_lasts_and_a_leaver_answers_what_it_was_sent() -> None:
+    async with serve_in_process() as staying, serve_in_process() as leaving:
+        targets = Targets([staying.url])
+        spec = LoadSpec(
+            urls=[staying.url], arrival="concurrency", concurrency=4, num_requests=60,
+            output_len=LengthDist.parse("fixed:24"), prompt_len=LengthDist.parse("fixed:4"),
+        )  # fmt: skip
+        ended: list[RequestResult] = []
+        load = asyncio.create_task(run_load(spec, ended.append, targets=targets))
+        async with asyncio.timeout(30):
+            while len(ended) < 8:
+                await asyncio.sleep(0.01)
+        targets.add(leaving.url)
+        async with asyncio.timeout(30):
+            while targets.unanswered(leaving.url) == 0:
+                await asyncio.sleep(0.005)
+        targets.remove(leaving.url)
+        sent_to_leaver = targets.unanswered(leaving.url) + sum(r.url == leaving.url for r in ended)
+        assert await targets.wait_unanswered(leaving.url, timeout_s=30)
+        report = await load
+    assert (report.sent, report.ok) == (60, 60)
+    assert sum(r.url == leaving.url for r in report.results) == sent_to_leaver >= 1
+    assert targets.unanswered(staying.url) == targets.unanswered(leaving.url) == 0
+    with pytest.raises(ValueError, match="last server"):
+        targets.remove(staying.url)
