@@ -8,7 +8,10 @@ record). A decision is in force once it is recorded, whether or not every
 target took it: the targets that did not are brought in line by `resync`.
 
 - `LocalActuator`: plain server URLs (`batchpilot tune`, the demo); the
-  record is kept in memory, starting from what the first server held.
+  record is kept in memory, starting from what the first server held, and
+  optionally in a JSON file that servers started later read with
+  `--config-file`, as pods read the ConfigMap. The URLs may change between
+  rounds (`follow`: a local fleet scaling).
 - `KubernetesActuator`: the record is the policy's ConfigMap (pods that start
   later read it, and a restarted operator resumes from it); the targets are
   the round's ready pods, with the token from the policy's Secret.
@@ -22,7 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -100,7 +105,7 @@ def _error_message(body: Any) -> str:
 
 
 class LocalActuator:
-    """Plain server URLs; the config of record lives in memory."""
+    """Plain server URLs; the config of record lives in memory (and in `config_file`)."""
 
     def __init__(
         self,
@@ -108,20 +113,31 @@ class LocalActuator:
         token: str | None,
         session: aiohttp.ClientSession,
         in_force: BatchingConfig,
+        config_file: Path | None = None,
     ) -> None:
+        self.token = token
+        self.session = session
+        self.config_file = config_file
+        self.follow(urls)
+        self._record(in_force)
+
+    def follow(self, urls: Sequence[str]) -> None:
+        """Push to these servers from now on (the fleet changed)."""
         if not urls:
             raise ValueError("the local actuator needs at least one server URL")
         self.targets = [ReadyPod(url, url) for url in urls]
-        self.token = token
-        self.session = session
-        self._in_force = in_force
 
     async def in_force(self) -> BatchingConfig:
         return self._in_force
 
     async def apply(self, config: BatchingConfig) -> ActuationReport:
-        self._in_force = config
+        self._record(config)
         return await push(self.session, self.targets, self.token, config)
+
+    def _record(self, config: BatchingConfig) -> None:
+        self._in_force = config
+        if self.config_file is not None:
+            write_config_file(self.config_file, config)
 
     async def resync(self, config: BatchingConfig) -> ActuationReport:
         return await resync(self.session, self.targets, lambda: _given(self.token), config)
@@ -164,6 +180,14 @@ class KubernetesActuator:
 
     async def _token(self) -> str | None:
         return await read_admin_token(self.client, self.namespace, self.policy_name)
+
+
+def write_config_file(path: Path, config: BatchingConfig) -> None:
+    """`config` as `batchpilot serve --config-file` reads it; replaced whole, so a server
+    starting meanwhile reads the old record or the new one, never half of one."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(config.to_dict(), sort_keys=True))
+    os.replace(partial, path)
 
 
 async def push(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import aiohttp
 from batchpilot_operator.actuators import LocalActuator, get_batching
 from batchpilot_server.batching_config import BatchingConfig
@@ -74,3 +76,29 @@ async def test_a_refused_push_is_still_the_config_in_force() -> None:
         assert await actuator.in_force() == TUNED
         again = await actuator.resync(TUNED)
         assert [r.reason for r in again.refused] == ["HTTP 403: the admin token is not valid"]
+
+
+async def test_the_record_is_written_where_servers_started_later_read_it(tmp_path: Path) -> None:
+    record = tmp_path / "batching.json"
+    async with serve_in_process() as server, aiohttp.ClientSession() as session:
+        start = BatchingConfig(max_batch_size=3, batch_timeout_ms=1.0)
+        actuator = LocalActuator([server.url], server.token, session, start, record)
+        assert BatchingConfig.from_file(record) == start  # before any change
+        assert (await actuator.apply(TUNED)).ok
+        assert BatchingConfig.from_file(record) == TUNED
+        assert not list(tmp_path.glob("*.partial"))  # replaced whole
+
+
+async def test_it_pushes_to_the_servers_it_is_told_to_follow() -> None:
+    async with (
+        serve_in_process() as leaving,
+        serve_in_process() as joining,
+        aiohttp.ClientSession() as session,
+    ):
+        actuator = LocalActuator([leaving.url], leaving.token, session, BatchingConfig())
+        actuator.follow([joining.url])
+        report = await actuator.apply(TUNED)
+        assert [a.target for a in report.applied] == [joining.url]
+        assert (await get_batching(session, joining.url)).max_batch_size == 24
+        assert (await get_batching(session, leaving.url)).max_batch_size == 8  # left alone
+        assert [a.target for a in (await actuator.resync(TUNED)).applied] == []
