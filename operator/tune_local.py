@@ -5,7 +5,9 @@
 Every interval it runs one round of `tuning_loop.TuningLoop` with signals from
 Prometheus (`--prometheus`) or from a scrape of the servers' `/metrics`, the
 servers' URLs as actuator, and prints the round. `tune_loop` is the reusable
-driver: the demo calls it with a callback.
+driver: the demo calls it with a callback, and with a `LocalScaler` (its
+`batchpilot serve` processes) when the goal has replica bounds: each round
+then reads and tunes exactly the servers the scaler says take load.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from batchpilot_operator.actuators import LocalActuator, get_batching
@@ -26,7 +28,7 @@ from batchpilot_operator.signals import MIN_REQUESTS_PER_WINDOW
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_instances
 from batchpilot_operator.signals_scrape import ScrapeSource
 from batchpilot_operator.tuner import KV_HIGH_WATERMARK, Bounds, Cadence, Goal, Slo
-from batchpilot_operator.tuning_loop import PlugPoints, TuneStep, TuningLoop
+from batchpilot_operator.tuning_loop import PlugPoints, Scaler, TuneStep, TuningLoop
 from batchpilot_server.batching_config import BatchingConfig, ConfigError
 
 
@@ -39,6 +41,8 @@ class TuneOptions:
     token: str | None = None
     iterations: int | None = None  # None: until stopped
     min_requests: int = MIN_REQUESTS_PER_WINDOW
+    # Where the config of record is also written, for servers started later to read.
+    config_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -46,6 +50,15 @@ class TuneOptions:
 
 
 OnStep = Callable[[TuneStep], Awaitable[None] | None]
+
+
+class LocalScaler(Scaler, Protocol):
+    """A scaler of local servers: it starts and stops them, and says which take load."""
+
+    def serving(self) -> Sequence[str]:
+        """The URLs of the servers that take load now: the next round reads and tunes
+        exactly these (a server joins once it runs the config in force)."""
+        ...
 
 
 class TuneError(RuntimeError):
@@ -56,11 +69,14 @@ async def tune_loop(
     options: TuneOptions,
     on_step: OnStep | None = None,
     stop: asyncio.Event | None = None,
+    scaler: LocalScaler | None = None,
 ) -> list[TuneStep]:
     """Run the tuning loop on `options.servers` until `stop` is set or the iterations end.
 
     `on_step` is the recorder: called (and awaited, if it returns an awaitable)
-    after each round. Returns every round.
+    after each round. With a `scaler`, the servers are the scaler's, round by
+    round, and `options.goal.replicas` lets the replica rule move their number.
+    Returns every round.
     """
     stop = stop or asyncio.Event()
     steps: list[TuneStep] = []
@@ -74,14 +90,28 @@ async def tune_loop(
         source = _source(options, session)
         if isinstance(source, ScrapeSource):
             await source.scrape()  # the baseline the first window is measured from
-        actuator = LocalActuator(options.servers, options.token, session, in_force)
-        plugs = PlugPoints(source, actuator, record)
+        actuator = LocalActuator(
+            options.servers, options.token, session, in_force, options.config_file
+        )
+        plugs = PlugPoints(source, actuator, record, scaler)
         loop = TuningLoop()
         while options.iterations is None or len(steps) < options.iterations:
             if await _stopped_within(stop, options.cadence.interval_s):
                 break
+            if scaler is not None:
+                _follow(scaler.serving(), source, actuator)
             await loop.round(options.goal, options.cadence, plugs)
     return steps
+
+
+def _follow(urls: Sequence[str], source: Source, actuator: LocalActuator) -> None:
+    """The round reads and tunes these servers. A server new to the scrape has no
+    baseline yet, so its first window leaves it out (`Signals.pods` says so)."""
+    actuator.follow(urls)
+    if isinstance(source, ScrapeSource):
+        source.urls = [url.rstrip("/") for url in urls]
+    else:
+        source.selector = selector_for_instances(urls)
 
 
 async def _stopped_within(stop: asyncio.Event, seconds: float) -> bool:

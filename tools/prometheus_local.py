@@ -109,7 +109,7 @@ class LocalPrometheus:
         self.port: int | None = None
         self._process: subprocess.Popen[bytes] | None = None
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(yaml.safe_dump(dict(config), sort_keys=False))
+        self._write_config(config)
 
     @property
     def url(self) -> str:
@@ -160,6 +160,14 @@ class LocalPrometheus:
     def reload(self) -> None:
         """Re-read the config and rule files (needs `--web.enable-lifecycle`, which we pass)."""
         self._request("/-/reload", method="POST")
+
+    def reconfigure(self, config: Mapping[str, Any]) -> None:
+        """Replace the config (new targets, say) and have the running process re-read it."""
+        self._write_config(config)
+        self.reload()
+
+    def _write_config(self, config: Mapping[str, Any]) -> None:
+        self.config_path.write_text(yaml.safe_dump(dict(config), sort_keys=False))
 
     def query(self, promql: str) -> list[dict[str, Any]]:
         """Instant query: the `result` list of the HTTP API (empty when there is no data)."""

@@ -14,15 +14,17 @@ from pathlib import Path
 import pytest
 from batchpilot_tools.demo.cli import main as demo_main
 from batchpilot_tools.demo.cli import options_from
-from batchpilot_tools.demo.options import SERVERS
+from batchpilot_tools.demo.options import DEFAULT_REPLICAS, Replicas
 from batchpilot_tools.prometheus_local import find_binary
 
 from tests.support.usage import refused_usage
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EXIT_DEADLINE_S = 60.0
-# the servers, plus Prometheus where it is installed
-CHILDREN = SERVERS + (find_binary() is not None)
+PROMETHEUS = int(find_binary() is not None)
+# the servers a demo starts with, plus Prometheus where it is installed
+SERVERS = DEFAULT_REPLICAS.low
+CHILDREN = SERVERS + PROMETHEUS
 
 
 def children_of(pid: int) -> set[int]:
@@ -104,31 +106,64 @@ def assert_plot(path: Path) -> None:
     assert len(data) > 10_000  # a real figure, not an empty canvas
 
 
-def test_short_demo_writes_plot_and_summary(tmp_path: Path) -> None:
-    run = DemoRun(tmp_path, "--duration", "20", "--interval", "4")
+def interval_lines(output: str) -> list[str]:
+    """Not a terminal: one plain line per tuner interval, before the summary."""
+    return [line for line in output.splitlines() if line.startswith("t=")]
+
+
+def test_short_demo_with_a_fixed_fleet_writes_plot_and_summary(tmp_path: Path) -> None:
+    run = DemoRun(tmp_path, "--duration", "20", "--interval", "4", "--replicas", "2")
     code = run.run_to_exit()
     output = run.output()
     assert code == 0, output
-    # not a terminal: one plain line per tuner interval, then the summary
-    interval_lines = [line for line in output.splitlines() if line.startswith("t=")]
-    assert len(interval_lines) >= 3, output
+    lines = interval_lines(output)
+    assert len(lines) >= 3, output
+    assert all(" replicas=2 serving=2 " in line for line in lines), output
     assert "batchpilot demo summary" in output
+    assert re.search(r"replicas: 2 \(a fixed fleet\), \d+ replica-seconds over", output), output
     assert "\x1b[" not in output
-    assert_slot_waste(output)
+    assert_slot_waste(output, servers=2)
     assert_plot(run.out)
-    assert_clean(run, expected_children=CHILDREN)
+    assert_clean(run, expected_children=2 + PROMETHEUS)
 
 
-def assert_slot_waste(output: str) -> None:
+def test_the_tuner_starts_a_second_server_once_the_batch_is_spent(tmp_path: Path) -> None:
+    # Batch 1 is both the start and the bound, and 16 req/s is far more than one server
+    # serves at batch 1: the first judged window breaks the SLO by queueing with the
+    # knobs spent, whatever the machine's speed.
+    run = DemoRun(
+        tmp_path, "--duration", "30", "--interval", "5", "--max-batch", "1", "--rate", "16",
+        "--step-factor", "1",
+    )  # fmt: skip
+    code = run.run_to_exit()
+    output = run.output()
+    assert code == 0, output
+    lines = interval_lines(output)
+    scaled = [index for index, line in enumerate(lines) if "| scale_out:" in line]
+    assert len(scaled) == 1, output  # one step to the maximum, never back: no flapping
+    scale_out = lines[scaled[0]]
+    assert "scale_out: 1 -> 2 replicas" in scale_out and "the batch is spent" in scale_out
+    assert " replicas=2 serving=1 " in scale_out  # counted at once, serving once ready
+    assert all(" replicas=1 serving=1 " in line for line in lines[: scaled[0]]), output
+    serving = [line for line in lines[scaled[0] :] if " replicas=2 serving=2 " in line]
+    assert serving, output  # the new server joined while the run lasted
+    assert all("batch=1 " in line for line in lines), output
+    assert re.search(r"replicas: 1\.\.2, scale out to 2 at \d+ s; \d+ replica-seconds", output)
+    assert_slot_waste(output, servers=2)  # the second server's counters are in the summary
+    assert_plot(run.out)
+    assert_clean(run, expected_children=2 + PROMETHEUS)
+
+
+def assert_slot_waste(output: str, servers: int) -> None:
     """The summary's slot waste: shares of the servers' own slot-step counters, whose
     finished part is 0 because the demo's servers batch continuously."""
     line = next((line for line in output.splitlines() if "slot waste:" in line), None)
     assert line is not None, output
     share = r"(\d+\.\d+)"
-    servers = ", ".join(rf"server-{index} {share}" for index in range(SERVERS))
+    names = ", ".join(rf"server-{index} {share}" for index in range(servers))
     match = re.search(
         rf"{share} finished-but-held \+ {share} padding = {share} of (\d+) batch slot-steps "
-        rf"\({servers}\)",
+        rf"\({names}\)",
         line,
     )
     assert match, line
@@ -206,10 +241,24 @@ def test_the_servers_serve_the_model_the_demo_is_given(tmp_path: Path) -> None:
     code = run.run_to_exit()
     output = run.output()
     assert code == 1, output
-    assert f"servers of {missing}" in output
+    assert f"1 server of {missing}" in output
     assert "exited with" in output and str(missing) in output.split("exited with", 1)[1]
     assert not run.out.exists()
     assert_clean(run, expected_children=SERVERS)
+
+
+def test_the_default_demo_scales_one_to_two_servers_and_the_load_falls_back() -> None:
+    options = options_from([])
+    assert options.replicas == DEFAULT_REPLICAS == Replicas(1, 2)
+    bounds = options.replica_bounds
+    assert bounds is not None and (bounds.min_replicas, bounds.max_replicas) == (1, 2)
+    # scale-down patience of a few intervals, not HPA's 300 s: the fall lasts a minute
+    assert bounds.scale_down_stabilization_s == 3 * options.interval_s
+    base, high = options.base_rate, options.base_rate * options.step_factor
+    rates = [options.offered_rate(t) for t in (0, options.step_at_s, options.fall_at_s - 1,
+                                                 options.fall_at_s, options.duration_s)]
+    assert rates == [base, high, high, base, base]
+    assert options_from(["--replicas", "2"]).replica_bounds is None  # a fixed fleet
 
 
 def test_a_real_model_gets_a_lighter_load_and_a_longer_slo_unless_told_otherwise() -> None:
@@ -227,6 +276,10 @@ def test_a_real_model_gets_a_lighter_load_and_a_longer_slo_unless_told_otherwise
     [
         (["--duration", "0"], "--duration must be positive"),
         (["--duration", "10", "--interval", "5"], "too short for --interval"),
+        (["--replicas", "0"], "1 <= MIN <= MAX"),
+        (["--replicas", "3..1"], "1 <= MIN <= MAX"),
+        (["--replicas", "one"], "takes N or MIN..MAX"),
+        (["--max-batch", "0"], "--max-batch must be at least 1"),
     ],
 )
 def test_bad_flags_are_explained(

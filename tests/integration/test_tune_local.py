@@ -1,4 +1,6 @@
-"""`batchpilot tune` and its loop on real servers: bad configs move the right way."""
+"""`batchpilot tune` and its loop on real servers: bad configs move the right way; the
+demo's local scaler starts servers from the config in force and stops them without
+losing a request."""
 
 from __future__ import annotations
 
@@ -9,11 +11,14 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from batchpilot_operator.actuators import get_batching
+from batchpilot_operator.actuators import get_batching, write_config_file
+from batchpilot_operator.replica_rule import Fleet, ScaleDecision
 from batchpilot_operator.tune_local import TuneOptions, main, tune_loop
 from batchpilot_operator.tuner import Cadence, Goal, Slo
 from batchpilot_operator.tuning_loop import TuneStep
-from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
+from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_tools.demo.fleet import ProcessFleet
+from batchpilot_tools.loadgen import LengthDist, LoadSpec, RequestResult, run_load
 
 from tests.support.servers import free_port, serve_in_process, spawn_server
 
@@ -120,3 +125,77 @@ def test_cli_says_when_the_server_is_not_there(capsys: pytest.CaptureFixture[str
     err = capsys.readouterr().err
     assert f"cannot read the batching config of {url}" in err
     assert "batchpilot serve" in err
+
+
+# -- the demo's local scaler ----------------------------------------------------------------
+
+READY_TIMEOUT_S = 90.0  # a server process on a busy 2-core machine
+TUNED = BatchingConfig(max_batch_size=6, batch_timeout_ms=7.0, max_queue_size=512)
+
+
+async def until_serving(fleet: ProcessFleet, count: int) -> None:
+    async with asyncio.timeout(READY_TIMEOUT_S):
+        while (await fleet.fleet()).ready != count:
+            await asyncio.sleep(0.1)
+
+
+async def test_a_scale_out_starts_a_server_that_serves_the_config_in_force(
+    tmp_path: Path,
+) -> None:
+    async with ProcessFleet("tiny", tmp_path, READY_TIMEOUT_S) as fleet:
+        await fleet.start(1)
+        write_config_file(fleet.config_file, TUNED)  # what the local actuator records
+        await fleet.scale(ScaleDecision(2, "scale_out", "test"))
+        # counted at once, serving once ready: the replica rule waits for it meanwhile
+        assert await fleet.fleet() == Fleet(desired=2, ready=1)
+        async with aiohttp.ClientSession() as session:
+            await until_serving(fleet, 2)
+            first, new = fleet.servers
+            assert fleet.serving() == [first.url, new.url] == fleet.load.urls
+            held = await get_batching(session, new.url)
+            assert held == TUNED
+            async with session.get(f"{new.url}/admin/batching") as response:
+                # version 1: it started from the record, nothing had to be pushed
+                assert (await response.json())["version"] == 1
+            body = {"prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+            async with session.post(f"{new.url}/v1/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+                assert (await response.json())["usage"]["completion_tokens"] == 4
+            # the first server keeps the config it runs: the tuner's resync is what moves it
+            assert (await get_batching(session, first.url)).max_batch_size == 1
+
+
+async def test_a_scale_in_under_load_stops_the_newest_server_and_loses_no_request(
+    tmp_path: Path,
+) -> None:
+    async with ProcessFleet("tiny", tmp_path, READY_TIMEOUT_S) as fleet:
+        await fleet.start(2)
+        oldest, newest = fleet.servers
+        ended: list[RequestResult] = []
+        spec = LoadSpec(
+            urls=fleet.serving(), rate=4.0, duration_s=12.0,
+            prompt_len=LengthDist("fixed", 16), output_len=LengthDist("fixed", 48),
+        )  # fmt: skip
+        load = asyncio.create_task(run_load(spec, ended.append, targets=fleet.load))
+        async with asyncio.timeout(30):  # tell it to go while it owes answers
+            while fleet.load.unanswered(newest.url) < 2:
+                await asyncio.sleep(0.01)
+        owed = fleet.load.unanswered(newest.url)
+        answered_before = sum(result.url == newest.url for result in ended)
+        await fleet.scale(ScaleDecision(1, "scale_in", "test"))
+        assert fleet.serving() == fleet.load.urls == [oldest.url]
+        assert await fleet.fleet() == Fleet(desired=1, ready=1)
+        report = await load
+        async with asyncio.timeout(30):
+            while newest.process.poll() is None:
+                await asyncio.sleep(0.1)
+        assert newest.process.returncode == 0  # SIGTERM's drain, not a kill
+        assert oldest.process.poll() is None
+    assert report.errors_by_status == {} and report.ok == report.sent > 0
+    # Everything it was sent before it left was answered by it, and nothing after.
+    to_newest = [result for result in report.results if result.url == newest.url]
+    assert len(to_newest) == answered_before + owed
+    assert all(result.ok for result in to_newest)
+    # Its slot-step counters were read before the stop, for the demo's summary.
+    retired = fleet.retired[newest.name]
+    assert retired is not None and retired.total > 0

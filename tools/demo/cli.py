@@ -1,12 +1,15 @@
 """`batchpilot demo` (what `make demo` runs): watch the tuner work, with no cluster.
 
-Two `batchpilot serve` processes (continuous batching, a deliberately poor
-start config) form one local "policy"; Prometheus scrapes them when its
-binary is installed (otherwise the tuner scrapes `/metrics` itself); the load
-generator offers a steady rate that steps up midway; the local tuning loop
-moves both knobs. A live view shows what happens; at the end the run is
-plotted to `batchpilot-demo.png` (untracked: `make demo` changes no file of the
-repository; the README's figure is a run with `--out docs/demo.png`) and summarised.
+`batchpilot serve` processes (continuous batching, a deliberately poor start
+config) form one local "policy"; Prometheus scrapes them when its binary is
+installed (otherwise the tuner scrapes `/metrics` itself); the load generator
+offers a steady rate that steps up for the middle third of the run and falls
+back; the local tuning loop moves both knobs and, with a range of replicas,
+the number of servers: it grows the batch first, starts a second server once
+the batch is spent, and stops it when the load has fallen. A live view shows
+what happens; at the end the run is plotted to `batchpilot-demo.png`
+(untracked: `make demo` changes no file of the repository; the README's figure
+is a run with `--out docs/demo.png`) and summarised.
 
 `--model DIR|FILE.gguf` runs it on a real model instead of `tiny`, with a load
 scaled down to what a real model serves on a few CPU cores.
@@ -22,7 +25,16 @@ from pathlib import Path
 from typing import TextIO
 
 from batchpilot_operator.tune_local import TuneError
-from batchpilot_tools.demo.options import REAL_MODEL_PROFILE, TINY_PROFILE, DemoOptions, profile_for
+from batchpilot_operator.tuner import Bounds
+from batchpilot_tools.demo.options import (
+    DEFAULT_REPLICAS,
+    REAL_MODEL_PROFILE,
+    SCALE_DOWN_INTERVALS,
+    TINY_PROFILE,
+    DemoOptions,
+    Replicas,
+    profile_for,
+)
 from batchpilot_tools.demo.plot import write_plot
 from batchpilot_tools.demo.run import run_demo
 from batchpilot_tools.demo.supervisor import DemoError, Stopped
@@ -60,6 +72,17 @@ def parser() -> argparse.ArgumentParser:
         f"{real.step_factor:g} for a real model)",
     )  # fmt: skip
     p.add_argument(
+        "--replicas", default=str(DEFAULT_REPLICAS), metavar="N|MIN..MAX",
+        help=f"servers: N for a fixed fleet, or MIN..MAX for the tuner to scale, starting "
+        f"at MIN; it scales out only once the batch is spent and in after "
+        f"{SCALE_DOWN_INTERVALS} quiet intervals (default {DEFAULT_REPLICAS})",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-batch", type=int, default=Bounds().max_batch,
+        help=f"the largest batch the tuner may set (default {Bounds().max_batch}); a small "
+        "one spends the batch sooner",
+    )  # fmt: skip
+    p.add_argument(
         "--no-prometheus",
         action="store_true",
         help="scrape the servers directly even when a prometheus binary is installed",
@@ -88,6 +111,12 @@ def options_from(argv: list[str]) -> DemoOptions:
             f"--duration {args.duration:g} is too short for --interval {args.interval:g}: "
             "the tuner needs at least 4 intervals"
         )
+    if args.max_batch < 1:
+        p.error(f"--max-batch must be at least 1, got {args.max_batch}")
+    try:
+        replicas = Replicas.parse(args.replicas)
+    except ValueError as exc:
+        p.error(str(exc))
     return DemoOptions(
         duration_s=args.duration,
         slo_p99_ms=slo_p99_ms,
@@ -97,6 +126,8 @@ def options_from(argv: list[str]) -> DemoOptions:
         step_factor=step_factor,
         use_prometheus=not args.no_prometheus,
         model=args.model,
+        replicas=replicas,
+        max_batch=args.max_batch,
     )
 
 

@@ -1,10 +1,11 @@
-"""The run as a PNG: p99 against the SLO, and both knobs, over time; the load step marked."""
+"""The run as a PNG: p99 against the SLO, both knobs and the replicas, over time; the load
+step and its fall marked."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from batchpilot_tools.demo.options import INITIAL, SERVERS
+from batchpilot_tools.demo.options import INITIAL
 from batchpilot_tools.demo.recording import Recording
 
 
@@ -17,12 +18,14 @@ def write_plot(recording: Recording, path: Path) -> None:
 
     options, samples = recording.options, recording.samples
     times = [s.t_s for s in samples]
-    # The knobs start at the initial config, before the first decision.
+    # The knobs and the fleet start as configured, before the first decision.
     knob_times = [0.0, *times]
     batches = [INITIAL.max_batch_size, *(s.max_batch_size for s in samples)]
     timeouts = [INITIAL.batch_timeout_ms, *(s.batch_timeout_ms for s in samples)]
-    fig, (ax_p99, ax_batch, ax_timeout) = plt.subplots(
-        3, 1, figsize=(10, 8), sharex=True, height_ratios=(2, 1, 1)
+    replicas = [options.replicas.low, *(s.replicas for s in samples)]
+    serving = [options.replicas.low, *(s.serving for s in samples)]
+    fig, (ax_p99, ax_replicas, ax_batch, ax_timeout) = plt.subplots(
+        4, 1, figsize=(10, 9.5), sharex=True, height_ratios=(2, 1, 1, 1)
     )
     ax_p99.plot(
         times, [s.p99_ms if s.p99_ms is not None else float("nan") for s in samples],
@@ -32,14 +35,25 @@ def write_plot(recording: Recording, path: Path) -> None:
     ax_p99.set_ylabel("p99 latency (ms)")
     ax_p99.set_ylim(bottom=0)
     ax_load = ax_p99.twinx()
-    load_t = [0.0, options.step_at_s, options.step_at_s, options.duration_s]
-    load_r = [options.base_rate, options.base_rate, *[options.offered_rate(options.step_at_s)] * 2]
+    step, fall, end = options.step_at_s, options.fall_at_s, options.duration_s
+    high = options.offered_rate(step)
+    load_t = [0.0, step, step, fall, fall, end]
+    load_r = [options.base_rate, options.base_rate, high, high, options.base_rate,
+              options.base_rate]  # fmt: skip
     ax_load.plot(load_t, load_r, color="tab:gray", alpha=0.6, label="offered load")
     ax_load.set_ylabel("offered load (req/s)")
     ax_load.set_ylim(bottom=0)
     handles = ax_p99.get_legend_handles_labels()[0] + ax_load.get_legend_handles_labels()[0]
     ax_p99.legend(handles=handles, loc="upper left", fontsize=8)
 
+    ax_replicas.step(knob_times, replicas, where="post", color="tab:orange", label="replicas")
+    ax_replicas.step(
+        knob_times, serving, where="post", color="tab:brown", linestyle=":", label="serving"
+    )
+    ax_replicas.set_ylabel(f"servers ({options.replicas})")
+    ax_replicas.set_ylim(0, options.replicas.high + 0.5)
+    ax_replicas.yaxis.get_major_locator().set_params(integer=True)
+    ax_replicas.legend(loc="upper left", fontsize=8)
     ax_batch.step(knob_times, batches, where="post", color="tab:green")
     ax_batch.set_ylabel("max_batch_size")
     ax_batch.set_ylim(bottom=0)
@@ -47,15 +61,20 @@ def write_plot(recording: Recording, path: Path) -> None:
     ax_timeout.set_ylabel("batch timeout (ms)")
     ax_timeout.set_ylim(bottom=0)
     ax_timeout.set_xlabel("time since load start (s)")
-    for ax in (ax_p99, ax_batch, ax_timeout):
-        ax.axvline(options.step_at_s, color="black", linestyle=":", linewidth=1)
+    for ax in (ax_p99, ax_replicas, ax_batch, ax_timeout):
+        for at in (step, fall):
+            ax.axvline(at, color="black", linestyle=":", linewidth=1)
         ax.grid(alpha=0.3)
     ax_p99.annotate(
-        f"load x{options.step_factor:g}", (options.step_at_s, 0), xytext=(4, 4),
+        f"load x{options.step_factor:g}", (step, 0), xytext=(4, 4),
         textcoords="offset points", fontsize=8,
     )  # fmt: skip
+    ax_p99.annotate(
+        "load back", (fall, 0), xytext=(4, 4), textcoords="offset points", fontsize=8
+    )
+    fleet = f"{options.replicas} autoscaled" if options.replicas.autoscaled else options.replicas
     fig.suptitle(
-        f"batchpilot demo: {SERVERS} continuous-batching servers of {options.model}, "
+        f"batchpilot demo: {fleet} continuous-batching server(s) of {options.model}, "
         f"SLO p99 {options.slo_p99_ms:.0f} ms"
     )
     fig.tight_layout()

@@ -23,6 +23,10 @@ class Sample:
     batch_timeout_ms: float
     action: str
     reason: str
+    replicas: int  # the count of record after the round
+    serving: int  # servers taking load when the round decided
+    scale_action: str = "hold"  # the replica rule's; "hold" for a fixed fleet
+    scale_reason: str = ""
 
 
 @dataclass
@@ -42,11 +46,28 @@ class Recording:
     def last(self) -> Sample | None:
         return self.samples[-1] if self.samples else None
 
+    @property
+    def covered_s(self) -> float:
+        """From the load's start to the last round."""
+        return self.samples[-1].t_s if self.samples else 0.0
+
+    def replica_seconds(self) -> float:
+        """Servers taking load over the rounds, each round's count for the interval it
+        ends: the cost the demo's fleet paid."""
+        total, since = 0.0, 0.0
+        for sample in self.samples:
+            total += sample.serving * (sample.t_s - since)
+            since = sample.t_s
+        return total
+
 
 def record_step(recording: Recording, step: TuneStep) -> None:
     signals = step.signals
     recording.config = step.decision.config
     elapsed = recording.elapsed()
+    # A fixed fleet has no replica decision: it runs what it started with.
+    fixed = recording.options.replicas.low
+    scale, fleet = step.scale, step.fleet
     recording.samples.append(
         Sample(
             t_s=elapsed,
@@ -57,5 +78,9 @@ def record_step(recording: Recording, step: TuneStep) -> None:
             batch_timeout_ms=recording.config.batch_timeout_ms,
             action=step.decision.action,
             reason=step.decision.reason,
+            replicas=fixed if scale is None else scale.replicas,
+            serving=fixed if fleet is None else fleet.ready,
+            scale_action="hold" if scale is None else scale.action,
+            scale_reason="" if scale is None else scale.reason,
         )
     )

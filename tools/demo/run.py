@@ -1,5 +1,6 @@
 """One demo run: start the servers, the exporter and Prometheus, then the load and the
-tuning loop side by side until the load ends or a signal stops them."""
+tuning loop (knobs and, with a range of replicas, the server count) side by side until
+the load ends or a signal stops them."""
 
 from __future__ import annotations
 
@@ -10,18 +11,17 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-import aiohttp
 from batchpilot_operator.tune_local import TuneOptions, tune_loop
 from batchpilot_operator.tuner import Cadence, Goal, Slo
 from batchpilot_tools.demo.exporter import policy_exporter
-from batchpilot_tools.demo.options import ADMIN_TOKEN, INITIAL, SERVERS, DemoOptions
+from batchpilot_tools.demo.fleet import ProcessFleet
+from batchpilot_tools.demo.options import ADMIN_TOKEN, INITIAL, DemoOptions
 from batchpilot_tools.demo.recording import Recording, record_step
 from batchpilot_tools.demo.supervisor import (
     ServerProcess,
+    demo_scrape_config,
     prometheus_running,
-    servers_running,
     unless_stopped,
-    wait_ready,
 )
 from batchpilot_tools.demo.view import LiveView, keep_view_fresh, say
 from batchpilot_tools.demo.waste import read_slot_waste
@@ -33,47 +33,59 @@ WINDOW_INTERVALS = 3
 # Fewer than the operator's default: the demo's intervals are short, and seeing
 # the tuner act beats a statistically careful p99 here.
 MIN_REQUESTS = 30
+REQUEST_TIMEOUT_S = 60.0
 
 
-def load_spec(options: DemoOptions, servers: list[ServerProcess]) -> LoadSpec:
+def load_spec(options: DemoOptions, fleet: ProcessFleet) -> LoadSpec:
     return LoadSpec(
-        urls=[server.url for server in servers],
+        urls=fleet.serving(),
         arrival="poisson",
         rate_schedule=options.offered_rate,
         duration_s=options.duration_s,
         prompt_len=LengthDist("uniform", 16, 48),
         output_len=options.profile.output_len,
-        timeout_s=60.0,
+        timeout_s=REQUEST_TIMEOUT_S,
     )
 
 
 def tune_options(
-    options: DemoOptions, servers: list[ServerProcess], prometheus_url: str | None
+    options: DemoOptions, fleet: ProcessFleet, prometheus_url: str | None
 ) -> TuneOptions:
     return TuneOptions(
-        servers=tuple(server.url for server in servers),
-        goal=Goal(Slo(options.slo_p99_ms / 1000.0)),
+        servers=tuple(fleet.serving()),
+        goal=Goal(
+            Slo(options.slo_p99_ms / 1000.0),
+            options.batch_bounds,
+            replicas=options.replica_bounds,
+        ),
         cadence=Cadence(options.interval_s, WINDOW_INTERVALS * options.interval_s),
         prometheus_url=prometheus_url,
         token=ADMIN_TOKEN,
         min_requests=MIN_REQUESTS,
+        config_file=fleet.config_file,
     )
 
 
 async def start_prometheus(
-    stack: contextlib.ExitStack,
+    stack: contextlib.AsyncExitStack,
     workdir: Path,
-    servers: list[ServerProcess],
+    fleet: ProcessFleet,
     exporter: str,
     stop: asyncio.Event,
     stream: TextIO,
 ) -> LocalPrometheus | None:
-    """Prometheus scraping the servers, or None (direct scrape) when it is not installed."""
+    """Prometheus scraping the servers, or None (direct scrape) when it is not installed.
+    It follows the fleet: each change rewrites its targets."""
     if find_binary() is None:
         say(stream, "prometheus not installed: the tuner scrapes the servers' /metrics itself")
         return None
-    prometheus = stack.enter_context(prometheus_running(workdir, servers, exporter))
+    prometheus = stack.enter_context(prometheus_running(workdir, fleet.servers, exporter))
     await unless_stopped(asyncio.to_thread(prometheus.wait_for_targets_up), stop)
+
+    async def follow(servers: list[ServerProcess]) -> None:
+        await asyncio.to_thread(prometheus.reconfigure, demo_scrape_config(servers, exporter))
+
+    fleet.on_change = follow
     say(stream, f"prometheus at {prometheus.url} (try {prometheus.url}/graph)")
     return prometheus
 
@@ -83,34 +95,33 @@ async def run_demo(
 ) -> tuple[Recording, LoadReport | None]:
     """Start everything, run the load with the tuner in the loop, stop everything."""
     recording = Recording(options)
-    with (
-        tempfile.TemporaryDirectory(prefix="batchpilot-demo-") as tmp,
-        contextlib.ExitStack() as stack,
-    ):
-        workdir = Path(tmp)
-        say(stream, f"starting {SERVERS} servers of {options.model} (continuous batching, "
-            f"batch {INITIAL.max_batch_size}, timeout {INITIAL.batch_timeout_ms:g} ms)")
-        servers = stack.enter_context(servers_running(options.model, workdir))
-        ready_timeout_s = options.profile.ready_timeout_s
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-            await unless_stopped(
-                asyncio.gather(*(wait_ready(s, session, ready_timeout_s) for s in servers)), stop
+    with tempfile.TemporaryDirectory(prefix="batchpilot-demo-") as tmp:
+        async with contextlib.AsyncExitStack() as stack:
+            workdir = Path(tmp)
+            replicas = options.replicas
+            servers = f"{replicas.low} server" + ("s" if replicas.low > 1 else "")
+            scaling = f"the tuner scales {replicas}" if replicas.autoscaled else "a fixed fleet"
+            say(stream, f"starting {servers} of {options.model} (continuous batching, batch "
+                f"{INITIAL.max_batch_size}, timeout {INITIAL.batch_timeout_ms:g} ms; {scaling})")
+            fleet = await stack.enter_async_context(
+                ProcessFleet(options.model, workdir, options.profile.ready_timeout_s)
             )
-        exporter = stack.enter_context(policy_exporter(options))
-        prometheus = None
-        if options.use_prometheus:
-            prometheus = await start_prometheus(stack, workdir, servers, exporter, stop, stream)
-        else:
-            say(stream, "--no-prometheus: the tuner scrapes the servers' /metrics itself")
-        recording.signal_source = "prometheus" if prometheus else "direct scrape"
-        report = await drive(options, servers, prometheus, recording, stop, stream)
-        recording.slot_waste = await read_slot_waste(servers)
-        return recording, report
+            await unless_stopped(fleet.start(replicas.low), stop)
+            exporter = stack.enter_context(policy_exporter(options))
+            prometheus = None
+            if options.use_prometheus:
+                prometheus = await start_prometheus(stack, workdir, fleet, exporter, stop, stream)
+            else:
+                say(stream, "--no-prometheus: the tuner scrapes the servers' /metrics itself")
+            recording.signal_source = "prometheus" if prometheus else "direct scrape"
+            report = await drive(options, fleet, prometheus, recording, stop, stream)
+            recording.slot_waste = await read_slot_waste(fleet.servers, fleet.retired)
+            return recording, report
 
 
 async def drive(
     options: DemoOptions,
-    servers: list[ServerProcess],
+    fleet: ProcessFleet,
     prometheus: LocalPrometheus | None,
     recording: Recording,
     stop: asyncio.Event,
@@ -120,12 +131,13 @@ async def drive(
     view = LiveView(stream)
     recording.started = time.monotonic()
     tuning_done = asyncio.Event()
-    load = asyncio.create_task(run_load(load_spec(options, servers)))
+    load = asyncio.create_task(run_load(load_spec(options, fleet), targets=fleet.load))
     tuner = asyncio.create_task(
         tune_loop(
-            tune_options(options, servers, prometheus.url if prometheus else None),
+            tune_options(options, fleet, prometheus.url if prometheus else None),
             lambda step: record_step(recording, step),
             tuning_done,
+            scaler=fleet,
         )
     )
     view_task = asyncio.create_task(keep_view_fresh(view, recording))

@@ -8,13 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import aiohttp
-from batchpilot_tools.demo.options import ADMIN_TOKEN, INITIAL, NAMESPACE, POLICY, SERVERS
+from batchpilot_tools.demo.options import INITIAL, NAMESPACE, POLICY
 from batchpilot_tools.prometheus_local import LocalPrometheus, free_port, scrape_config
 
 STOP_TIMEOUT_S = 15.0
@@ -45,7 +45,11 @@ class ServerProcess:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def start_server(name: str, model: str, workdir: Path, token_file: Path) -> ServerProcess:
+def start_server(
+    name: str, model: str, workdir: Path, token_file: Path, config_file: Path | None = None
+) -> ServerProcess:
+    """A server starting with the demo's poor config, or with `config_file`'s where given
+    (the config of record: what a pod reads from its policy's ConfigMap)."""
     port = free_port()
     log_path = workdir / f"{name}.log"
     command = [
@@ -61,6 +65,8 @@ def start_server(name: str, model: str, workdir: Path, token_file: Path) -> Serv
         # Ctrl-C should not wait long for requests the stopped load abandoned.
         "--shutdown-grace-s", str(SHUTDOWN_GRACE_S),
     ]  # fmt: skip
+    if config_file is not None:
+        command += ["--config-file", str(config_file)]
     with log_path.open("wb") as log:
         # Own session: a terminal's Ctrl-C reaches only the demo, which stops us in order.
         process = subprocess.Popen(
@@ -102,26 +108,11 @@ async def wait_ready(
         await asyncio.sleep(0.2)
 
 
-@contextlib.contextmanager
-def servers_running(model: str, workdir: Path) -> Iterator[list[ServerProcess]]:
-    token_file = workdir / "admin-token"
-    token_file.write_text(ADMIN_TOKEN + "\n")
-    servers: list[ServerProcess] = []
-    try:
-        for index in range(SERVERS):
-            servers.append(start_server(f"server-{index}", model, workdir, token_file))
-        yield servers
-    finally:
-        for server in servers:
-            stop_process(server.process)
-
-
-@contextlib.contextmanager
-def prometheus_running(
-    workdir: Path, servers: list[ServerProcess], exporter: str
-) -> Iterator[LocalPrometheus]:
+def demo_scrape_config(servers: Sequence[ServerProcess], exporter: str) -> dict[str, Any]:
+    """Prometheus scraping these servers, labelled as the operator's pods would be, and
+    the policy exporter."""
     targets = [f"127.0.0.1:{server.port}" for server in servers]
-    config = scrape_config(
+    return scrape_config(
         [*targets, exporter],
         scrape_interval="1s",
         target_labels={
@@ -129,8 +120,14 @@ def prometheus_running(
             for target, server in zip(targets, servers, strict=True)
         },
     )
-    with LocalPrometheus(workdir / "prometheus", config) as prometheus:
-        yield prometheus
+
+
+@contextlib.contextmanager
+def prometheus_running(
+    workdir: Path, servers: Sequence[ServerProcess], exporter: str
+) -> Iterator[LocalPrometheus]:
+    with LocalPrometheus(workdir / "prometheus", demo_scrape_config(servers, exporter)) as prom:
+        yield prom
 
 
 T = TypeVar("T")

@@ -24,8 +24,8 @@ def view_lines(recording: Recording) -> list[str]:
     lines = [
         f"batchpilot demo  {elapsed:5.0f}/{options.duration_s:.0f} s  "
         f"offered {options.offered_rate(elapsed):5.1f} req/s  "
-        f"(x{options.step_factor:g} step at {options.step_at_s:.0f} s)  "
-        f"signals: {recording.signal_source}",
+        f"(x{options.step_factor:g} from {options.step_at_s:.0f} s to "
+        f"{options.fall_at_s:.0f} s)  signals: {recording.signal_source}",
     ]
     if last is None:
         lines.append("waiting for the first tuner interval...")
@@ -35,10 +35,20 @@ def view_lines(recording: Recording) -> list[str]:
     kv = "n/a" if last.kv_usage is None else f"{last.kv_usage:.0%}"
     lines += [
         f"p99 {_ms(last.p99_ms)} ms  SLO {options.slo_p99_ms:.0f} ms  {verdict:<6}  "
-        f"batch {last.max_batch_size:3d}  timeout {last.batch_timeout_ms:6.1f} ms  KV {kv}",
+        f"batch {last.max_batch_size:3d}  timeout {last.batch_timeout_ms:6.1f} ms  KV {kv}  "
+        f"replicas {_replicas(last)} of {options.replicas}",
         f"last decision @{last.t_s:5.0f} s: {last.action}: {last.reason}",
     ]
+    if options.replicas.autoscaled:
+        lines.append(f"replicas @{last.t_s:5.0f} s: {last.scale_action}: {last.scale_reason}")
     return lines
+
+
+def _replicas(sample: Sample) -> str:
+    """The count of record, and how many serve when that differs (starting, stopping)."""
+    if sample.serving == sample.replicas:
+        return str(sample.replicas)
+    return f"{sample.replicas} ({sample.serving} serving)"
 
 
 class LiveView:
@@ -72,12 +82,16 @@ class LiveView:
 
 def plain_line(sample: Sample, options: DemoOptions) -> str:
     kv = "n/a" if sample.kv_usage is None else f"{sample.kv_usage:.0%}"
-    return (
+    line = (
         f"t={sample.t_s:5.0f}s offered={sample.offered_rps:5.1f}/s "
         f"p99={_ms(sample.p99_ms).strip()}ms slo={options.slo_p99_ms:.0f}ms "
         f"batch={sample.max_batch_size} timeout={sample.batch_timeout_ms:.1f}ms kv={kv} "
+        f"replicas={sample.replicas} serving={sample.serving} "
         f"{sample.action}: {sample.reason}"
     )
+    if sample.scale_action != "hold":
+        line += f" | {sample.scale_action}: {sample.scale_reason}"
+    return line
 
 
 async def keep_view_fresh(view: LiveView, recording: Recording) -> None:
@@ -102,12 +116,51 @@ def summary_lines(recording: Recording, report: LoadReport | None, interrupted: 
         f"p99 within the {options.slo_p99_ms:.0f} ms SLO in {len(met)}/{len(judged)} judged",
         f"  config: batch {INITIAL.max_batch_size} -> {recording.config.max_batch_size}, "
         f"timeout {INITIAL.batch_timeout_ms:g} -> {recording.config.batch_timeout_ms:g} ms",
+        replicas_line(recording),
     ]
+    if samples:
+        lines.append(recovery_line(recording))
     if recording.slot_waste is not None:
         lines += slot_waste_lines(recording.slot_waste)
     if samples:
         lines.append(f"  plot: {options.out}")
     return lines
+
+
+def replicas_line(recording: Recording) -> str:
+    """Each change of the replica count, and the servers' cost in replica-seconds."""
+    options = recording.options
+    cost = f"{recording.replica_seconds():.0f} replica-seconds over {recording.covered_s:.0f} s"
+    if not options.replicas.autoscaled:
+        return f"  replicas: {options.replicas} (a fixed fleet), {cost}"
+    scaled = [s for s in recording.samples if s.scale_action != "hold"]
+    moves = ", ".join(
+        f"{s.scale_action.replace('_', ' ')} to {s.replicas} at {s.t_s:.0f} s" for s in scaled
+    )
+    return f"  replicas: {options.replicas}, {moves or 'never scaled'}; {cost}"
+
+
+def recovery_line(recording: Recording) -> str:
+    """How many intervals after the load step the p99 met the SLO again."""
+    options = recording.options
+    after = [s for s in recording.samples if options.step_at_s <= s.t_s < options.fall_at_s]
+    slo = options.slo_p99_ms
+    head = f"  after the x{options.step_factor:g} step at {options.step_at_s:.0f} s:"
+    breached = next((i for i, s in enumerate(after) if s.p99_ms is not None and s.p99_ms > slo),
+                    None)  # fmt: skip
+    if breached is None:
+        return f"{head} p99 never broke the SLO in {len(after)} intervals"
+    met = next(
+        (i for i, s in enumerate(after) if i > breached and s.p99_ms is not None
+         and s.p99_ms <= slo),
+        None,
+    )  # fmt: skip
+    if met is None:
+        return f"{head} p99 broke the SLO and did not meet it again before the load fell"
+    return (
+        f"{head} p99 met the SLO again in interval {met + 1} after it "
+        f"({after[met].t_s:.0f} s, p99 {after[met].p99_ms:.0f} ms)"
+    )
 
 
 def _share(value: float | None) -> str:

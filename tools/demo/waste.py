@@ -1,11 +1,12 @@
 """The batch slot waste of a run: each server's slot-step counters, read from its own
-`/metrics` once the load has ended (the servers start with the run, so the counters
-cover it whole)."""
+`/metrics` once the load has ended (a server starts with the run or with a scale-out,
+so its counters cover its whole part), or, for a server a scale-in stopped, just
+before its stop."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -85,8 +86,12 @@ async def read_slot_steps(
         return None
 
 
-async def read_slot_waste(servers: list[ServerProcess]) -> SlotWaste:
+async def read_slot_waste(
+    servers: list[ServerProcess], retired: Mapping[str, SlotSteps | None] | None = None
+) -> SlotWaste:
+    """The running `servers`' counters now, with those read from `retired` servers."""
     timeout = aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         read = await asyncio.gather(*(read_slot_steps(server, session) for server in servers))
-    return SlotWaste({server.name: steps for server, steps in zip(servers, read, strict=True)})
+    running = {server.name: steps for server, steps in zip(servers, read, strict=True)}
+    return SlotWaste({**running, **(retired or {})})
