@@ -148,7 +148,11 @@ def test_the_tuner_starts_a_second_server_once_the_batch_is_spent(tmp_path: Path
     serving = [line for line in lines[scaled[0] :] if " replicas=2 serving=2 " in line]
     assert serving, output  # the new server joined while the run lasted
     assert all("batch=1 " in line for line in lines), output
-    assert re.search(r"replicas: 1\.\.2, scale out to 2 at \d+ s; \d+ replica-seconds", output)
+    assert re.search(
+        r"replicas: 1\.\.2, scale out to 2 at \d+ s; 0 reversals within a load phase; "
+        r"\d+ replica-seconds over \d+ s", output,
+    ), output  # fmt: skip
+    assert "tuner: " in output and " 0 changes (0 undone by the next interval)" in output
     assert_slot_waste(output, servers=2)  # the second server's counters are in the summary
     assert_plot(run.out)
     assert_clean(run, expected_children=2 + PROMETHEUS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 from typing import TextIO
 
@@ -109,10 +110,12 @@ def summary_lines(recording: Recording, report: LoadReport | None, interrupted: 
     if report is not None:
         lines.append(
             f"  load: {report.sent} requests sent, {report.ok} ok, "
+            f"errors {report.errors_by_status or 'none'}, "
             f"{report.requests_per_s:.1f} req/s, {report.tokens_per_s:.0f} tokens/s"
         )
     lines += [
-        f"  tuner: {len(samples)} intervals, {len(changes)} changes, "
+        f"  tuner: {len(samples)} intervals, {len(changes)} changes "
+        f"({undone_next_interval(recording)} undone by the next interval), "
         f"p99 within the {options.slo_p99_ms:.0f} ms SLO in {len(met)}/{len(judged)} judged",
         f"  config: batch {INITIAL.max_batch_size} -> {recording.config.max_batch_size}, "
         f"timeout {INITIAL.batch_timeout_ms:g} -> {recording.config.batch_timeout_ms:g} ms",
@@ -137,7 +140,32 @@ def replicas_line(recording: Recording) -> str:
     moves = ", ".join(
         f"{s.scale_action.replace('_', ' ')} to {s.replicas} at {s.t_s:.0f} s" for s in scaled
     )
-    return f"  replicas: {options.replicas}, {moves or 'never scaled'}; {cost}"
+    return (
+        f"  replicas: {options.replicas}, {moves or 'never scaled'}; "
+        f"{reversals_within_a_phase(recording)} reversals within a load phase; {cost}"
+    )
+
+
+def undone_next_interval(recording: Recording) -> int:
+    """Batch changes that the next interval moved back: overshoot."""
+    batches = [INITIAL.max_batch_size, *(s.max_batch_size for s in recording.samples)]
+    moves = [after - before for before, after in itertools.pairwise(batches)]
+    return sum(1 for move, next_move in itertools.pairwise(moves) if move * next_move < 0)
+
+
+def reversals_within_a_phase(recording: Recording) -> int:
+    """Replica changes opposite to the previous one while the offered load stayed the
+    same: flapping."""
+    options, reversals = recording.options, 0
+    previous: tuple[float, str] | None = None  # (offered rate, action) of the last change
+    for sample in recording.samples:
+        if sample.scale_action == "hold":
+            continue
+        rate = options.offered_rate(sample.t_s)
+        if previous is not None and previous[0] == rate and previous[1] != sample.scale_action:
+            reversals += 1
+        previous = (rate, sample.scale_action)
+    return reversals
 
 
 def recovery_line(recording: Recording) -> str:
