@@ -1,27 +1,38 @@
-"""Discrete-event simulation of one server: the real schedulers under a virtual clock,
-with the tuning loop in the loop.
+"""Discrete-event simulation of a fleet of servers behind a load balancer: the real
+schedulers under one virtual clock, with the tuning loop in the loop.
 
 The engine (`server/engine.py`) runs step after step: its scheduler plans a step
 (`schedule(now)`), the model runs it, and the scheduler takes the sampled tokens
-back (`postprocess`). The simulator does the same with the same schedulers
-(`scheduler_policies.new_scheduler`, ragged execution) over the same
+back (`postprocess`). Each simulated server does the same with the same
+schedulers (`scheduler_policies.new_scheduler`, ragged execution) over its own
 `BlockPool`; only the model is replaced, by a step-time model read from the
 engine benchmark (`docs/step_times.json`: seconds per decode step by batch
 size): a step's prefill forward over T prompt tokens takes what a decode step
 of T rows takes, its decode forward over n rows what a decode step of n rows
-takes. Requests are added to the scheduler at their arrival time, as
-the engine's `submit` does while the model computes. Every `cadence.interval_s`
-one round of the tuning loop runs, with the simulated server as its signal
-source (the last window's signals, built like the scrape source builds them)
-and actuator (`reconfigure`, as `PUT /admin/batching` does). Time advances from
-event to event, so an hour of traffic plays in seconds.
+takes. A request goes, when it arrives, to the server the balancer picks
+(round robin, or least outstanding = waiting + running) and is added to its
+scheduler, as the engine's `submit` does while the model computes.
+
+Every `cadence.interval_s` one round of the tuning loop runs with the fleet as
+its signal source (the last window's signals, built like the scrape source
+builds them: p99 over all servers' requests, KV usage of the fullest server,
+arrivals, forward seconds per generated token, the servers the window covers),
+its actuator (a config goes to every server; a new server starts from the
+config in force) and, where the goal has replica bounds, its scaler: a new
+server serves `startup_s` after the decision; a removed one leaves the balancer,
+finishes what it holds, then stops. A `ReplicaController` (the benchmark's
+HPA-like rule) can drive the same scaler instead. Time advances from event to
+event (arrivals and rounds first at one instant, then the servers in start
+order), so an hour of traffic plays in seconds; one server without autoscaling
+behaves exactly as the single-server simulator did.
 
 Fast-forward: after a decode-only step in which no sequence finished, the steps
 that follow are the same plan again until a sequence finishes, a request could
-be admitted, the pool runs short or the interval ends; those steps are applied
-together (each sequence's tokens and blocks advanced as the scheduler's decode
-plan and `postprocess` would) and the real scheduler plans the next one. A test
-replays traces with and without it and compares every completion.
+be admitted (any server's next arrival bounds it: conservative), the pool runs
+short or the interval ends; those steps are applied together (each sequence's
+tokens and blocks advanced as the scheduler's decode plan and `postprocess`
+would) and the real scheduler plans the next one. A test replays traces with
+and without it and compares every completion.
 Torch-free.
 """
 
@@ -33,9 +44,10 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
+from batchpilot_operator.replica_rule import Fleet, ReplicaState, ScaleDecision
 from batchpilot_operator.signals import (
     MIN_REQUESTS_PER_WINDOW,
     Signals,
@@ -68,6 +80,11 @@ STEP_TIMES_FILE = Path(__file__).resolve().parent.parent / "docs" / "step_times.
 BUCKET_BOUNDS = (*LATENCY_BUCKETS, math.inf)
 # The engine's block size and prefill budget unless a simulation says otherwise.
 ENGINE_DEFAULTS = EngineOptions(mode="continuous", config=BatchingConfig())
+
+# Pod start to ready: scheduling and container start (image cached: seconds) plus the
+# model load and the startup probe (/readyz every 5 s): tens of seconds for a 135M-8B
+# model from a local volume. One tuning interval: the round after next sees the pod.
+STARTUP_S = 30.0
 
 # The tiny model's CPU figures, ~0.7k tokens/s at batch 1 and ~6.5k at batch 64
 # (a step of 1/700 s and 64/6500 s); used only where bench/engine.py has not
@@ -132,7 +149,8 @@ def _find_curve(data: Any, path: Path) -> dict[int, float]:
     raise ValueError(f"{path} holds no {{batch size: seconds}} mapping")
 
 
-ScenarioKind = Literal["steady", "step", "diurnal", "bursts", "longer_outputs"]
+ScenarioKind = Literal["steady", "step", "diurnal", "bursts", "longer_outputs", "flash_crowd"]
+FLASH_DECAY_S = 300.0  # a flash crowd fades back to the base load with this time constant
 
 
 @dataclass(frozen=True)
@@ -144,11 +162,17 @@ class Scenario:
     base_rate: float  # requests/s
     output_tokens: int = 64  # mean; uniform in [mean/4, 7*mean/4]
     prompt_tokens: tuple[int, int] = (16, 128)
-    step_at_s: float | None = None  # 3x load step, longer outputs: when it happens
+    step_at_s: float | None = None  # load step, flash crowd, longer outputs: when
+    peak: float = 3.0  # the step's and the flash crowd's load, times the base
+    back_at_s: float | None = None  # when a step falls back to the base (None: never)
 
     def rate(self, t: float) -> float:
-        if self.name == "step" and self.step_at_s is not None and t >= self.step_at_s:
-            return 3.0 * self.base_rate
+        at = self.step_at_s
+        if self.name == "step" and at is not None and at <= t < (self.back_at_s or math.inf):
+            return self.peak * self.base_rate
+        if self.name == "flash_crowd" and at is not None and t >= at:
+            surge = (self.peak - 1.0) * math.exp(-(t - at) / FLASH_DECAY_S)
+            return self.base_rate * (1.0 + surge)
         if self.name == "diurnal":
             # One "day" per scenario: trough at the start, peak at 2.2x the base mid-way.
             return self.base_rate * (1.0 - 0.6 * math.cos(2 * math.pi * t / self.duration_s))
@@ -158,7 +182,8 @@ class Scenario:
 
     @property
     def rate_max(self) -> float:
-        return {"step": 3.0, "diurnal": 1.6, "bursts": 2.5}.get(self.name, 1.0) * self.base_rate
+        peaks = {"step": self.peak, "flash_crowd": self.peak, "diurnal": 1.6, "bursts": 2.5}
+        return peaks.get(self.name, 1.0) * self.base_rate
 
     def output_mean(self, t: float) -> int:
         if self.name == "longer_outputs" and self.step_at_s is not None and t >= self.step_at_s:
@@ -189,6 +214,9 @@ def make_workload(scenario: Scenario, seed: int) -> Workload:
     return Workload(times, prompts, outputs)
 
 
+Balancer = Literal["round_robin", "least_outstanding"]
+
+
 @dataclass(frozen=True)
 class SimOptions:
     mode: Mode
@@ -200,7 +228,11 @@ class SimOptions:
     prefill_budget: int = ENGINE_DEFAULTS.prefill_token_budget
     tune: bool = True
     fast_forward: bool = True
-    trace: bool = False  # keep every step's batch size and every completion's step
+    trace: bool = False  # keep every step's batch size, completion's step, request's server
+    replicas: int = 1  # servers at the start; fixed unless goal.replicas or a controller moves it
+    balancer: Balancer = "least_outstanding"
+    startup_s: float = STARTUP_S
+    controller: ReplicaController | None = None  # a replica rule outside the loop
 
 
 @dataclass
@@ -211,17 +243,23 @@ class Interval:
     completed: int = 0
     good: int = 0
     rejected: int = 0
+    arrived: int = 0  # admitted or refused
     latencies: list[float] = field(default_factory=list)
     queue_waits: list[float] = field(default_factory=list)
     tokens: int = 0
     preemptions: int = 0
     batch_weighted: float = 0.0  # sum of the batch sizes the engine records (per step or batch)
     batch_count: float = 0.0
-    kv_max: float = 0.0
+    kv_max: float = 0.0  # the fullest server's
+    busy_s: float = 0.0  # simulated forward seconds, all servers
     waiting_at_end: int = 0
+    pods: int = 0  # servers the balancer reached for the whole interval
+    replicas: int = 0  # the count of record after the interval's round
+    ready: int = 0  # servers ready and not draining after the round
     config: BatchingConfig | None = None  # in force during the interval
     p99_s: float | None = None
     decision: Decision | None = None
+    scale: ScaleDecision | None = None
 
 
 @dataclass(frozen=True)
@@ -242,6 +280,8 @@ class SimResult:
     p99_s: float | None
     completions: list[Completion]  # in completion order (`trace` only)
     batch_sizes: list[int]  # what each recording step records (`trace` only)
+    routes: list[int]  # the server each request went to, -1 for none (`trace` only)
+    replica_seconds: float
 
     @property
     def goodput(self) -> float:
@@ -253,145 +293,145 @@ SAMPLED_TOKEN = 0  # what the model "samples": never an EOS (the simulated serve
 
 
 class SimulatedServer:
-    """One server's scheduler and pool under a virtual clock; the tuning loop's signal
-    source and actuator."""
+    """One replica: its scheduler and KV pool, stepping on the fleet's virtual clock.
 
-    def __init__(self, work: Workload, options: SimOptions, curve: StepCurve) -> None:
-        self.work = work
-        self.opt = options
-        self.curve = curve
-        self.pool = BlockPool(options.kv_blocks, options.block_size)
+    Busy while a step (or a fast-forward of steps) computes, until `step_end`;
+    idle otherwise, when it plans again at an arrival routed to it, at a round,
+    or at its scheduler's wake-up.
+    """
+
+    def __init__(self, index: int, fleet: SimulatedFleet, ready_s: float) -> None:
+        self.index = index
+        self.fleet = fleet
+        opt = fleet.opt
+        self.pool = BlockPool(opt.kv_blocks, opt.block_size)
         # The engine's policy for the mode; no EOS: requests end at max_tokens.
-        policy = PolicyOptions(prefill_budget=options.prefill_budget)
-        self.scheduler = new_scheduler(
-            options.mode, self.pool, options.config, frozenset(), policy
-        )
-        self.now = 0.0
-        self.next_arrival = 0
-        self.sequences: dict[Sequence, int] = {}  # admitted -> request index
-        self.intervals: list[Interval] = []
-        self.current = Interval(end_s=options.cadence.interval_s, config=options.config)
-        self.all_latencies: list[float] = []
-        self.rejected = 0
-        self.completions: list[Completion] = []
-        self.batch_sizes: list[int] = []
-        self.loop = TuningLoop(clock=lambda: self.now)
-        self.plugs = PlugPoints(source=self, actuator=self, recorder=self.record)
+        policy = PolicyOptions(prefill_budget=opt.prefill_budget)
+        self.scheduler = new_scheduler(opt.mode, self.pool, fleet.config, frozenset(), policy)
+        self.started_s = fleet.now
+        self.ready_s = ready_s
+        self.ready = ready_s <= fleet.now
+        self.drain_s: float | None = None  # when it left the balancer
+        self.stopped_s: float | None = None
+        self.now = ready_s  # when it last planned
+        self.step_end: float | None = None  # busy until then
+        self.rows: list[Sequence] = []  # the step in flight's rows that sample
+        self.forwarding = False  # the step in flight is a fast-forward
 
-    # -- the tuning loop's plug points --------------------------------------------
+    @property
+    def name(self) -> str:
+        return f"server-{self.index}"
 
-    async def read(self, window_s: float) -> Signals:
-        """Signals over the last window, built like the scrape source builds them."""
-        interval_s = self.opt.cadence.interval_s
-        window = self.intervals[-max(1, round(window_s / interval_s)) :]
-        window_s = len(window) * interval_s
-        requests = sum(iv.completed for iv in window)
-        waiting = float(window[-1].waiting_at_end)
-        status = traffic_status(requests, waiting)
-        if status != "ok":
-            return Signals(
-                status=status,
-                window_s=window_s,
-                requests=requests,
-                waiting=waiting,
-                detail=status_detail(status, requests, MIN_REQUESTS_PER_WINDOW),
-            )
-        batches = sum(iv.batch_count for iv in window)
-        return Signals(
-            status="ok",
-            window_s=window_s,
-            requests=requests,
-            request_rate=requests / window_s,
-            p99_latency_s=_bucket_p99([x for iv in window for x in iv.latencies]),
-            queue_wait_p99_s=_bucket_p99([x for iv in window for x in iv.queue_waits]),
-            kv_usage=max(iv.kv_max for iv in window),
-            waiting=waiting,
-            preemption_rate=sum(iv.preemptions for iv in window) / window_s,
-            tokens_per_s=sum(iv.tokens for iv in window) / window_s,
-            mean_batch_size=(sum(iv.batch_weighted for iv in window) / batches)
-            if batches
-            else None,
-        )
+    @property
+    def live(self) -> bool:
+        return self.stopped_s is None
 
-    async def in_force(self) -> BatchingConfig:
-        return self.scheduler.config
+    @property
+    def routable(self) -> bool:
+        """Whether the balancer may send it requests: ready and not draining."""
+        return self.ready and self.drain_s is None and self.stopped_s is None
 
-    async def apply(self, config: BatchingConfig) -> ActuationReport:
-        self.scheduler.reconfigure(config)  # from the next step on, as the engine does
-        return ActuationReport(applied=[Applied("simulated server", None)])
+    @property
+    def outstanding(self) -> int:
+        """What least-outstanding routing counts: waiting plus running."""
+        return self.scheduler.num_waiting + self.scheduler.num_running
 
-    async def resync(self, config: BatchingConfig) -> ActuationReport:
-        return ActuationReport()  # one server, always in line
+    def event_s(self) -> float:
+        """When it next acts on its own: its step's end, or an idle scheduler's wake-up."""
+        if self.step_end is not None:
+            return self.step_end
+        wake = self.scheduler.wake_at() if self.ready and self.live else None
+        return math.inf if wake is None else max(self.now, wake)
 
-    def record(self, step: TuneStep) -> None:
-        self.intervals[-1].decision = step.decision
+    def become_ready(self) -> None:
+        # It read the ConfigMap at start; a change since then reaches it now, as a resync.
+        self.ready = True
+        self.now = self.ready_s
+        self.scheduler.reconfigure(self.fleet.config)
 
-    # -- the engine's loop --------------------------------------------------------
+    def drain(self, now: float) -> None:
+        """Out of the balancer; it finishes what it holds (the server's SIGTERM drain)."""
+        self.drain_s = now
+        if not self.ready:
+            self.stopped_s = now
+            return
+        self.scheduler.stop(drain=True)
+        self.stop_if_drained(now)
 
-    async def run(self, until_s: float) -> None:
-        """Step the scheduler until `until_s` (virtual seconds)."""
-        while self.now < until_s:
-            self._take_arrivals(self.now)
-            plan = self.scheduler.schedule(self.now)
-            self._deliver(plan.ended, self.now)
-            if not plan.size:
-                await self._advance_to(min(self._next_event(), until_s))
-                continue
-            await self._step(plan)
+    def stop_if_drained(self, now: float) -> None:
+        if self.drain_s is not None and self.step_end is None and self.scheduler.idle:
+            self.stopped_s = now
 
-    def _next_event(self) -> float:
-        """When an idle scheduler may plan again: its own wake-up, the next arrival, the
-        next interval's end (a round may change the config)."""
-        wake = self.scheduler.wake_at()
-        events = [self._arrival_time(), self.current.end_s]
-        return max(self.now, min(events if wake is None else [*events, wake]))
+    def act(self, t: float, touched: bool, until_s: float) -> None:
+        """Whatever falls due at `t`: the end of its step, then the next plan (before
+        `until_s` only, as a run ends)."""
+        if self.step_end is not None:
+            if self.step_end > t:
+                return
+            self._finish(t)
+            due = self.step_end is None
+        else:
+            due = touched or self.event_s() <= t
+        if due and t < until_s and self.live:
+            self._plan(t)
+        self.stop_if_drained(t)
 
-    async def _step(self, plan: StepPlan) -> None:
-        self._observe(plan)
-        rows = _compute(plan)
-        end = self.now + self._step_s(plan)
-        await self._advance_to(end)  # arrivals and rounds while the model computes
+    def _plan(self, now: float) -> None:
+        self.now = now
+        plan = self.scheduler.schedule(now)
+        self.fleet.deliver(plan.ended, now)
+        if not plan.size:
+            return
+        # Timed after `_compute`, as the single-server simulator always did: an unchunked
+        # prefill then costs what a one-row step does (its rows count as computed).
+        self.rows = _compute(plan)
+        seconds = self._step_s(plan)
+        self._observe(plan, seconds)
+        self.step_end = now + seconds
+
+    def _finish(self, end: float) -> None:
+        self.step_end = None
+        if self.forwarding:
+            self.forwarding = False
+            self.fleet.current.kv_max = max(self.fleet.current.kv_max, self.pool.usage_ratio)
+            return
+        rows = self.rows
         outputs = self.scheduler.postprocess(
             rows, [SAMPLED_TOKEN] * len(rows), [0.0] * len(rows), end
         )
-        self._deliver(outputs, end)
-        if self.opt.fast_forward:
-            await self._fast_forward([seq for seq in rows if seq.finish_reason is None])
+        self.fleet.deliver(outputs, end)
+        if self.fleet.opt.fast_forward:
+            self._fast_forward([seq for seq in rows if seq.finish_reason is None], end)
 
     def _step_s(self, plan: StepPlan) -> float:
         seconds = 0.0
         if plan.prefill:
             chunks = plan.chunks or [seq.num_uncomputed for seq in plan.prefill]
-            seconds += self.curve.step_s(sum(chunks))
+            seconds += self.fleet.curve.step_s(sum(chunks))
         if plan.decode:
-            seconds += self.curve.step_s(len(plan.decode))
+            seconds += self.fleet.curve.step_s(len(plan.decode))
         return seconds
 
-    def _observe(self, plan: StepPlan) -> None:
+    def _observe(self, plan: StepPlan, seconds: float) -> None:
         """What the engine's observer records for a step."""
-        iv = self.current
+        iv = self.fleet.current
         iv.preemptions += len(plan.preempted)
+        iv.busy_s += seconds
         for seq in plan.first_scheduled:
             iv.queue_waits.append((seq.first_scheduled or seq.arrival) - seq.arrival)
         if plan.batch_size:
-            self._record_batches(plan.batch_size, 1)
+            self.fleet.record_batches(plan.batch_size, 1)
         iv.kv_max = max(iv.kv_max, self.pool.usage_ratio)
 
-    def _record_batches(self, size: int, count: int) -> None:
-        self.current.batch_weighted += size * count
-        self.current.batch_count += count
-        if self.opt.trace:
-            self.batch_sizes += [size] * count
-
-    async def _fast_forward(self, decode: list[Sequence]) -> None:
+    def _fast_forward(self, decode: list[Sequence], now: float) -> None:
         """The next steps, applied at once where each would decode exactly `decode` (the
         rows that sampled and go on) and finish none of them (module docstring)."""
         if not decode or (
             # continuous: every running sequence decodes next (none waits for a chunk)
-            self.opt.mode == "continuous" and len(decode) != self.scheduler.num_running
+            self.fleet.opt.mode == "continuous" and len(decode) != self.scheduler.num_running
         ):
             return
-        steps = self._repeats(decode)
+        steps = self._repeats(decode, now)
         if steps <= 0:
             return
         for seq in decode:
@@ -399,25 +439,29 @@ class SimulatedServer:
             seq.token_ids += [SAMPLED_TOKEN] * steps
             seq.num_computed = seq.num_tokens - 1
         self.scheduler.steps += steps
-        if self.opt.mode == "continuous":  # each continuous step records its rows
-            self._record_batches(len(decode), steps)
-        await self._advance_to(self.now + steps * self.curve.step_s(len(decode)))
-        self.current.kv_max = max(self.current.kv_max, self.pool.usage_ratio)
+        step_s = self.fleet.curve.step_s(len(decode))
+        if self.fleet.opt.mode == "continuous":  # each continuous step records its rows
+            self.fleet.record_batches(len(decode), steps)
+        self.fleet.current.busy_s += steps * step_s
+        self.step_end = now + steps * step_s
+        self.forwarding = True
 
-    def _repeats(self, decode: list[Sequence]) -> int:
+    def _repeats(self, decode: list[Sequence], now: float) -> int:
         """How many of the next steps plan exactly `decode` again and finish nothing."""
-        step_s = self.curve.step_s(len(decode))
+        step_s = self.fleet.curve.step_s(len(decode))
         limit = min(seq.params.max_tokens - seq.num_output for seq in decode) - 1
-        until = [self.current.end_s]
-        if self.opt.mode == "continuous":
+        until = [self.fleet.current.end_s]
+        if self.fleet.opt.mode == "continuous":
             if self._may_admit():
                 return 0
-            if not self.scheduler.num_waiting:  # an arrival would be admitted
-                until.append(self._arrival_time())
+            # An arrival would be admitted. Any server's next arrival bounds it: the
+            # balancer picks the server only when the request arrives (conservative).
+            if not self.scheduler.num_waiting:
+                until.append(self.fleet.arrival_s())
         for at in until:
             if at < math.inf:  # steps that start before `at`
-                limit = min(limit, math.ceil((at - self.now) / step_s))
-        if self.opt.mode == "continuous":
+                limit = min(limit, math.ceil((at - now) / step_s))
+        if self.fleet.opt.mode == "continuous":
             limit = self._blocks_allow(decode, limit)
         return limit
 
@@ -449,35 +493,214 @@ class SimulatedServer:
                 high = mid - 1
         return low
 
+
+class ReplicaController(Protocol):
+    """A replica rule outside the tuning loop (the benchmark's HPA-like baseline): once per
+    interval it reads the fleet's signals and drives the same scaler."""
+
+    def decide(
+        self, signals: Signals, fleet: Fleet, state: ReplicaState, now: float
+    ) -> ScaleDecision: ...
+
+
+class SimulatedFleet:
+    """The servers behind a load balancer on one virtual clock; the tuning loop's signal
+    source, actuator and scaler."""
+
+    def __init__(self, work: Workload, options: SimOptions, curve: StepCurve) -> None:
+        self.work = work
+        self.opt = options
+        self.curve = curve
+        self.config = options.config  # the config of record: every server's, new ones too
+        self.now = 0.0
+        self.next_arrival = 0
+        self.sequences: dict[Sequence, int] = {}  # admitted -> request index
+        self.servers: list[SimulatedServer] = []
+        self.desired = options.replicas
+        for _ in range(options.replicas):
+            self._start_server(ready_s=0.0)
+        self.turn = 0  # the balancer's rotation
+        self.intervals: list[Interval] = []
+        self.current = Interval(end_s=options.cadence.interval_s, config=options.config)
+        self.all_latencies: list[float] = []
+        self.rejected = 0
+        self.completions: list[Completion] = []
+        self.batch_sizes: list[int] = []
+        self.routes: list[int] = []
+        self.loop = TuningLoop(clock=lambda: self.now)
+        self.plugs = PlugPoints(source=self, actuator=self, recorder=self.record, scaler=self)
+        self.controller_state = ReplicaState()
+
+    # -- the tuning loop's plug points --------------------------------------------
+
+    async def read(self, window_s: float) -> Signals:
+        """Signals over the last window, built like the scrape source builds them: p99 over
+        every server's requests, KV as the fullest server, rates summed."""
+        interval_s = self.opt.cadence.interval_s
+        window = self.intervals[-max(1, round(window_s / interval_s)) :]
+        window_s = len(window) * interval_s
+        requests = sum(iv.completed for iv in window)
+        waiting = float(window[-1].waiting_at_end)
+        pods = min(iv.pods for iv in window)
+        status = traffic_status(requests, waiting)
+        if status != "ok":
+            return Signals(
+                status=status,
+                window_s=window_s,
+                requests=requests,
+                waiting=waiting,
+                pods=pods,
+                detail=status_detail(status, requests, MIN_REQUESTS_PER_WINDOW),
+            )
+        batches = sum(iv.batch_count for iv in window)
+        tokens = sum(iv.tokens for iv in window)
+        return Signals(
+            status="ok",
+            window_s=window_s,
+            requests=requests,
+            request_rate=requests / window_s,
+            p99_latency_s=_bucket_p99([x for iv in window for x in iv.latencies]),
+            queue_wait_p99_s=_bucket_p99([x for iv in window for x in iv.queue_waits]),
+            kv_usage=max(iv.kv_max for iv in window),
+            waiting=waiting,
+            preemption_rate=sum(iv.preemptions for iv in window) / window_s,
+            tokens_per_s=tokens / window_s,
+            mean_batch_size=(sum(iv.batch_weighted for iv in window) / batches)
+            if batches
+            else None,
+            arrival_rate=sum(iv.arrived for iv in window) / window_s,
+            busy_s_per_token=sum(iv.busy_s for iv in window) / tokens if tokens else None,
+            pods=pods,
+        )
+
+    async def in_force(self) -> BatchingConfig:
+        return self.config
+
+    async def apply(self, config: BatchingConfig) -> ActuationReport:
+        self.config = config
+        live = [s for s in self.servers if s.live]
+        for server in live:
+            server.scheduler.reconfigure(config)  # from its next step on, as the engine does
+        return ActuationReport(applied=[Applied(s.name, None) for s in live])
+
+    async def resync(self, config: BatchingConfig) -> ActuationReport:
+        return ActuationReport()  # every server holds the config of record
+
+    async def fleet(self) -> Fleet:
+        return Fleet(self.desired, sum(s.routable for s in self.servers))
+
+    async def scale(self, decision: ScaleDecision) -> None:
+        """Start servers (ready after `startup_s`, from the config in force) or drain the
+        excess: starting ones first, then the newest, as a ReplicaSet picks its victims."""
+        self.desired = decision.replicas
+        active = [s for s in self.servers if s.live and s.drain_s is None]
+        for _ in range(self.desired - len(active)):
+            self._start_server(ready_s=self.now + self.opt.startup_s)
+        victims = sorted(active, key=lambda s: (s.ready, -s.index))
+        for server in victims[: max(0, len(active) - self.desired)]:
+            server.drain(self.now)
+
+    def record(self, step: TuneStep) -> None:
+        self.intervals[-1].decision = step.decision
+        self.intervals[-1].scale = step.scale
+
+    # -- the clock ----------------------------------------------------------------
+
+    async def run(self, until_s: float) -> None:
+        """Play until `until_s` (virtual seconds): events in time order, and at one
+        instant arrivals and rounds before the servers act."""
+        while True:
+            serving = [s for s in self.servers if s.live]
+            t = min([self._external_s(), *(s.event_s() for s in serving)])
+            if t >= until_s and all(s.step_end is None for s in serving):
+                await self._external_until(until_s)
+                return
+            touched = await self._external_until(t)
+            for server in serving:
+                server.act(t, server in touched, until_s)
+
+    def _external_s(self) -> float:
+        return min(self.arrival_s(), self.current.end_s, self._ready_s())
+
+    def _ready_s(self) -> float:
+        return min((s.ready_s for s in self.servers if s.live and not s.ready), default=math.inf)
+
+    async def _external_until(self, t: float) -> set[SimulatedServer]:
+        """Readiness, arrivals and rounds up to `t`, in time order; the idle servers that
+        must plan again after them."""
+        touched: set[SimulatedServer] = set()
+        while (at := self._external_s()) <= t:
+            if self._ready_s() == at:
+                starting = [s for s in self.servers if s.live and not s.ready]
+                server = min(starting, key=lambda s: s.ready_s)
+                server.become_ready()
+                touched.add(server)
+            elif self.arrival_s() == at:
+                touched.update(self._route(at))
+            else:
+                self.now = at
+                await self._close_interval()
+                touched.update(self.servers)
+        self.now = max(self.now, t)  # a step that ended past the run's end moved it on
+        return touched
+
     # -- arrivals, completions, rounds ----------------------------------------------
 
-    def _arrival_time(self) -> float:
+    def arrival_s(self) -> float:
         if self.next_arrival < len(self.work.arrivals):
             return float(self.work.arrivals[self.next_arrival])
         return math.inf
 
-    def _take_arrivals(self, until: float) -> None:
-        """Submit every request that arrived by `until`, in order."""
-        while self._arrival_time() <= until:
-            index = self.next_arrival
-            self.next_arrival += 1
-            seq = Sequence(
-                request_id=str(index),
-                prompt_ids=[0] * int(self.work.prompts[index]),
-                params=SamplingParams(max_tokens=int(self.work.outputs[index]), ignore_eos=True),
-                arrival=float(self.work.arrivals[index]),
-                deadline=None,
-                generator=None,
-            )
-            try:
-                self.scheduler.add(seq)
-            except QueueFullError:
-                self.current.rejected += 1
-                self.rejected += 1
-                continue
+    def _route(self, at: float) -> list[SimulatedServer]:
+        """Send the request arriving at `at` to the balancer's pick; refused when its queue
+        is full or no server is routable."""
+        index = self.next_arrival
+        self.next_arrival += 1
+        self.current.arrived += 1
+        server = self._pick()
+        if self.opt.trace:
+            self.routes.append(-1 if server is None else server.index)
+        seq = Sequence(
+            request_id=str(index),
+            prompt_ids=[0] * int(self.work.prompts[index]),
+            params=SamplingParams(max_tokens=int(self.work.outputs[index]), ignore_eos=True),
+            arrival=at,
+            deadline=None,
+            generator=None,
+        )
+        try:
+            if server is None:
+                raise QueueFullError("no server is ready")
+            server.scheduler.add(seq)
+        except QueueFullError:
+            self.current.rejected += 1
+            self.rejected += 1
+        else:
             self.sequences[seq] = index
+        return [] if server is None else [server]
 
-    def _deliver(self, outputs: list[Output], at: float) -> None:
+    def _pick(self) -> SimulatedServer | None:
+        routable = [s for s in self.servers if s.routable]
+        if not routable:
+            return None
+        start = self.turn % len(routable)
+        self.turn += 1
+        order = routable[start:] + routable[:start]
+        if self.opt.balancer == "round_robin":
+            return order[0]
+        # Ties go round robin too, so equally loaded servers share the requests.
+        return min(order, key=lambda s: s.outstanding)
+
+    def _start_server(self, ready_s: float) -> None:
+        self.servers.append(SimulatedServer(len(self.servers), self, ready_s))
+
+    def record_batches(self, size: int, count: int) -> None:
+        self.current.batch_weighted += size * count
+        self.current.batch_count += count
+        if self.opt.trace:
+            self.batch_sizes += [size] * count
+
+    def deliver(self, outputs: list[Output], at: float) -> None:
         for output in outputs:
             if not output.final:
                 continue
@@ -496,27 +719,49 @@ class SimulatedServer:
             if self.opt.trace:
                 self.completions.append(Completion(index, at, output.item.step))
 
-    async def _advance_to(self, t: float) -> None:
-        """Move the clock to `t`, submitting arrivals and running a round at every
-        interval's end on the way."""
-        while self.current.end_s <= t:
-            self._take_arrivals(self.current.end_s)
-            self.now = self.current.end_s
-            await self._close_interval()
-        self._take_arrivals(t)
-        self.now = t
+    def _serving_through(self, iv: Interval) -> int:
+        """Servers the balancer could reach for the whole interval."""
+        start = iv.end_s - self.opt.cadence.interval_s
+        return sum(
+            s.ready_s <= start
+            and (s.drain_s is None or s.drain_s >= iv.end_s)
+            and (s.stopped_s is None or s.stopped_s >= iv.end_s)
+            for s in self.servers
+        )
 
     async def _close_interval(self) -> None:
         iv = self.current
-        iv.waiting_at_end = self.scheduler.num_waiting
+        live = [s for s in self.servers if s.live]
+        iv.waiting_at_end = sum(s.scheduler.num_waiting for s in live)
         iv.p99_s = float(np.percentile(iv.latencies, 99)) if iv.latencies else None
+        iv.pods = self._serving_through(iv)
         self.intervals.append(iv)
         if self.opt.tune:
             await self.loop.round(self.opt.goal, self.opt.cadence, self.plugs)
+        if self.opt.controller is not None:
+            await self._controlled_round(self.opt.controller)
+        iv.replicas = self.desired
+        iv.ready = sum(s.routable for s in self.servers)
         self.current = Interval(
             end_s=iv.end_s + self.opt.cadence.interval_s,
-            config=self.scheduler.config,
-            kv_max=self.pool.usage_ratio,
+            config=self.config,
+            kv_max=max((s.pool.usage_ratio for s in live), default=0.0),
+        )
+
+    async def _controlled_round(self, controller: ReplicaController) -> None:
+        signals = await self.read(self.opt.cadence.window_s)
+        fleet = await self.fleet()
+        decision = controller.decide(signals, fleet, self.controller_state, self.now)
+        self.controller_state = decision.state
+        if decision.replicas != fleet.desired:
+            await self.scale(decision)
+        self.intervals[-1].scale = decision
+
+    def replica_seconds(self, end_s: float) -> float:
+        """Each server from its start (startup included) to its stop after the drain."""
+        return sum(
+            min(end_s, math.inf if s.stopped_s is None else s.stopped_s) - s.started_s
+            for s in self.servers
         )
 
 
@@ -548,7 +793,7 @@ def simulate(
 ) -> SimResult:
     """Play `scenario` once; the tuning loop runs every interval when `options.tune`.
 
-    `drain_s` keeps the server running that long after the last arrival window.
+    `drain_s` keeps the servers running that long after the last arrival window.
     """
     work = make_workload(scenario, seed)
     return simulate_workload(work, options, curve, scenario.duration_s + drain_s)
@@ -557,21 +802,23 @@ def simulate(
 def simulate_workload(
     work: Workload, options: SimOptions, curve: StepCurve, run_s: float
 ) -> SimResult:
-    server = SimulatedServer(work, options, curve)
-    asyncio.run(server.run(run_s))
+    fleet = SimulatedFleet(work, options, curve)
+    asyncio.run(fleet.run(run_s))
     # Requests still queued or running at the end count as not good.
-    ended = [*server.intervals, server.current]
-    latencies = server.all_latencies
+    ended = [*fleet.intervals, fleet.current]
+    latencies = fleet.all_latencies
     return SimResult(
-        intervals=server.intervals,
+        intervals=fleet.intervals,
         completed=sum(iv.completed for iv in ended),
         good=sum(iv.good for iv in ended),
-        rejected=server.rejected,
+        rejected=fleet.rejected,
         arrived=len(work.arrivals),
         duration_s=run_s,
         p99_s=float(np.percentile(latencies, 99)) if latencies else None,
-        completions=server.completions,
-        batch_sizes=server.batch_sizes,
+        completions=fleet.completions,
+        batch_sizes=fleet.batch_sizes,
+        routes=fleet.routes,
+        replica_seconds=fleet.replica_seconds(run_s),
     )
 
 

@@ -1,20 +1,23 @@
 """Simulator sanity: conservation, determinism, the engine semantics it claims, the tuning
-loop, and fast-forward changing nothing (test_simulator_replay.py checks it against the
-engine itself)."""
+loop, fast-forward changing nothing (test_simulator_replay.py checks it against the
+engine itself), and the fleet: routing, startup, drains, replica-seconds, autoscaling."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-from batchpilot_operator.tuner import Goal, Slo
+from batchpilot_operator.replica_rule import Fleet, ReplicaBounds, ReplicaState, ScaleDecision
+from batchpilot_operator.signals import Signals
+from batchpilot_operator.tuner import Decision, Goal, Slo
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_tools.simulator import (
     Scenario,
     SimOptions,
+    SimResult,
     StepCurve,
     Workload,
     make_workload,
@@ -71,6 +74,10 @@ def test_deterministic_with_a_seed(mode: str) -> None:
     assert trace == [(iv.p99_s, iv.config, iv.decision) for iv in again.intervals]
     assert first.good == again.good
     assert [iv.p99_s for iv in other.intervals] != [iv.p99_s for iv in first.intervals]
+
+
+def _judged(decision: Decision | None) -> tuple[object, ...] | None:
+    return None if decision is None else (decision.config, decision.action, decision.reason)
 
 
 def two_requests(outputs: tuple[int, int]) -> Workload:
@@ -146,6 +153,114 @@ def test_fast_forward_changes_no_completion(mode: str, kv_blocks: int) -> None:
     assert fast.batch_sizes == slow.batch_sizes
     assert fast.rejected == slow.rejected
     assert [iv.preemptions for iv in fast.intervals] == [iv.preemptions for iv in slow.intervals]
-    assert [iv.decision for iv in fast.intervals] == [iv.decision for iv in slow.intervals]
+    # The same decisions; the capacity model's samples (busy seconds summed step by step or
+    # multiplied) differ in the last bit only.
+    assert [_judged(iv.decision) for iv in fast.intervals] == [
+        _judged(iv.decision) for iv in slow.intervals
+    ]
     if kv_blocks == 90 and mode == "continuous":
         assert sum(iv.preemptions for iv in fast.intervals) > 0
+
+
+# -- the fleet: several servers behind a balancer ------------------------------------------
+
+
+def spaced(outputs: list[int], gap_s: float) -> Workload:
+    n = len(outputs)
+    return Workload(np.arange(n) * gap_s, np.full(n, 8), np.array(outputs))
+
+
+def test_round_robin_alternates_between_the_servers() -> None:
+    fleet = options("continuous", replicas=2, balancer="round_robin", trace=True, tune=False)
+    result = simulate_workload(spaced([2000] + [4] * 5, 0.5), fleet, CURVE, 60.0)
+    assert result.routes == [0, 1, 0, 1, 0, 1]
+    assert result.completed == 6
+
+
+def test_least_outstanding_avoids_the_busy_server() -> None:
+    """A long request holds server 0; every short one after it goes to the idle server 1."""
+    fleet = options("continuous", replicas=2, balancer="least_outstanding", trace=True, tune=False)
+    result = simulate_workload(spaced([2000] + [4] * 5, 0.5), fleet, CURVE, 60.0)
+    assert result.routes == [0, 1, 1, 1, 1, 1]
+    assert result.completed == 6
+
+
+@dataclass(frozen=True)
+class ScaleAt:
+    """A replica controller that asks for `replicas` at the round at `at_s`, then holds."""
+
+    at_s: float
+    replicas: int
+
+    def decide(
+        self, signals: Signals, fleet: Fleet, state: ReplicaState, now: float
+    ) -> ScaleDecision:
+        if now == self.at_s:
+            return ScaleDecision(self.replicas, "scale_out", "the test asks", state)
+        return ScaleDecision(fleet.desired, "hold", "the test holds", state)
+
+
+STARTUP_S = 40.0
+
+
+def test_a_new_server_serves_after_the_startup_delay() -> None:
+    work = make_workload(replace(SHORT, duration_s=180.0), seed=5)
+    fleet = options(
+        "continuous", trace=True, tune=False, startup_s=STARTUP_S, controller=ScaleAt(30.0, 2)
+    )
+    result = simulate_workload(work, fleet, CURVE, 180.0)
+    ready_at = 30.0 + STARTUP_S
+    routed = [(float(at), server) for at, server in zip(work.arrivals, result.routes, strict=True)]
+    assert all(server == 0 for at, server in routed if at < ready_at)
+    assert {server for at, server in routed if at >= ready_at} == {0, 1}
+    assert [(iv.replicas, iv.ready) for iv in result.intervals[:3]] == [(2, 1), (2, 1), (2, 2)]
+    # Replica-seconds add up: server 0 for the whole run, server 1 from its decision on.
+    assert result.replica_seconds == pytest.approx(180.0 + (180.0 - 30.0))
+
+
+def test_scale_in_drains_without_losing_a_request() -> None:
+    busy = replace(SHORT, duration_s=120.0, base_rate=15.0, output_tokens=64)
+    fleet = options("continuous", replicas=3, tune=False, controller=ScaleAt(30.0, 1))
+    result = simulate(busy, fleet, CURVE, seed=6, drain_s=DRAIN_S)
+    assert result.rejected == 0
+    assert result.completed + result.rejected == result.arrived > 0
+    assert [(iv.pods, iv.ready) for iv in result.intervals[:2]] == [(3, 1), (1, 1)]
+    # The two drained servers ran from 0 past the scale-in (their last requests), not to the end.
+    run_s = busy.duration_s + DRAIN_S
+    longest_s = max(max(iv.latencies) for iv in result.intervals if iv.latencies)
+    assert run_s + 2 * 30.0 < result.replica_seconds <= run_s + 2 * (30.0 + longest_s)
+
+
+SURGE = Scenario(
+    "step", 900.0, 20.0, output_tokens=32, prompt_tokens=(8, 32), step_at_s=120.0, peak=6.0,
+    back_at_s=420.0,
+)  # fmt: skip
+AUTOSCALE = ReplicaBounds(1, 6, scale_down_stabilization_s=120.0)
+
+
+@pytest.fixture(scope="module")
+def surge() -> SimResult:
+    return simulate(SURGE, options("continuous", goal=Goal(SLO, replicas=AUTOSCALE)), CURVE, 7)
+
+
+def test_the_loop_grows_the_batch_then_scales_out_beyond_one_server(surge: SimResult) -> None:
+    replicas = [iv.replicas for iv in surge.intervals]
+    assert replicas[0] == 1 and max(replicas) > 1
+    first_out = next(
+        iv for iv in surge.intervals if iv.scale is not None and iv.scale.action == "scale_out"
+    )
+    # Knobs first: the round that scaled out had the batch grown (before it or with it).
+    assert first_out.decision is not None
+    assert first_out.decision.config.max_batch_size > BatchingConfig().max_batch_size
+    assert surge.completed + surge.rejected <= surge.arrived
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="replica_rule._scale_in counts a round as quiet only with nothing waiting at "
+    "its end; with the tuner's timeout grown to 200 ms an idle server always holds a "
+    "request or two, so the fleet never scales in (reported to the lead)",
+)
+def test_the_loop_scales_back_in_after_the_load_falls(surge: SimResult) -> None:
+    replicas = [iv.replicas for iv in surge.intervals]
+    assert replicas[-1] < max(replicas)
