@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from batchpilot_operator.signals import Signals
 
-MAX_SAMPLES = 12  # six minutes of 30 s windows: recent enough to follow the prompts
+MAX_SAMPLES = 12  # half-octave batch buckets: 1 to 64 and beyond
 MIN_SPREAD = 1.5  # the largest sampled batch must be this many times the smallest
 
 
@@ -48,10 +48,22 @@ def sample_of(signals: Signals) -> StepSample | None:
 
 
 def remember(samples: tuple[StepSample, ...], sample: StepSample | None) -> tuple[StepSample, ...]:
-    """The newest MAX_SAMPLES samples, with `sample` added."""
+    """`sample` added as the newest of its half-octave of batch sizes, replacing the one
+    there; at most MAX_SAMPLES, the least recently seen batch sizes go first.
+
+    One sample per batch size band, not the newest windows: under a steady load
+    every window lands in one band, and a line needs two. The band a load
+    visits is always fresh; others keep what the load last showed there.
+    """
     if sample is None:
         return samples
-    return (*samples, sample)[-MAX_SAMPLES:]
+    band = _band(sample.batch)
+    kept = tuple(s for s in samples if _band(s.batch) != band)
+    return (*kept, sample)[-MAX_SAMPLES:]
+
+
+def _band(batch: float) -> int:
+    return round(2 * math.log2(batch))
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ spent before the pod count moves:
 
 1. hold while the fleet is not what was asked for (pods still starting or
    stopping) or the window does not cover every pod yet: a scale step's
-   effect must be seen before the next one;
+   effect must be seen before the next one (`settling`: the loop restarts
+   the window, so the next one shows the settled fleet alone);
 2. scale out when the SLO is broken by queueing, or the capacity model says
    the demand exceeds what the pods can carry at all, *and* the knobs cannot
    add capacity: the batch is at the most the knobs may give (bound, probing
@@ -147,6 +148,9 @@ class ScaleDecision:
     action: ScaleAction
     reason: str
     state: ReplicaState = field(default_factory=ReplicaState)
+    # The fleet is still moving (pods starting, or not yet in a whole window): the next
+    # window must start now, so that it shows the fleet that will be judged.
+    settling: bool = False
 
 
 @dataclass(frozen=True)
@@ -178,9 +182,9 @@ def decide_replicas(case: ReplicaCase) -> ScaleDecision:
             f"{bounds.min_replicas}..{bounds.max_replicas}",
         )  # fmt: skip
     if fleet.ready < desired:
-        return _hold(case, f"{fleet.ready} of {desired} pods ready: waiting for them")
+        return _settling(case, f"{fleet.ready} of {desired} pods ready: waiting for them")
     if signals.pods and signals.pods < desired:
-        return _hold(
+        return _settling(
             case, f"the window covers {signals.pods} of {desired} pods: waiting for one that "
             "shows them all",
         )  # fmt: skip
@@ -235,7 +239,9 @@ def _scale_in(case: ReplicaCase) -> ScaleDecision:
     if per_pod is None or per_pod <= 0:
         return _hold(case, "no pod throughput known: the replica count stays")
     wanted = bounds.clamp(math.ceil(_demand(case) / (SCALE_IN_UTILISATION * per_pod) - 1e-9))
-    quiet = p99 < (1 - case.band) * case.slo_s and signals.waiting <= 0
+    # A request or two waiting on an idle pod's batch timeout is no queueing: the p99 says
+    # whether anything waits too long.
+    quiet = p99 < (1 - case.band) * case.slo_s
     # A round that is not quiet recommends what runs now: it keeps the count up.
     recommended = wanted if quiet else max(wanted, desired)
     case = replace(case, state=_recommend(case.state, case.now, recommended, bounds))
@@ -265,15 +271,20 @@ def _scale_in(case: ReplicaCase) -> ScaleDecision:
 
 def _per_pod_throughput(case: ReplicaCase) -> float | None:
     """The model's throughput at the batch limit; without a model, what each pod finished
-    while requests queued (saturated pods finish what they can)."""
+    over the share of the window it was busy (a saturated pod, busy all along, finishes
+    what it can; one busy a third of the time would carry three times as much at the
+    config in force, more at a larger batch)."""
     if case.capacity is not None:
         return case.capacity.per_pod_rps
     signals = case.signals
-    queueing = (signals.queue_wait_p99_s or 0.0) >= case.queue_share * (signals.p99_latency_s or 0)
     pods = signals.pods or case.fleet.ready
-    if queueing and pods > 0 and signals.request_rate > 0:
-        return signals.request_rate / pods
-    return None
+    if pods <= 0 or signals.finished_rate <= 0:
+        return None
+    queueing = (signals.queue_wait_p99_s or 0.0) >= case.queue_share * (signals.p99_latency_s or 0)
+    busy = 1.0 if queueing else signals.utilisation
+    if busy is None or busy <= 0:
+        return None
+    return signals.finished_rate / (pods * min(1.0, busy))
 
 
 def _demand(case: ReplicaCase) -> float:
@@ -285,7 +296,7 @@ def _demand(case: ReplicaCase) -> float:
 def _basis(case: ReplicaCase) -> str:
     if case.capacity is not None:
         return f"model at batch {case.capacity.batch_limit}: {case.capacity.prediction}"
-    return "measured while saturated"
+    return "measured: finished per busy second"
 
 
 def _rate(case: ReplicaCase) -> str:
@@ -302,6 +313,10 @@ def _recommend(
 
 def _hold(case: ReplicaCase, reason: str) -> ScaleDecision:
     return ScaleDecision(case.fleet.desired, "hold", reason, case.state)
+
+
+def _settling(case: ReplicaCase, reason: str) -> ScaleDecision:
+    return ScaleDecision(case.fleet.desired, "hold", reason, case.state, settling=True)
 
 
 def _change(case: ReplicaCase, replicas: int, reason: str) -> ScaleDecision:

@@ -71,11 +71,16 @@ class Signals:
         return self.request_rate if self.arrival_rate is None else self.arrival_rate
 
     @property
+    def finished_rate(self) -> float:
+        """Requests per second that finished (refused ones do not count)."""
+        return self.requests / self.window_s if self.window_s > 0 else 0.0
+
+    @property
     def mean_output_tokens(self) -> float | None:
         """Tokens generated per finished request over the window."""
-        if self.request_rate <= 0 or self.tokens_per_s <= 0:
+        if self.requests <= 0 or self.tokens_per_s <= 0 or self.window_s <= 0:
             return None
-        return self.tokens_per_s / self.request_rate
+        return self.tokens_per_s * self.window_s / self.requests
 
     @property
     def utilisation(self) -> float | None:

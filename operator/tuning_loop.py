@@ -216,6 +216,7 @@ class TuningLoop:
         )
         if scale.replicas != fleet.desired:
             await plugs.scaler.scale(scale)
+        if scale.replicas != fleet.desired or scale.settling:
             # The next window must show the new fleet alone.
             self.state = replace(self.state, since_change=0)
         self.replica_state = scale.state

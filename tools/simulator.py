@@ -71,13 +71,14 @@ from batchpilot_server.engine_api import (
     QueueFullError,
     SamplingParams,
 )
-from batchpilot_server.metric_names import LATENCY_BUCKETS
+from batchpilot_server.metric_names import GENERATION_TOKEN_BUCKETS, LATENCY_BUCKETS
 from batchpilot_server.scheduler import Output, StepPlan
 from batchpilot_server.scheduler_policies import PolicyOptions, new_scheduler
 from batchpilot_server.sequence import Sequence
 
 STEP_TIMES_FILE = Path(__file__).resolve().parent.parent / "docs" / "step_times.json"
 BUCKET_BOUNDS = (*LATENCY_BUCKETS, math.inf)
+GENERATION_TOKEN_BOUNDS = (*(float(n) for n in GENERATION_TOKEN_BUCKETS), math.inf)
 # The engine's block size and prefill budget unless a simulation says otherwise.
 ENGINE_DEFAULTS = EngineOptions(mode="continuous", config=BatchingConfig())
 
@@ -247,6 +248,7 @@ class Interval:
     latencies: list[float] = field(default_factory=list)
     queue_waits: list[float] = field(default_factory=list)
     tokens: int = 0
+    outputs: list[int] = field(default_factory=list)  # each finished request's tokens
     preemptions: int = 0
     batch_weighted: float = 0.0  # sum of the batch sizes the engine records (per step or batch)
     batch_count: float = 0.0
@@ -554,13 +556,18 @@ class SimulatedFleet:
             )
         batches = sum(iv.batch_count for iv in window)
         tokens = sum(iv.tokens for iv in window)
+        newer = window[len(window) // 2 :]
         return Signals(
             status="ok",
             window_s=window_s,
             requests=requests,
             request_rate=requests / window_s,
-            p99_latency_s=_bucket_p99([x for iv in window for x in iv.latencies]),
-            queue_wait_p99_s=_bucket_p99([x for iv in window for x in iv.queue_waits]),
+            p99_latency_s=_bucket_quantile(
+                0.99, [x for iv in window for x in iv.latencies], BUCKET_BOUNDS
+            ),
+            queue_wait_p99_s=_bucket_quantile(
+                0.99, [x for iv in window for x in iv.queue_waits], BUCKET_BOUNDS
+            ),
             kv_usage=max(iv.kv_max for iv in window),
             waiting=waiting,
             preemption_rate=sum(iv.preemptions for iv in window) / window_s,
@@ -568,7 +575,11 @@ class SimulatedFleet:
             mean_batch_size=(sum(iv.batch_weighted for iv in window) / batches)
             if batches
             else None,
-            arrival_rate=sum(iv.arrived for iv in window) / window_s,
+            # the newer half of the window, as both signal sources read it
+            arrival_rate=sum(iv.arrived for iv in newer) / (len(newer) * interval_s),
+            output_tokens_p99=_bucket_quantile(
+                0.99, [n for iv in window for n in iv.outputs], GENERATION_TOKEN_BOUNDS
+            ),
             busy_s_per_token=sum(iv.busy_s for iv in window) / tokens if tokens else None,
             pods=pods,
         )
@@ -715,6 +726,7 @@ class SimulatedFleet:
             iv.good += latency <= self.opt.goal.slo.p99_latency_s
             iv.latencies.append(latency)
             iv.tokens += output.seq.num_output
+            iv.outputs.append(output.seq.num_output)
             self.all_latencies.append(latency)
             if self.opt.trace:
                 self.completions.append(Completion(index, at, output.item.step))
@@ -776,12 +788,15 @@ def _compute(plan: StepPlan) -> list[Sequence]:
     return [seq for seq in (*plan.prefill, *plan.decode) if seq.ready_to_sample]
 
 
-def _bucket_p99(values: list[float]) -> float | None:
+def _bucket_quantile(
+    q: float, values: list[float] | list[int], bounds: tuple[float, ...]
+) -> float | None:
+    """The quantile a server's histogram with these bucket bounds (ending +Inf) reports."""
     if not values:
         return None
-    counts = np.searchsorted(np.asarray(LATENCY_BUCKETS), np.asarray(values), side="left")
-    cumulative = np.cumsum(np.bincount(counts, minlength=len(BUCKET_BOUNDS)))
-    return histogram_quantile(0.99, BUCKET_BOUNDS, cumulative.tolist())
+    counts = np.searchsorted(np.asarray(bounds[:-1]), np.asarray(values), side="left")
+    cumulative = np.cumsum(np.bincount(counts, minlength=len(bounds)))
+    return histogram_quantile(q, bounds, cumulative.tolist())
 
 
 def simulate(

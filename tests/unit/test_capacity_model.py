@@ -48,13 +48,17 @@ def test_a_window_without_traffic_or_series_gives_no_sample(signals: Signals) ->
     assert sample_of(signals) is None
 
 
-def test_samples_keep_the_newest_and_skip_none() -> None:
+def test_samples_keep_the_newest_of_each_batch_band_and_skip_none() -> None:
     samples: tuple[StepSample, ...] = ()
-    for batch in range(1, MAX_SAMPLES + 5):
-        samples = remember(samples, StepSample(float(batch), 0.01))
+    for batch in (2.0, 8.0, 8.2, 7.9):
+        samples = remember(samples, StepSample(batch, 0.01))
     samples = remember(samples, None)
-    assert len(samples) == MAX_SAMPLES
-    assert samples[-1].batch == MAX_SAMPLES + 4 and samples[0].batch == 5
+    # a steady load at ~8 refreshes its own band and keeps the line's other end
+    assert [s.batch for s in samples] == [2.0, 7.9]
+    assert fit(samples) is not None
+    for k in range(30):  # 30 half-octaves: only the most recent MAX_SAMPLES bands stay
+        samples = remember(samples, StepSample(2 ** (k / 2), 0.01))
+    assert len(samples) == MAX_SAMPLES and samples[-1].batch == 2 ** 14.5
 
 
 def test_fit_recovers_the_line_from_two_batch_sizes() -> None:
@@ -68,14 +72,14 @@ def test_fit_recovers_the_line_from_two_batch_sizes() -> None:
 @pytest.mark.parametrize("seed", range(5))
 def test_fit_through_noisy_samples_stays_close(seed: int) -> None:
     rng = random.Random(seed)
-    batches = [1.0 + 31.0 * i / (MAX_SAMPLES - 1) for i in range(MAX_SAMPLES)]
+    batches = [2 ** (i / 2) for i in range(MAX_SAMPLES)]  # 1 .. 45, one per band
     rng.shuffle(batches)
     samples = tuple(
         StepSample(b, (FIXED_S + PER_SEQ_S * b) * rng.uniform(0.95, 1.05)) for b in batches
     )
     model = fit(samples)
     assert model is not None
-    for batch in (4, 16, 32):
+    for batch in (4, 16, 45):
         assert model.iteration_s(batch) == pytest.approx(FIXED_S + PER_SEQ_S * batch, rel=0.1)
 
 

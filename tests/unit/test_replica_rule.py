@@ -27,7 +27,7 @@ PER_POD_RPS = 10.0  # what the model says one pod carries at the batch limit
 def window(pods: int, **fields: float | None) -> Signals:
     """A window of `pods` pods; by default the SLO (0.5 s) broken from queueing."""
     base: dict[str, float | None] = {
-        "requests": 600, "request_rate": 9.0 * pods, "p99_latency_s": 0.9,
+        "requests": 540 * pods, "request_rate": 9.0 * pods, "p99_latency_s": 0.9,
         "queue_wait_p99_s": 0.6, "waiting": 40.0,
     }  # fmt: skip
     base.update(fields)
@@ -57,7 +57,8 @@ def case(
 
 
 def quiet(pods: int) -> Signals:
-    return window(pods, p99_latency_s=0.2, queue_wait_p99_s=0.0, waiting=0.0)
+    # a request waiting on an idle pod's batch timeout is no queueing
+    return window(pods, p99_latency_s=0.2, queue_wait_p99_s=0.0, waiting=1.0)
 
 
 def test_scale_out_is_sized_from_the_per_pod_throughput_not_one_pod_at_a_time() -> None:
@@ -79,7 +80,17 @@ def test_without_a_model_a_saturated_pod_measures_the_step() -> None:
     # queueing pods finish what they can: 9 req/s each; demand (arrivals) 30 req/s
     decision = decide_replicas(case(window(2, arrival_rate=30.0), desired=2))
     assert (decision.action, decision.replicas) == ("scale_out", 5)  # ceil(30 / 7.2)
-    assert "measured while saturated" in decision.reason
+    assert "measured: finished per busy second" in decision.reason
+
+
+def test_without_a_model_a_pod_busy_part_time_carries_more() -> None:
+    # 2 pods finish 9 req/s each while busy 30 % of the window: 30 req/s each when busy
+    signals = replace(quiet(2), busy_s_per_token=0.3 / 100.0, tokens_per_s=200.0)
+    assert signals.utilisation == pytest.approx(0.3)
+    decision = decide_replicas(case(signals, desired=2, bounds=replace(
+        BOUNDS, scale_down_stabilization_s=0.0)))  # fmt: skip
+    # 18 req/s over 30 per pod at 60 % busy: one pod
+    assert (decision.action, decision.replicas) == ("scale_in", 1)
 
 
 def test_a_predicted_overload_scales_out_before_the_slo_breaks() -> None:
@@ -101,11 +112,14 @@ def test_holds_while_pods_start_or_at_the_maximum(kwargs: dict[str, int], words:
     decision = decide_replicas(case(window(desired), cap=capacity(200.0), **kwargs))
     assert (decision.action, decision.replicas) == ("hold", desired)
     assert words in decision.reason
+    assert decision.settling == (kwargs.get("ready", desired) < desired)
 
 
 def test_holds_until_the_window_covers_every_pod() -> None:
     decision = decide_replicas(case(window(2), desired=3, cap=capacity(200.0)))
     assert decision.action == "hold" and "covers 2 of 3 pods" in decision.reason
+    assert decision.settling  # the loop restarts the window: the next shows all three
+    assert not decide_replicas(case(window(3), desired=3, cap=capacity(20.0))).settling
 
 
 def test_scale_up_stabilization_delays_a_second_step() -> None:

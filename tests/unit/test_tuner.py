@@ -403,7 +403,7 @@ def test_a_kv_cut_keeps_the_samples_and_spends_the_knobs() -> None:
     decision = decide(measured(kv_usage=0.95), BatchingConfig(8, 10.0), GOAL,
                       TunerState(samples=LINE))  # fmt: skip
     assert decision.action == "kv_guard" and decision.spent
-    assert len(decision.state.samples) == 3 and decision.state.ceiling == 8
+    assert len(decision.state.samples) == 2 and decision.state.ceiling == 8  # 8 refreshed
 
 
 def test_tuner_state_round_trips_its_samples() -> None:

@@ -138,10 +138,11 @@ class FleetOf:
 
     desired: int
     owned: bool = True
+    starting: int = 0  # pods asked for that are not ready yet
     scaled: list[ScaleDecision] = field(default_factory=list)
 
     async def fleet(self) -> Fleet | None:
-        return Fleet(self.desired, self.desired) if self.owned else None
+        return Fleet(self.desired, self.desired - self.starting) if self.owned else None
 
     async def scale(self, decision: ScaleDecision) -> None:
         self.scaled.append(decision)
@@ -150,7 +151,7 @@ class FleetOf:
 
 # p99 over the SLO from queueing on one pod whose batch is at its bound: only pods help
 SPENT = replace(
-    Signals(status="ok", requests=500, request_rate=20.0, p99_latency_s=2.0,
+    Signals(status="ok", window_s=30.0, requests=600, request_rate=20.0, p99_latency_s=2.0,
             queue_wait_p99_s=1.5, mean_batch_size=8.0, kv_usage=0.1, arrival_rate=50.0),
     pods=1,
 )  # fmt: skip
@@ -182,4 +183,20 @@ async def test_no_replica_decision_without_bounds_or_ownership(owned: bool) -> N
     goal = AUTOSCALED if not owned else replace(AUTOSCALED, replicas=None)
     step = await TuningLoop().round(goal, CADENCE, replace(w.plugs, scaler=scaler))
     assert step is not None and step.scale is None and step.fleet is None
+    assert not scaler.scaled
+
+
+async def test_a_settling_fleet_restarts_the_window_each_round() -> None:
+    w = world(SPENT, SPENT, SPENT)
+    w.record = BatchingConfig(8)
+    scaler = FleetOf(desired=2, starting=1)
+    plugs = replace(w.plugs, scaler=scaler)
+    loop = TuningLoop()
+    for _ in range(2):
+        step = await loop.round(AUTOSCALED, CADENCE, plugs)
+        assert step is not None and step.scale is not None and step.scale.settling
+    scaler.starting = 0
+    await loop.round(AUTOSCALED, CADENCE, plugs)
+    # a full window first; then, while a pod starts, each window covers one interval
+    assert w.windows == [CADENCE.window_s, CADENCE.interval_s, CADENCE.interval_s]
     assert not scaler.scaled
