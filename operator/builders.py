@@ -172,7 +172,7 @@ def build_deployment(
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": selector_labels(name)},
-            "strategy": _rollout_strategy(spec),
+            "strategy": _rollout_strategy(),
             "template": {
                 "metadata": {
                     "labels": owned_labels(name),
@@ -188,16 +188,39 @@ def build_deployment(
     }
 
 
-def _rollout_strategy(spec: PolicySpec) -> dict[str, Any]:
-    # With GPUs a surge pod would wait for a free GPU forever on a full node,
-    # so GPU policies replace one pod at a time instead. Not under auto: a mode
-    # switch must not take capacity away, so the old pod serves until its
-    # replacement is ready (the switch needs room for one more pod).
-    if spec.server.gpus > 0 and spec.batching.mode != "auto":
-        rolling = {"maxSurge": 0, "maxUnavailable": 1}
-    else:
-        rolling = {"maxSurge": 1, "maxUnavailable": 0}
-    return {"type": "RollingUpdate", "rollingUpdate": rolling}
+def _rollout_strategy() -> dict[str, Any]:
+    # A rollout never takes a ready pod away before its replacement is ready: with
+    # one replica that pod is the whole service, and a fleet the replica rule sized
+    # for the demand breaks the SLO one pod short. The price, with GPUs: the surge
+    # pod needs a free GPU, and on a full node the rollout waits (the Deployment
+    # reports ProgressDeadlineExceeded, the old pods keep serving, and a pending pod
+    # is what a cluster autoscaler adds a node for). A stalled rollout is safe; a
+    # rollout that drops the only pod is an outage.
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+
+
+# A budget allows evictions one pod at a time. Below 2 replicas there is none: with
+# one pod, any budget either blocks node drains for ever or protects nothing.
+DISRUPTION_BUDGET_MIN_REPLICAS = 2
+
+
+def build_disruption_budget(policy: Mapping[str, Any], spec: PolicySpec) -> dict[str, Any] | None:
+    """The PodDisruptionBudget `<name>`, or None when the policy runs fewer than 2 replicas.
+
+    maxUnavailable 1 rather than minAvailable 1: a drain evicts one pod at a time
+    however many the replica rule runs (minAvailable 1 would let it take all but
+    one), and a pod that is already unready spends the budget, so the last ready
+    pod is never evicted.
+    """
+    if spec.replicas < DISRUPTION_BUDGET_MIN_REPLICAS:
+        return None
+    name = policy["metadata"]["name"]
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(policy, name),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+    }
 
 
 def server_args(spec: PolicySpec, mode: Mode) -> list[str]:

@@ -22,7 +22,9 @@ from batchpilot_operator.policy_metrics import PolicyMetrics
 from batchpilot_operator.reconcile import reconcile
 from batchpilot_operator.spec import PolicySpec
 
-OWNED_KINDS = (kube.DEPLOYMENTS, kube.SERVICES, kube.CONFIGMAPS, kube.SECRETS)
+OWNED_KINDS = (
+    kube.DEPLOYMENTS, kube.SERVICES, kube.CONFIGMAPS, kube.SECRETS, kube.PODDISRUPTIONBUDGETS,
+)
 ANNOTATION_PREFIX = "batchpilot.io"
 RETRY_DELAY_SECONDS = 10.0
 # Memo keys: the port to serve the policy targets on (0 or absent: not served,

@@ -79,11 +79,13 @@ SERVICES = Kind("", "v1", "services", "Service")
 CONFIGMAPS = Kind("", "v1", "configmaps", "ConfigMap")
 SECRETS = Kind("", "v1", "secrets", "Secret")
 PODS = Kind("", "v1", "pods", "Pod")
+PODDISRUPTIONBUDGETS = Kind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
 EVENTS = Kind("", "v1", "events", "Event")
 
 # (kind, subresource) -> the verbs the operator's code uses. Nothing else can be called.
 PERMISSIONS: Mapping[tuple[Kind, str | None], frozenset[Verb]] = {
-    (POLICIES, None): frozenset({"get"}),
+    # patch: an omitted spec.replicas is written once (the scale subresource needs one).
+    (POLICIES, None): frozenset({"get", "patch"}),
     (POLICIES, "status"): frozenset({"patch"}),
     (DEPLOYMENTS, None): frozenset({"get", "create", "patch"}),
     (SERVICES, None): frozenset({"get", "create", "patch"}),
@@ -93,6 +95,8 @@ PERMISSIONS: Mapping[tuple[Kind, str | None], frozenset[Verb]] = {
     # The tuner lists a policy's pods to push decisions to each ready one.
     (PODS, None): frozenset({"list"}),
     (EVENTS, None): frozenset({"create"}),
+    # Owned while the policy runs 2 or more replicas, deleted below that.
+    (PODDISRUPTIONBUDGETS, None): frozenset({"get", "create", "patch", "delete"}),
 }
 
 EVENT_COMPONENT = "batchpilot-operator"
@@ -115,9 +119,10 @@ _BUILT_IN: Mapping[Kind, tuple[Callable[[k8s.ApiClient], Any], str]] = {
     SECRETS: (k8s.CoreV1Api, "secret"),
     PODS: (k8s.CoreV1Api, "pod"),
     EVENTS: (k8s.CoreV1Api, "event"),
+    PODDISRUPTIONBUDGETS: (k8s.PolicyV1Api, "pod_disruption_budget"),
 }
 _BUILT_IN_VERBS: Mapping[str, str] = {
-    "get": "read", "list": "list", "create": "create", "patch": "patch",
+    "get": "read", "list": "list", "create": "create", "patch": "patch", "delete": "delete",
 }
 
 
@@ -214,6 +219,11 @@ def connection_info(settings: kopf.OperatorSettings) -> kopf.ConnectionInfo:
     )
 
 
+def label_selector(labels: Mapping[str, str]) -> str:
+    """An equality-based label selector, `k=v,k=v` (list calls, a scale's status.selector)."""
+    return ",".join(f"{key}={value}" for key, value in labels.items())
+
+
 def _with_retries(configuration: k8s.Configuration) -> k8s.Configuration:
     configuration.retries = MAX_RETRIES
     configuration.client_go_retries = True
@@ -222,7 +232,7 @@ def _with_retries(configuration: k8s.Configuration) -> k8s.Configuration:
 
 
 class Client:
-    """Namespaced get/list/create/merge-patch for the kinds in PERMISSIONS, plus Events."""
+    """Namespaced get/list/create/merge-patch/delete for the kinds in PERMISSIONS, plus Events."""
 
     def __init__(self, api: k8s.ApiClient) -> None:
         api.user_agent = USER_AGENT
@@ -257,7 +267,7 @@ class Client:
     async def list(
         self, kind: Kind, namespace: str, labels: Mapping[str, str] | None = None
     ) -> list[dict[str, Any]]:
-        selector = ",".join(f"{key}={value}" for key, value in (labels or {}).items())
+        selector = label_selector(labels or {})
         body = await self._call("list", kind, namespace, label_selector=selector or None)
         return list(body.get("items") or [])
 
@@ -277,6 +287,16 @@ class Client:
             "patch", kind, namespace, name=name, subresource=subresource, body=dict(patch),
             _content_type=MERGE_PATCH,
         )
+
+    async def delete(self, kind: Kind, namespace: str, name: str) -> bool:
+        """Delete the object; False when it was already gone."""
+        try:
+            await self._call("delete", kind, namespace, name=name)
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
 
     async def create_event(
         self,

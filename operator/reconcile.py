@@ -18,12 +18,14 @@ from batchpilot_operator import builders
 from batchpilot_operator.kube import (
     CONFIGMAPS,
     DEPLOYMENTS,
+    PODDISRUPTIONBUDGETS,
     POLICIES,
     SECRETS,
     SERVICES,
     Client,
     Conflict,
     Kind,
+    label_selector,
 )
 from batchpilot_operator.spec import PolicySpec, SpecError, parse_spec
 from batchpilot_server.batching_config import BatchingConfig, Mode
@@ -40,6 +42,7 @@ class Outcome:
     spec: PolicySpec | None
     config: BatchingConfig | None = None
     mode: Mode | None = None  # the batching mode in force (the ConfigMap's record)
+    replicas: int = 0  # the Deployment's pods now (its status.replicas)
     ready_replicas: int = 0
     actions: list[str] = field(default_factory=list)
     error: SpecError | None = None
@@ -53,13 +56,17 @@ async def reconcile(client: Client, policy: Mapping[str, Any]) -> Outcome:
         await _report_invalid(client, policy, exc)
         return Outcome(spec=None, error=exc)
     outcome = Outcome(spec=spec)
+    await _fill_in_replicas(client, policy, spec, outcome)
     await _ensure_secret(client, policy, outcome)
     outcome.config, outcome.mode = await _ensure_config_map(client, policy, spec, outcome)
     await _ensure(client, SERVICES, builders.build_service(policy), outcome)
     deployment = await _ensure(
         client, DEPLOYMENTS, builders.build_deployment(policy, spec, outcome.mode), outcome
     )
-    outcome.ready_replicas = int((deployment.get("status") or {}).get("readyReplicas") or 0)
+    await _ensure_disruption_budget(client, policy, spec, outcome)
+    deployment_status = deployment.get("status") or {}
+    outcome.replicas = int(deployment_status.get("replicas") or 0)
+    outcome.ready_replicas = int(deployment_status.get("readyReplicas") or 0)
     for action in outcome.actions:
         await client.create_event(policy, "Reconciled", action)
     await write_status(client, policy, _status_fields(policy, outcome), [_ready(spec, outcome)])
@@ -92,6 +99,45 @@ async def _ensure(
     patched = await client.patch(kind, meta["namespace"], meta["name"], desired)
     outcome.actions.append(f"updated {kind.kind} {meta['name']}")
     return patched
+
+
+async def _fill_in_replicas(
+    client: Client, policy: Mapping[str, Any], spec: PolicySpec, outcome: Outcome
+) -> None:
+    """Write an omitted spec.replicas (the parsed default) into the policy: the scale
+    subresource, and so kubectl scale and an HPA, refuses a policy without one."""
+    if (policy.get("spec") or {}).get("replicas") is not None:
+        return
+    meta = policy["metadata"]
+    filled = {"spec": {"replicas": spec.replicas}}
+    await client.patch(POLICIES, meta["namespace"], meta["name"], filled)
+    origin = "autoscale.minReplicas" if spec.autoscale is not None else "the default"
+    outcome.actions.append(f"set spec.replicas to {spec.replicas} ({origin}: it was omitted)")
+
+
+async def _ensure_disruption_budget(
+    client: Client, policy: Mapping[str, Any], spec: PolicySpec, outcome: Outcome
+) -> None:
+    """The PodDisruptionBudget while the policy runs 2 or more replicas; removed below that."""
+    desired = builders.build_disruption_budget(policy, spec)
+    if desired is not None:
+        await _ensure(client, PODDISRUPTIONBUDGETS, desired, outcome)
+        return
+    meta = policy["metadata"]
+    actual = await client.get(PODDISRUPTIONBUDGETS, meta["namespace"], meta["name"])
+    if actual is None or not _owned_by(actual, policy):
+        return  # none, or someone else's: never delete what we did not create
+    if await client.delete(PODDISRUPTIONBUDGETS, meta["namespace"], meta["name"]):
+        outcome.actions.append(
+            f"deleted PodDisruptionBudget {meta['name']}: {spec.replicas} replica(s) "
+            f"(a budget needs {builders.DISRUPTION_BUDGET_MIN_REPLICAS})"
+        )
+
+
+def _owned_by(obj: Mapping[str, Any], policy: Mapping[str, Any]) -> bool:
+    uid = policy["metadata"].get("uid")
+    refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+    return any(ref.get("uid") == uid for ref in refs)
 
 
 async def _ensure_secret(client: Client, policy: Mapping[str, Any], outcome: Outcome) -> None:
@@ -132,7 +178,9 @@ def _status_fields(policy: Mapping[str, Any], outcome: Outcome) -> dict[str, Any
         "maxBatchSize": outcome.config.max_batch_size,
         "batchTimeoutMs": outcome.config.batch_timeout_ms,
         "mode": outcome.mode,
+        "replicas": outcome.replicas,
         "readyReplicas": outcome.ready_replicas,
+        "selector": label_selector(builders.selector_labels(policy["metadata"]["name"])),
         "observedGeneration": _generation(policy),
     }
     if outcome.spec.batching.mode != "auto":  # under auto the operator's choice says why

@@ -72,6 +72,8 @@ async def call(
         assert [o["metadata"]["name"] for o in await client.list(kind, namespace)] == [name]
     elif verb == "create":
         await client.create(kind, namespace, valid(kind, namespace, name + "-new"))
+    elif verb == "delete":  # what "create" made (sorted, it comes first): the rest need `name`
+        assert await client.delete(kind, namespace, name + "-new")
     else:
         patch = {"status": {"seen": True}} if sub else {"metadata": {"labels": {"seen": "yes"}}}
         patched = await client.patch(kind, namespace, name, patch, sub)

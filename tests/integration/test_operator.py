@@ -22,6 +22,7 @@ OWNED = (
     (kube.SERVICES, ""),
     (kube.CONFIGMAPS, "-batching"),
     (kube.SECRETS, "-admin"),
+    (kube.PODDISRUPTIONBUDGETS, ""),  # the policies below run 2 replicas
 )
 
 

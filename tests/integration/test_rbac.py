@@ -62,7 +62,7 @@ def test_every_kind_the_code_calls_is_declared() -> None:
             if (
                 isinstance(node, ast.Call)
                 and isinstance(node.func, ast.Attribute)
-                and node.func.attr in {"get", "list", "create", "patch"}
+                and node.func.attr in {"get", "list", "create", "patch", "delete"}
                 and node.args
                 and isinstance(first := node.args[0], ast.Name | ast.Attribute)
             ):

@@ -46,6 +46,7 @@ from tests.support import ROOT
 CRD_PATH = ROOT / "crds" / "batchingpolicy.yaml"
 BUILTIN_KINDS = (
     kube.DEPLOYMENTS, kube.SERVICES, kube.CONFIGMAPS, kube.SECRETS, kube.PODS, kube.EVENTS,
+    kube.PODDISRUPTIONBUDGETS,
 )
 ALL_VERBS = ("get", "list", "watch", "create", "update", "patch", "delete")
 DEFAULT_TIMEOUT = 10.0

@@ -176,3 +176,37 @@ def test_conditions_keep_their_transition_time_until_status_changes() -> None:
     assert flipped[0]["lastTransitionTime"] != "2000-01-01T00:00:00Z"
     others = set_conditions([{"type": "Tuning", "status": "True"}], first)
     assert [c["type"] for c in others] == ["Tuning", "Ready"]
+
+
+def test_a_rollout_never_takes_a_ready_pod_away() -> None:
+    # GPU or not, auto or not: the replacement is ready before an old pod stops.
+    for spec in ({}, {"server": {"device": "cuda", "gpus": 1}},
+                 {"server": {"device": "cuda", "gpus": 1}, "batching": {"mode": "auto"}}):
+        body = policy(replicas=1, **spec)
+        strategy = builders.build_deployment(body, parse_spec(body["spec"]))["spec"]["strategy"]
+        assert strategy == {
+            "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+        }, spec
+
+
+def disruption_budget(**spec: Any) -> dict[str, Any] | None:
+    body = policy(**spec)
+    return builders.build_disruption_budget(body, parse_spec(body["spec"]))
+
+
+def test_a_disruption_budget_only_from_two_replicas_one_pod_at_a_time() -> None:
+    # One pod: any budget would block node drains for ever or protect nothing.
+    assert disruption_budget(replicas=0) is None
+    assert disruption_budget(replicas=1) is None
+    body = policy(replicas=3)
+    deployment = builders.build_deployment(body, parse_spec(body["spec"]))
+    budget = disruption_budget(replicas=3)
+    assert budget is not None
+    assert (budget["apiVersion"], budget["kind"]) == ("policy/v1", "PodDisruptionBudget")
+    assert budget["metadata"]["name"] == deployment["metadata"]["name"]
+    assert budget["metadata"]["ownerReferences"] == deployment["metadata"]["ownerReferences"]
+    assert budget["spec"] == {
+        "maxUnavailable": 1, "selector": deployment["spec"]["selector"],
+    }
+    # An autoscaled policy that omits replicas starts at minReplicas, and has its budget.
+    assert disruption_budget(autoscale={"minReplicas": 2, "maxReplicas": 4}) == budget
