@@ -214,6 +214,13 @@ async def test_every_query_returns_data(
         shares = {s["metric"]["policy"]: float(s["value"][1]) for s in finished}
         assert shares["cont"] == 0.0 < shares["dyn"] < 1.0, shares
 
+        # one server per policy here: the Replicas panel counts the pods serving each
+        replicas = next(p for p in load_dashboard()["panels"] if p["title"] == "Replicas")
+        counted = await asyncio.to_thread(prom.query, substitute(replicas["targets"][0]["expr"]))
+        assert {s["metric"]["policy"]: float(s["value"][1]) for s in counted} == {
+            policy: 1.0 for policy in POLICIES
+        }
+
         variables = {v["name"]: v for v in load_dashboard()["templating"]["list"]}
         for name, expected in (("namespace", {NAMESPACE}), ("policy", set(POLICIES))):
             query, label = label_values_query(variables[name]["definition"])
