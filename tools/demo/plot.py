@@ -8,6 +8,8 @@ from pathlib import Path
 from batchpilot_tools.demo.options import INITIAL
 from batchpilot_tools.demo.recording import Recording
 
+LOG_SCALE_BEYOND = 5.0  # p99 axis in log scale once a p99 passes this many SLOs
+
 
 def write_plot(recording: Recording, path: Path) -> None:
     # matplotlib is a dev dependency: imported only when a run has something to plot.
@@ -33,7 +35,12 @@ def write_plot(recording: Recording, path: Path) -> None:
     )  # fmt: skip
     ax_p99.axhline(options.slo_p99_ms, color="tab:red", linestyle="--", label="p99 SLO")
     ax_p99.set_ylabel("p99 latency (ms)")
-    ax_p99.set_ylim(bottom=0)
+    judged = [s.p99_ms for s in samples if s.p99_ms is not None]
+    if judged and max(judged) > LOG_SCALE_BEYOND * options.slo_p99_ms:
+        # An overload's minute-long p99 would flatten the SLO line into the axis.
+        ax_p99.set_yscale("log")
+    else:
+        ax_p99.set_ylim(bottom=0)
     ax_load = ax_p99.twinx()
     step, fall, end = options.step_at_s, options.fall_at_s, options.duration_s
     high = options.offered_rate(step)
@@ -65,13 +72,12 @@ def write_plot(recording: Recording, path: Path) -> None:
         for at in (step, fall):
             ax.axvline(at, color="black", linestyle=":", linewidth=1)
         ax.grid(alpha=0.3)
-    ax_p99.annotate(
-        f"load x{options.step_factor:g}", (step, 0), xytext=(4, 4),
-        textcoords="offset points", fontsize=8,
-    )  # fmt: skip
-    ax_p99.annotate(
-        "load back", (fall, 0), xytext=(4, 4), textcoords="offset points", fontsize=8
-    )
+    # At the bottom of the axes whatever its scale: x in data, y in axes fractions.
+    for at, text in ((step, f"load x{options.step_factor:g}"), (fall, "load back")):
+        ax_p99.annotate(
+            text, (at, 0), xycoords=ax_p99.get_xaxis_transform(), xytext=(4, 4),
+            textcoords="offset points", fontsize=8,
+        )  # fmt: skip
     fleet = f"{options.replicas} autoscaled" if options.replicas.autoscaled else options.replicas
     fig.suptitle(
         f"batchpilot demo: {fleet} continuous-batching server(s) of {options.model}, "
