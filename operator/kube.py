@@ -81,12 +81,19 @@ SECRETS = Kind("", "v1", "secrets", "Secret")
 PODS = Kind("", "v1", "pods", "Pod")
 PODDISRUPTIONBUDGETS = Kind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
 EVENTS = Kind("", "v1", "events", "Event")
+HORIZONTAL_POD_AUTOSCALERS = Kind(
+    "autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler"
+)
 
 # (kind, subresource) -> the verbs the operator's code uses. Nothing else can be called.
 PERMISSIONS: Mapping[tuple[Kind, str | None], frozenset[Verb]] = {
     # patch: an omitted spec.replicas is written once (the scale subresource needs one).
     (POLICIES, None): frozenset({"get", "patch"}),
     (POLICIES, "status"): frozenset({"patch"}),
+    # The replica rule writes spec.replicas as kubectl scale and an HPA do (scaler.py).
+    (POLICIES, "scale"): frozenset({"patch"}),
+    # An HPA (KEDA's too) that targets a policy owns its replica count: the rule stands back.
+    (HORIZONTAL_POD_AUTOSCALERS, None): frozenset({"list"}),
     (DEPLOYMENTS, None): frozenset({"get", "create", "patch"}),
     (SERVICES, None): frozenset({"get", "create", "patch"}),
     (CONFIGMAPS, None): frozenset({"get", "create", "patch"}),
@@ -119,6 +126,7 @@ _BUILT_IN: Mapping[Kind, tuple[Callable[[k8s.ApiClient], Any], str]] = {
     SECRETS: (k8s.CoreV1Api, "secret"),
     PODS: (k8s.CoreV1Api, "pod"),
     EVENTS: (k8s.CoreV1Api, "event"),
+    HORIZONTAL_POD_AUTOSCALERS: (k8s.AutoscalingV2Api, "horizontal_pod_autoscaler"),
     PODDISRUPTIONBUDGETS: (k8s.PolicyV1Api, "pod_disruption_budget"),
 }
 _BUILT_IN_VERBS: Mapping[str, str] = {
@@ -287,6 +295,11 @@ class Client:
             "patch", kind, namespace, name=name, subresource=subresource, body=dict(patch),
             _content_type=MERGE_PATCH,
         )
+
+    async def scale(self, kind: Kind, namespace: str, name: str, replicas: int) -> dict[str, Any]:
+        """Set the object's replica count through its scale subresource, as kubectl scale
+        and an HPA do (the API server maps it to the kind's own field); the Scale answered."""
+        return await self.patch(kind, namespace, name, {"spec": {"replicas": replicas}}, "scale")
 
     async def delete(self, kind: Kind, namespace: str, name: str) -> bool:
         """Delete the object; False when it was already gone."""

@@ -7,8 +7,12 @@
 `Emulator` is kmock 0.8's `KubernetesEmulator` plus what Kopf and the operator
 rely on and kmock lacks: uid / resourceVersion /
 generation / creationTimestamp / namespace stamping, `generateName`, 422 on a
-failed JSON-patch test, label selectors on list, and a garbage collector that
-deletes the dependents of a deleted owner. The emulator and Kopf each run in
+failed JSON-patch test, label selectors on list, a garbage collector that
+deletes the dependents of a deleted owner, and the scale subresource of a
+custom resource whose CRD declares one (GET and merge-PATCH of an
+autoscaling/v1 Scale mapped through the CRD's specReplicasPath,
+statusReplicasPath and labelSelectorPath, as `kubectl scale` and an HPA use
+it; kmock would patch the object itself and answer it whole). The emulator and Kopf each run in
 their own thread with their own event loop; tests talk to both over HTTP only.
 """
 
@@ -48,7 +52,10 @@ BUILTIN_KINDS = (
     kube.DEPLOYMENTS, kube.SERVICES, kube.CONFIGMAPS, kube.SECRETS, kube.PODS, kube.EVENTS,
     kube.PODDISRUPTIONBUDGETS,
 )
+# Served for the operator's HPA lookup (scaler.py) and for tests that create one.
+LISTED_KINDS = (kube.HORIZONTAL_POD_AUTOSCALERS,)
 ALL_VERBS = ("get", "list", "watch", "create", "update", "patch", "delete")
+SCALE = "scale"
 DEFAULT_TIMEOUT = 10.0
 MUTATIONS = (kmock.action.CREATE, kmock.action.UPDATE, kmock.action.DELETE)
 T = TypeVar("T")
@@ -119,6 +126,8 @@ class Emulator(kmock.KubernetesEmulator):
         self.faults: list[Fault] = []
         self._watches: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        # (group, version, plural) -> the CRD's scale subresource paths.
+        self._scale_paths: dict[tuple[str, str, str], dict[str, str]] = {}
 
     def drop_watches(self) -> None:
         """Cut every open watch stream, as an API server restart or a proxy would."""
@@ -130,7 +139,7 @@ class Emulator(kmock.KubernetesEmulator):
 
     def register_kinds(self) -> None:
         """Serve discovery for the built-in kinds and the BatchingPolicy CRD."""
-        for kind in BUILTIN_KINDS:
+        for kind in (*BUILTIN_KINDS, *LISTED_KINDS):
             self.resources[f"{kind.api_version}/{kind.plural}"] = kmock.ResourceInfo(
                 kind=kind.kind, namespaced=True, verbs=set(ALL_VERBS)
             )
@@ -152,6 +161,10 @@ class Emulator(kmock.KubernetesEmulator):
                     subresources=set(version.get("subresources", {})),
                 )
             )
+            scale = (version.get("subresources") or {}).get(SCALE)
+            if scale is not None:
+                key = (crd["spec"]["group"], version["name"], names["plural"])
+                self._scale_paths[key] = dict(scale)
 
     @override
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
@@ -160,6 +173,8 @@ class Emulator(kmock.KubernetesEmulator):
             fault = next((f for f in self.faults if call is not None and f.takes(call)), None)
             if fault is not None and call is not None:
                 return fault.response(call)
+            if request.subresource == SCALE:
+                return await self._serve_scale(request)
             if request.action == kmock.action.CREATE:
                 self._stamp_new(request)
             elif request.action == kmock.action.UPDATE:
@@ -232,6 +247,48 @@ class Emulator(kmock.KubernetesEmulator):
         if request.subresource is None and "spec" in request.data:
             meta["generation"] = int(current.get("metadata", {}).get("generation") or 0) + 1
 
+    async def _serve_scale(self, request: kmock.Request) -> aiohttp.web.Response:
+        """GET or merge-PATCH `.../NAME/scale`: the Scale read from the object through the
+        CRD's paths; a PATCH sets the object's replicas (a spec change: a new generation)."""
+        assert request.resource is not None
+        resource = request.resource
+        key = (resource.group or "", resource.version or "", resource.plural or "")
+        paths = self._scale_paths.get(key)
+        if paths is None:
+            raise kmock.KubernetesError(
+                status=404, reason="NotFound", message=f"{resource.plural} has no scale subresource"
+            )
+        if request.action not in (kmock.action.FETCH, kmock.action.UPDATE):
+            raise kmock.KubernetesError(
+                status=405, reason="MethodNotAllowed", message="the emulator serves GET and PATCH"
+            )
+        async with self._lock:
+            current = self._current(request)
+            if current is None:
+                raise kmock.KubernetesError(
+                    status=404, reason="NotFound", message=f"{request.name} not found"
+                )
+            scale = _scale_of(current, paths)
+            if request.action == kmock.action.UPDATE:
+                replicas = _scaled_replicas(request.data, scale["spec"]["replicas"])
+                await self._set_replicas(request, current, paths["specReplicasPath"], replicas)
+                scale = _scale_of(self._current(request) or current, paths)
+        return aiohttp.web.json_response(scale)
+
+    async def _set_replicas(
+        self, request: kmock.Request, current: dict[str, Any], path: str, replicas: int
+    ) -> None:
+        """Write `replicas` at the CRD's spec path, as the API server does for a Scale update."""
+        meta = current.get("metadata", {})
+        change = _nested(_path_keys(path), replicas)
+        change["metadata"] = {
+            "resourceVersion": str(next(self._versions)),
+            "generation": int(meta.get("generation") or 0) + 1,
+        }
+        obj = self.objects[(request.resource, request.namespace, request.name)]
+        obj.patch(change)
+        await self._buses[request.resource].put({"type": "MODIFIED", "object": obj.raw})
+
     def _current(self, request: kmock.Request) -> dict[str, Any] | None:
         key = (request.resource, request.namespace, request.name)
         if key not in self.objects or self.objects[key].deleted:
@@ -275,6 +332,60 @@ class Emulator(kmock.KubernetesEmulator):
                    for k, v in selector.items())
         ]
         return payload
+
+
+def _path_keys(path: str) -> list[str]:
+    """A CRD's dotted JSON path (`.spec.replicas`) as keys."""
+    return [key for key in path.split(".") if key]
+
+
+def _at(obj: Mapping[str, Any], path: str) -> Any:
+    value: Any = obj
+    for key in _path_keys(path):
+        value = value.get(key) if isinstance(value, Mapping) else None
+    return value
+
+
+def _nested(keys: list[str], value: Any) -> dict[str, Any]:
+    return {keys[0]: value if len(keys) == 1 else _nested(keys[1:], value)}
+
+
+def _scale_of(obj: Mapping[str, Any], paths: Mapping[str, str]) -> dict[str, Any]:
+    """The object's autoscaling/v1 Scale. As documented for CRDs: no value at
+    specReplicasPath is an error, none at statusReplicasPath reads 0, none at
+    labelSelectorPath an empty selector."""
+    replicas = _at(obj, paths["specReplicasPath"])
+    if not isinstance(replicas, int):
+        raise kmock.KubernetesError(
+            status=500, reason="InternalError",
+            message=f"no replica count at {paths['specReplicasPath']}",
+        )  # fmt: skip
+    meta = obj.get("metadata", {})
+    status: dict[str, Any] = {"replicas": _at(obj, paths["statusReplicasPath"]) or 0}
+    selector = _at(obj, paths["labelSelectorPath"]) if "labelSelectorPath" in paths else None
+    if selector:
+        status["selector"] = selector
+    return {
+        "apiVersion": "autoscaling/v1",
+        "kind": "Scale",
+        "metadata": {key: meta[key] for key in (
+            "name", "namespace", "uid", "resourceVersion", "creationTimestamp"
+        ) if key in meta},
+        "spec": {"replicas": replicas},
+        "status": status,
+    }
+
+
+def _scaled_replicas(body: Any, current: int) -> int:
+    """spec.replicas of a merge patch of the Scale (kubectl scale sends only that)."""
+    spec = body.get("spec") if isinstance(body, Mapping) else None
+    replicas = spec.get("replicas", current) if isinstance(spec, Mapping) else current
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise kmock.KubernetesError(
+            status=422, reason="Invalid",
+            message=f"spec.replicas must be a non-negative integer, got {replicas!r}",
+        )  # fmt: skip
+    return replicas
 
 
 def _parse_selector(text: str) -> dict[str, str]:
