@@ -56,6 +56,8 @@ def valid(kind: kube.Kind, namespace: str, name: str) -> dict[str, Any]:
             "spec": {"containers": [{"name": "c", "image": "i"}]}}}
     if kind == kube.EVENTS:
         body["involvedObject"] = {"kind": "ConfigMap", "name": name, "namespace": namespace}
+    if kind == kube.POLICIES:  # the scale subresource reads spec.replicas
+        body["spec"] = {"replicas": 1}
     return body
 
 
@@ -74,6 +76,8 @@ async def call(
         await client.create(kind, namespace, valid(kind, namespace, name + "-new"))
     elif verb == "delete":  # what "create" made (sorted, it comes first): the rest need `name`
         assert await client.delete(kind, namespace, name + "-new")
+    elif sub == "scale":  # a replica count, as kubectl scale writes one
+        assert (await client.scale(kind, namespace, name, 2))["spec"]["replicas"] == 2
     else:
         patch = {"status": {"seen": True}} if sub else {"metadata": {"labels": {"seen": "yes"}}}
         patched = await client.patch(kind, namespace, name, patch, sub)
@@ -85,7 +89,7 @@ async def test_every_declared_call_reaches_the_api_as_declared(
 ) -> None:
     namespace = "declared"
     for kind in {kind for kind, _ in kube.PERMISSIONS}:
-        await cluster.create(kind, bare(kind, namespace, kind.plural))
+        await cluster.create(kind, valid(kind, namespace, kind.plural))
     since = time.monotonic()
     for (kind, sub), verbs in kube.PERMISSIONS.items():
         for verb in sorted(verbs):
