@@ -8,9 +8,14 @@ spec change takes effect at the next one) it runs one round of
 - the `KubernetesActuator`: the config in force is the policy's ConfigMap; a
   change is written there first, then pushed to the same ready pods; a round
   without a change pushes it again to pods that hold other values;
+- the `KubernetesScaler` (scaler.py) where the policy has `spec.autoscale`:
+  the replica rule moves `spec.replicas` through the scale subresource, and
+  stands back when an HPA targets the policy;
 - the status recorder: the config in force, `observed`, `lastDecision`, a
-  bounded `history` of changes, the conditions Tuning, SLOMet and
-  MetricsAvailable, and Events (Tuned, PushRefused, Resynced).
+  bounded `history` of changes, the conditions Tuning, SLOMet,
+  MetricsAvailable and Autoscaling, and Events (Tuned, PushRefused, Resynced,
+  Scaled); after a round that decided the replica count, `replicaState` (the
+  rule's memory) and, on a change, `lastScaling`.
 
 A policy with `batching.mode: auto` also gets the mode choice
 (`mode_choice.choose_mode`) on each round's signals: `status.mode` and
@@ -24,7 +29,10 @@ the ConfigMap to the end of the record. Because the config in force is read
 from the ConfigMap, a restarted operator resumes from it, never from
 `initial`; the tuner's own small state (a ceiling learnt from a breach,
 intervals since the last change) lives in memory and starts fresh after a
-restart: the first window is then a full one.
+restart: the first window is then a full one. The replica rule's memory (its
+last change, its recent recommendations) is read back from
+`status.replicaState` when a policy's loop starts, so a restart in the middle
+of a scale step neither repeats it nor cuts a stabilization window short.
 """
 
 from __future__ import annotations
@@ -43,6 +51,8 @@ from batchpilot_operator.handlers import client_of, lock_of
 from batchpilot_operator.mode_choice import ModeChoice, ModeState, choose_mode
 from batchpilot_operator.pods import ReadyPod, ready_pods
 from batchpilot_operator.reconcile import now_iso, read_mode, switch_mode, write_status
+from batchpilot_operator.replica_rule import ReplicaState, ScaleDecision
+from batchpilot_operator.scaler import KubernetesScaler
 from batchpilot_operator.signals import Signals, no_data
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_policy
 from batchpilot_operator.signals_scrape import ScrapeSource
@@ -53,6 +63,7 @@ from batchpilot_operator.tuning_loop import PlugPoints, SignalSource, TuneStep, 
 RETRY_SECONDS = 10.0
 HISTORY_LIMIT = 20  # the CRD allows 50; 20 changes cover hours of tuning
 TUNING, SLO_MET, METRICS_AVAILABLE = "Tuning", "SLOMet", "MetricsAvailable"
+AUTOSCALING = "Autoscaling"
 log = logging.getLogger(__name__)
 
 
@@ -129,7 +140,48 @@ def status_fields(step: TuneStep, history: list[dict[str, Any]], at: str) -> dic
         "observed": observed(step.signals),
         "lastDecision": record,
         "history": ([*history, record] if step.changed else list(history))[-HISTORY_LIMIT:],
+        **scaling_fields(step, at),
     }
+
+
+def scaling_fields(step: TuneStep, at: str) -> dict[str, Any]:
+    """The replica rule's memory after a round that decided the count (a restarted
+    operator resumes from it), and the change, if the round made one."""
+    if step.scale is None or step.fleet is None:
+        return {}
+    fields: dict[str, Any] = {"replicaState": step.scale.state.to_dict()}
+    if step.scale.replicas != step.fleet.desired:
+        fields["lastScaling"] = scaling_record(step.fleet.desired, step.scale, at)
+    return fields
+
+
+def scaling_record(before: int, scale: ScaleDecision, at: str) -> dict[str, Any]:
+    return {
+        "time": at,
+        "action": scale.action,
+        "from": before,
+        "to": scale.replicas,
+        "reason": scale.reason,
+    }
+
+
+def autoscaling_condition(
+    spec: PolicySpec, external: str | None, scale: ScaleDecision | None
+) -> dict[str, str] | None:
+    """Who sets the replica count, and the rule's last word when it is the operator;
+    None when the round did not reach the rule (nothing new to say)."""
+    if spec.autoscale is None:
+        return {"type": AUTOSCALING, "status": "False", "reason": "NotConfigured",
+                "message": "no spec.autoscale: replicas are set by spec.replicas; "
+                           "batching is still tuned"}
+    if external is not None:
+        return {"type": AUTOSCALING, "status": "False", "reason": "ExternallyScaled",
+                "message": f"HorizontalPodAutoscaler {external} targets this policy and sets "
+                           "its replicas, so the operator does not; batching is still tuned"}
+    if scale is None:
+        return None
+    return {"type": AUTOSCALING, "status": "True", "reason": "Enabled",
+            "message": f"{scale.action}: {scale.reason}"}
 
 
 # -- the daemon -----------------------------------------------------------------------------
@@ -243,7 +295,11 @@ async def first_interval(
     read = await read_policy(client, namespace, name)
     if not isinstance(read, tuple):
         return read
-    _, spec = read
+    policy, spec = read
+    # The rule's memory from before a restart: a scale step in flight is not repeated.
+    tuner.loop.replica_state = ReplicaState.from_dict(
+        (policy.get("status") or {}).get("replicaState")
+    )
     if spec.autotune.enabled and not prometheus_url_of(spec, memo):
         urls = [pod.url for pod in await ready_pods(client, namespace, name)]
         if urls:
@@ -291,10 +347,12 @@ async def tune_once(
         }])
         return interval
     pods = await ready_pods(client, namespace, name)  # the round's one listing
+    scaler = KubernetesScaler(client, policy, spec, pods)
     plugs = PlugPoints(
         source=signal_source(spec, memo, session, tuner, pods, namespace, name),
         actuator=KubernetesActuator(client, session, namespace, name, pods),
-        recorder=StatusRecorder(client, policy, spec.goal.slo, tuner).record,
+        recorder=StatusRecorder(client, policy, spec, tuner, scaler).record,
+        scaler=scaler,
     )
     # Without the lock, a reconcile that read the ConfigMap before this round's write
     # could write its old value back: status and pods would then disagree with it.
@@ -376,19 +434,24 @@ class StatusRecorder:
 
     client: kube.Client
     policy: Mapping[str, Any]
-    slo: Slo
+    spec: PolicySpec
     tuner: PolicyTuner
+    scaler: KubernetesScaler
 
     async def record(self, step: TuneStep) -> None:
         history = list((self.policy.get("status") or {}).get("history") or [])
         fields = status_fields(step, history, now_iso())
+        found = conditions(step.signals, self.spec.goal.slo, step.decision)
+        autoscaling = autoscaling_condition(self.spec, self.scaler.external, step.scale)
         await write_status(
-            self.client, self.policy, fields, conditions(step.signals, self.slo, step.decision)
+            self.client, self.policy, fields, found + ([autoscaling] if autoscaling else [])
         )
         if step.changed:
             await self._changed(step)
         else:
             await self._resynced(step)
+        if "lastScaling" in fields:  # the round changed the replica count
+            await self.client.create_event(self.policy, "Scaled", fields["lastScaling"]["reason"])
 
     async def _changed(self, step: TuneStep) -> None:
         before, after, report = step.before, step.decision.config, step.report
