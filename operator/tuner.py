@@ -336,7 +336,7 @@ def _on_breach(case: _Case, p99: float) -> Decision:
     batch, timeout = case.batch, case.timeout
     head = f"p99 {_ms(p99)} > SLO {_ms(case.slo_s)}"
     queue_wait = min(p99, signals.queue_wait_p99_s or 0.0)
-    service = p99 - queue_wait
+    service, basis = _running(case)
     if _running_too_slow(case):
         if queue_wait >= p.queue_share * p99:
             # Both halves break the SLO: a smaller batch queues more, a larger one runs
@@ -350,8 +350,7 @@ def _on_breach(case: _Case, p99: float) -> Decision:
             new_batch = _cut_batch(case, p.backoff_factor)
             return case.change(
                 "backoff_batch",
-                f"{head} while running (p99 less queue wait ~{_ms(service)}): "
-                f"batch {batch} -> {new_batch}",
+                f"{head} while running ({basis} ~{_ms(service)}): batch {batch} -> {new_batch}",
                 batch=new_batch,
                 ceiling=batch,
             )
@@ -517,13 +516,27 @@ def _predicted_growth(case: _Case, head: str) -> Decision | None:
     return case.hold(f"{head}: model: {wants}; batch {batch} is at its limit {limit}")
 
 
+def _running(case: _Case) -> tuple[float, str]:
+    """The longest requests' running time, and how it was estimated.
+
+    With a model: p99 output tokens times the iteration at the window's mean
+    batch. Without one, p99 less queue-wait p99 (two p99s of different
+    requests: under deep overload both land in the same wide bucket, and the
+    difference is mostly noise).
+    """
+    signals, model = case.signals, case.model
+    tokens, batch = signals.output_tokens_p99, signals.mean_batch_size
+    if model is not None and tokens is not None and batch is not None:
+        return tokens * model.iteration_s(batch), "model: p99 tokens x iteration"
+    p99 = signals.p99_latency_s or 0.0
+    return p99 - min(p99, signals.queue_wait_p99_s or 0.0), "p99 less queue wait"
+
+
 def _running_too_slow(case: _Case) -> bool:
-    """Running alone (p99 less queue wait) exceeds what the SLO allows."""
-    p99 = case.signals.p99_latency_s
-    if p99 is None:
+    """Running alone exceeds what the SLO allows."""
+    if case.signals.p99_latency_s is None:
         return False
-    queue_wait = min(p99, case.signals.queue_wait_p99_s or 0.0)
-    return p99 - queue_wait > case.p.service_share * case.slo_s
+    return _running(case)[0] > case.p.service_share * case.slo_s
 
 
 def _spent(case: _Case, decision: Decision) -> bool:

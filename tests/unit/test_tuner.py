@@ -409,3 +409,13 @@ def test_a_kv_cut_keeps_the_samples_and_spends_the_knobs() -> None:
 def test_tuner_state_round_trips_its_samples() -> None:
     state = TunerState(ceiling=12, samples=LINE)
     assert TunerState.from_dict(state.to_dict()) == state
+
+
+def test_under_deep_overload_the_model_says_the_running_time() -> None:
+    # p99 and queue wait both in the (30, 60] s bucket: their difference reads 9 s of
+    # running, which would hold as "overloaded"; 38 tokens of 8 ms iterations run 0.3 s
+    signals = measured(p99_latency_s=39.0, queue_wait_p99_s=30.0)
+    decision = decide(signals, BatchingConfig(8, 10.0), GOAL, TunerState(samples=LINE))
+    assert (decision.action, decision.config.max_batch_size) == ("grow_batch", 13)
+    without_model = decide(signals, BatchingConfig(8, 10.0), GOAL, TunerState())
+    assert without_model.action == "hold" and "overloaded" in without_model.reason
