@@ -416,6 +416,6 @@ def test_under_deep_overload_the_model_says_the_running_time() -> None:
     # running, which would hold as "overloaded"; 38 tokens of 8 ms iterations run 0.3 s
     signals = measured(p99_latency_s=39.0, queue_wait_p99_s=30.0)
     decision = decide(signals, BatchingConfig(8, 10.0), GOAL, TunerState(samples=LINE))
-    assert (decision.action, decision.config.max_batch_size) == ("grow_batch", 13)
+    assert (decision.action, decision.config.max_batch_size) == ("grow_batch", 12)
     without_model = decide(signals, BatchingConfig(8, 10.0), GOAL, TunerState())
     assert without_model.action == "hold" and "overloaded" in without_model.reason
