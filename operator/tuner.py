@@ -337,7 +337,10 @@ def _on_breach(case: _Case, p99: float) -> Decision:
     head = f"p99 {_ms(p99)} > SLO {_ms(case.slo_s)}"
     queue_wait = min(p99, signals.queue_wait_p99_s or 0.0)
     service, basis = _running(case)
-    if _running_too_slow(case):
+    # Without a model, a running time read as p99 less queue wait under heavy queueing is
+    # mostly the queue's: trust it only where queueing is under half the p99.
+    trusted = case.model is not None or queue_wait < p.queue_share * p99
+    if _running_too_slow(case) and trusted:
         if queue_wait >= p.queue_share * p99:
             # Both halves break the SLO: a smaller batch queues more, a larger one runs
             # slower. Moving would only add noise; say so and wait for the load to drop.
@@ -533,7 +536,7 @@ def _running(case: _Case) -> tuple[float, str]:
 
 
 def _running_too_slow(case: _Case) -> bool:
-    """Running alone exceeds what the SLO allows."""
+    """Running alone exceeds what the SLO allows (by `_running`'s estimate)."""
     if case.signals.p99_latency_s is None:
         return False
     return _running(case)[0] > case.p.service_share * case.slo_s
@@ -546,8 +549,12 @@ def _spent(case: _Case, decision: Decision) -> bool:
         return True
     if decision.action not in ("hold", "grow_batch"):
         return False
-    limit = case.capacity.batch_limit if case.capacity is not None else _growth_limit(case)
-    return decision.config.max_batch_size >= limit or _running_too_slow(case)
+    if case.capacity is not None:
+        # the model's running time is one to act on: too slow, and only pods help the queue
+        return decision.config.max_batch_size >= case.capacity.batch_limit or (
+            _running_too_slow(case)
+        )
+    return decision.config.max_batch_size >= _growth_limit(case)
 
 
 def _underfilled(case: _Case) -> bool:

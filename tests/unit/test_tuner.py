@@ -63,8 +63,9 @@ TABLE = [
      10.0, "within the band"),
     ("breach while running", ok(p99_latency_s=0.8, queue_wait_p99_s=0.1), "backoff_batch",
      int(16 * P.backoff_factor), 10.0, "while running"),
-    ("overloaded: running and queueing both break the SLO",
-     ok(p99_latency_s=2.0, queue_wait_p99_s=1.2), "hold", 16, 10.0, "no batch size fixes it"),
+    ("no model: p99 less a queue wait over half of it is the queue's, capacity is short",
+     ok(p99_latency_s=2.0, queue_wait_p99_s=1.2), "grow_batch", round(16 * P.capacity_factor),
+     10.0, "running ~800 ms): capacity short"),
     ("breach from queueing with full batches", ok(p99_latency_s=0.9, queue_wait_p99_s=0.6),
      "grow_batch", round(16 * P.capacity_factor), 10.0, "capacity short"),
     ("breach from queueing at bursts (low mean batch)",
@@ -418,4 +419,13 @@ def test_under_deep_overload_the_model_says_the_running_time() -> None:
     decision = decide(signals, BatchingConfig(8, 10.0), GOAL, TunerState(samples=LINE))
     assert (decision.action, decision.config.max_batch_size) == ("grow_batch", 12)
     without_model = decide(signals, BatchingConfig(8, 10.0), GOAL, TunerState())
-    assert without_model.action == "hold" and "overloaded" in without_model.reason
+    assert without_model.action == "grow_batch" and "capacity short" in without_model.reason
+
+
+def test_the_model_says_overloaded_when_both_halves_break_the_slo() -> None:
+    # 200 tokens of 8 ms iterations run 1.6 s, over the 0.5 s SLO, and requests queue:
+    # no batch size fixes it, only pods do
+    signals = measured(output_tokens_p99=200.0)
+    decision = decide(signals, BatchingConfig(8, 10.0), GOAL, TunerState(samples=LINE))
+    assert decision.action == "hold" and "overloaded" in decision.reason
+    assert "running ~1600 ms" in decision.reason and decision.spent
