@@ -460,7 +460,9 @@ def _capacity(case: _Case) -> Capacity | None:
         return None
     limit = _growth_limit(case)
     allowed = _iteration_budget(case, model)
-    if allowed is not None:
+    # Where even the smallest batch runs past the budget, no batch meets the SLO by its
+    # running time: the queue is the part left to cut, and only the bounds limit growth.
+    if allowed is not None and model.iteration_s(case.bounds.min_batch) <= allowed:
         limit = min(limit, max(case.bounds.min_batch, model.largest_batch_within(allowed)))
     # The backlog counts as demand to drain within one window.
     demand = signals.demand_rate + signals.waiting / max(signals.window_s, 1e-9)

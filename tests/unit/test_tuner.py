@@ -422,6 +422,14 @@ def test_under_deep_overload_the_model_says_the_running_time() -> None:
     assert without_model.action == "grow_batch" and "capacity short" in without_model.reason
 
 
+def test_a_running_budget_no_batch_meets_limits_nothing() -> None:
+    # 120 tokens of even batch 1's 4.5 ms iterations run 0.54 s, past the band's 0.4 s:
+    # the running time cannot meet the SLO, so the queue is what to cut
+    signals = measured(output_tokens_p99=120.0)
+    decision = decide(signals, BatchingConfig(8, 10.0), GOAL, TunerState(samples=LINE))
+    assert decision.capacity is not None and decision.capacity.batch_limit == BOUNDS.max_batch
+
+
 def test_the_model_says_overloaded_when_both_halves_break_the_slo() -> None:
     # 200 tokens of 8 ms iterations run 1.6 s, over the 0.5 s SLO, and requests queue:
     # no batch size fixes it, only pods do
