@@ -100,10 +100,14 @@ def no_data(detail: str, window_s: float = 0.0) -> Signals:
 def traffic_status(
     requests: float, waiting: float, min_requests: int = MIN_REQUESTS_PER_WINDOW
 ) -> SignalStatus:
-    """Classify a window by how much it saw: enough to judge a p99, or not."""
+    """Classify a window by how much it saw: enough to judge a p99, or not.
+
+    A window that finished few requests while as many wait is no thin traffic but
+    an overloaded pod: its queue is the evidence, and holding would leave it so.
+    """
     if requests <= 0 and waiting <= 0:
         return "no_traffic"
-    if requests < min_requests:
+    if requests < min_requests and not (requests > 0 and waiting >= min_requests):
         return "too_little_traffic"
     return "ok"
 
