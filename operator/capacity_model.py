@@ -15,8 +15,11 @@ its own rows and attention), and from it, for requests of `m` output tokens:
     running_s(b) ~ observed running time * iteration_s(b) / iteration_s(b_seen)
 
 A line needs samples at two clearly different batch sizes; until then there
-is no model and the tuner steps by AIMD (tuner.py). docs/tuning.md shows the
-arithmetic on a worked example.
+is no model and the tuner steps by AIMD (tuner.py). Samples are kept per
+fleet size and a line is fitted through those of the fleet that runs: where
+pods share hosts (the local demo's servers share two cores) a pod's speed
+depends on how many run, and a line across fleet sizes would read that as
+the batch's cost. docs/tuning.md gives the arithmetic.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 from batchpilot_operator.signals import Signals
 
-MAX_SAMPLES = 12  # half-octave batch buckets: 1 to 64 and beyond
+MAX_SAMPLES = 24  # half-octave batch bands (12 span 1 to 64), over a few fleet sizes
 MIN_SPREAD = 1.5  # the largest sampled batch must be this many times the smallest
 
 
@@ -37,6 +40,7 @@ class StepSample:
 
     batch: float
     iteration_s: float
+    pods: int = 0  # the fleet size it was seen at (0: unknown)
 
 
 def sample_of(signals: Signals) -> StepSample | None:
@@ -44,12 +48,12 @@ def sample_of(signals: Signals) -> StepSample | None:
     batch, per_token = signals.mean_batch_size, signals.busy_s_per_token
     if not signals.ok or batch is None or per_token is None or batch <= 0 or per_token <= 0:
         return None
-    return StepSample(batch, batch * per_token)
+    return StepSample(batch, batch * per_token, signals.pods)
 
 
 def remember(samples: tuple[StepSample, ...], sample: StepSample | None) -> tuple[StepSample, ...]:
-    """`sample` added as the newest of its half-octave of batch sizes, replacing the one
-    there; at most MAX_SAMPLES, the least recently seen batch sizes go first.
+    """`sample` added as the newest of its half-octave of batch sizes at its fleet size,
+    replacing the one there; at most MAX_SAMPLES, the least recently seen go first.
 
     One sample per batch size band, not the newest windows: under a steady load
     every window lands in one band, and a line needs two. The band a load
@@ -57,9 +61,14 @@ def remember(samples: tuple[StepSample, ...], sample: StepSample | None) -> tupl
     """
     if sample is None:
         return samples
-    band = _band(sample.batch)
-    kept = tuple(s for s in samples if _band(s.batch) != band)
+    key = (sample.pods, _band(sample.batch))
+    kept = tuple(s for s in samples if (s.pods, _band(s.batch)) != key)
     return (*kept, sample)[-MAX_SAMPLES:]
+
+
+def of_fleet(samples: Sequence[StepSample], pods: int) -> tuple[StepSample, ...]:
+    """The samples seen at this fleet size."""
+    return tuple(s for s in samples if s.pods == pods)
 
 
 def _band(batch: float) -> int:

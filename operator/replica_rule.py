@@ -13,9 +13,8 @@ spent before the pod count moves:
    the demand exceeds what the pods can carry at all, *and* the knobs cannot
    add capacity: the batch is at the most the knobs may give (bound, probing
    ceiling, the SLO's running-time cap) or cut by the KV guard or a back-off.
-   Also when even this round's knob decision cannot carry the demand: without
-   a model, a batch grown by a factor raises a pod's throughput by that factor
-   at the very most, so a demand beyond that scales out in the same round;
+   With a model that says even the batch limit cannot carry the demand, the
+   knobs and the pods move in the same round;
    The step is sized, not one pod at a time: enough pods that each carries at
    most `SCALE_OUT_UTILISATION` of its throughput (the model's at the batch
    limit, else the measured completions per saturated pod);
@@ -170,9 +169,6 @@ class ReplicaCase:
     bounds: ReplicaBounds
     state: ReplicaState
     now: float
-    # The knob decision's batch over the one before it: without a model, the most it can
-    # raise a pod's throughput this round (an iteration never gets faster as it grows).
-    batch_gain: float = 1.0
 
 
 def decide_replicas(case: ReplicaCase) -> ScaleDecision:
@@ -208,12 +204,12 @@ def _scale_out(case: ReplicaCase) -> ScaleDecision | None:
     queue_wait = signals.queue_wait_p99_s or 0.0
     breach = p99 > case.slo_s and queue_wait >= case.queue_share * p99
     per_pod = _per_pod_throughput(case)
-    if per_pod is not None and case.capacity is None:
-        per_pod *= case.batch_gain  # what this round's growth can add at the very most
-    # More than the pods can carry even after this round's knobs: scale out in the same
-    # round, knobs and pods together (a 5x step is no time to wait a round per knob).
-    overload = per_pod is not None and _demand(case) > desired * per_pod
-    if not (breach or (overload and case.capacity is not None)):
+    # The model says even the batch limit cannot carry the demand: knobs and pods move
+    # together, in this round (a 5x step is no time to wait a round per knob).
+    overload = (
+        case.capacity is not None and per_pod is not None and _demand(case) > desired * per_pod
+    )
+    if not (breach or overload):
         return None
     head = (
         f"p99 {_ms(p99)} > SLO {_ms(case.slo_s)} from queueing (queue wait p99 {_ms(queue_wait)})"
@@ -302,8 +298,6 @@ def _demand(case: ReplicaCase) -> float:
 def _basis(case: ReplicaCase) -> str:
     if case.capacity is not None:
         return f"model at batch {case.capacity.batch_limit}: {case.capacity.prediction}"
-    if case.batch_gain > 1:
-        return f"measured: finished per busy second, x{case.batch_gain:.2f} for this round's batch"
     return "measured: finished per busy second"
 
 

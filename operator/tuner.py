@@ -40,6 +40,7 @@ from batchpilot_operator.capacity_model import (
     CapacityModel,
     StepSample,
     fit,
+    of_fleet,
     remember,
     sample_of,
 )
@@ -187,7 +188,9 @@ class TunerState:
             ceiling=None if ceiling is None else int(ceiling),
             ceiling_age=max(0, int(data.get("ceiling_age", 0))),
             samples=tuple(
-                StepSample(float(item["batch"]), float(item["iteration_s"]))
+                StepSample(
+                    float(item["batch"]), float(item["iteration_s"]), int(item.get("pods", 0))
+                )
                 for item in data.get("samples") or ()
             ),
         )
@@ -233,7 +236,7 @@ class _Case:
 
     @property
     def model(self) -> CapacityModel | None:
-        return fit(self.state.samples)
+        return fit(of_fleet(self.state.samples, self.signals.pods))
 
     @property
     def batch(self) -> int:

@@ -180,7 +180,7 @@ class TuningLoop:
             # From here the decision is in force: a failed record must not repeat it.
             self.state = decision.state
             at = self.clock()
-            fleet, scale = await self._scale(goal, plugs, signals, before, decision, at)
+            fleet, scale = await self._scale(goal, plugs, signals, decision, at)
             step = TuneStep(
                 self.rounds, at, signals, before, decision, report, scale=scale, fleet=fleet
             )
@@ -191,13 +191,7 @@ class TuningLoop:
         return step
 
     async def _scale(
-        self,
-        goal: Goal,
-        plugs: PlugPoints,
-        signals: Signals,
-        before: BatchingConfig,
-        decision: Decision,
-        at: float,
+        self, goal: Goal, plugs: PlugPoints, signals: Signals, decision: Decision, at: float
     ) -> tuple[Fleet | None, ScaleDecision | None]:
         """The replica rule's round, where the goal and the plug points ask for one."""
         if goal.replicas is None or plugs.scaler is None:
@@ -214,7 +208,6 @@ class TuningLoop:
                 queue_share=p.queue_share,
                 knobs_spent=decision.spent,
                 capacity=decision.capacity,
-                batch_gain=decision.config.max_batch_size / before.max_batch_size,
                 fleet=fleet,
                 bounds=goal.replicas,
                 state=self.replica_state,

@@ -11,6 +11,7 @@ from batchpilot_operator.capacity_model import (
     CapacityModel,
     StepSample,
     fit,
+    of_fleet,
     remember,
     sample_of,
 )
@@ -56,9 +57,22 @@ def test_samples_keep_the_newest_of_each_batch_band_and_skip_none() -> None:
     # a steady load at ~8 refreshes its own band and keeps the line's other end
     assert [s.batch for s in samples] == [2.0, 7.9]
     assert fit(samples) is not None
-    for k in range(30):  # 30 half-octaves: only the most recent MAX_SAMPLES bands stay
+    for k in range(40):  # 40 half-octaves: only the most recent MAX_SAMPLES bands stay
         samples = remember(samples, StepSample(2 ** (k / 2), 0.01))
-    assert len(samples) == MAX_SAMPLES and samples[-1].batch == 2 ** 14.5
+    assert len(samples) == MAX_SAMPLES and samples[-1].batch == 2 ** 19.5
+
+
+def test_samples_are_kept_and_fitted_per_fleet_size() -> None:
+    one = [StepSample(2.0, 0.005, pods=1), StepSample(8.0, 0.008, pods=1)]
+    # two pods sharing one host: each iterates slower at the same batch
+    two = [StepSample(3.0, 0.012, pods=2)]
+    samples: tuple[StepSample, ...] = ()
+    for sample in (*one, *two):
+        samples = remember(samples, sample)
+    assert len(samples) == 3  # same band, other fleet: both kept
+    assert of_fleet(samples, 1) == tuple(one) and fit(of_fleet(samples, 2)) is None
+    model = fit(of_fleet(samples, 1))
+    assert model is not None and model.per_sequence_s == pytest.approx(0.0005)
 
 
 def test_fit_recovers_the_line_from_two_batch_sizes() -> None:
@@ -72,7 +86,7 @@ def test_fit_recovers_the_line_from_two_batch_sizes() -> None:
 @pytest.mark.parametrize("seed", range(5))
 def test_fit_through_noisy_samples_stays_close(seed: int) -> None:
     rng = random.Random(seed)
-    batches = [2 ** (i / 2) for i in range(MAX_SAMPLES)]  # 1 .. 45, one per band
+    batches = [2 ** (i / 2) for i in range(12)]  # 1 .. 45, one per band
     rng.shuffle(batches)
     samples = tuple(
         StepSample(b, (FIXED_S + PER_SEQ_S * b) * rng.uniform(0.95, 1.05)) for b in batches

@@ -314,7 +314,7 @@ def test_a_change_moves_one_knob_at_a_time_and_always_explains() -> None:
 # -- the capacity model's jumps ---------------------------------------------------------------
 
 FIXED_S, PER_SEQ_S = 0.004, 0.0005  # the iteration line the windows below were measured on
-LINE = tuple(StepSample(b, FIXED_S + PER_SEQ_S * b) for b in (2.0, 8.0))
+LINE = tuple(StepSample(b, FIXED_S + PER_SEQ_S * b, pods=1) for b in (2.0, 8.0))
 
 
 def measured(batch_seen: float = 8.0, **fields: float | None) -> Signals:
