@@ -520,7 +520,15 @@ def _predicted_growth(case: _Case, head: str) -> Decision | None:
             batch=target,
         )
     if needed is not None and needed <= batch:
-        return case.hold(f"{head}: model: {wants}; batch {batch} carries it, the queue drains")
+        # Right after a change, or with the queue down to a batch a pod, the window's
+        # breach is the old backlog's tail. A queue that outlives a window at this batch
+        # says the model promised more than the pods deliver (their time outside
+        # forwards, say): the measurement wins, AIMD steps on.
+        if case.state.since_change == 0 or case.signals.waiting <= batch * pods:
+            return case.hold(
+                f"{head}: model: {wants}; batch {batch} carries it, the queue drains"
+            )
+        return None
     return case.hold(f"{head}: model: {wants}; batch {batch} is at its limit {limit}")
 
 

@@ -343,10 +343,21 @@ def test_the_model_sizes_the_batch_for_the_demand_in_one_jump() -> None:
 
 def test_a_batch_that_carries_the_demand_holds_while_the_backlog_drains() -> None:
     # The window after the jump still breaks the SLO from the queue built before it.
-    decision = decide(measured(12.0), BatchingConfig(12, 10.0), GOAL, TunerState(samples=LINE))
+    state = TunerState(samples=LINE, since_change=0)
+    decision = decide(measured(12.0), BatchingConfig(12, 10.0), GOAL, state)
     assert decision.action == "hold" and decision.config.max_batch_size == 12
     assert "carries it, the queue drains" in decision.reason
     assert not decision.spent
+    # a second window, the queue down to a batch: the breach is the backlog's tail
+    later = {"arrival_rate": 14.0}  # with the queue's share, batch 12 still carries it
+    drained = decide(measured(12.0, waiting=12.0, **later), BatchingConfig(12, 10.0), GOAL,
+                     decision.state)  # fmt: skip
+    assert drained.action == "hold" and "the queue drains" in drained.reason
+    # ... still 40 waiting: the pods deliver less than the model says, AIMD steps on
+    again = decide(measured(12.0, waiting=40.0, **later), BatchingConfig(12, 10.0), GOAL,
+                   decision.state)  # fmt: skip
+    assert (again.action, again.config.max_batch_size) == ("grow_batch", 18)
+    assert "capacity short" in again.reason
 
 
 def test_demand_beyond_any_batch_goes_to_the_limit_and_spends_the_knobs() -> None:
