@@ -46,6 +46,9 @@ SCALE_IN_UTILISATION = 0.6  # a scale-in only to a fleet that would run at most 
 RECOMMENDATION_LIMIT = 64  # kept rounds, whatever the window (a 300 s window at 30 s is 11)
 # HPA's default scale-down stabilization: long enough to ride out a lull between bursts.
 SCALE_DOWN_STABILIZATION_S = 300.0
+# A scale-in takes the model's word only from a line through this many windows; a younger
+# one (two windows of a start-up, say) is checked against the measured throughput.
+SCALE_IN_MODEL_WINDOWS = 3
 
 
 @dataclass(frozen=True)
@@ -86,8 +89,9 @@ class Capacity:
 
     batch_limit: int  # the most batch the knobs may give (bounds, ceiling, running-time cap)
     per_pod_rps: float  # one always-busy pod at batch_limit, by the capacity model
-    demand_rps: float  # the fleet's arrivals (plus its backlog to drain)
+    demand_rps: float  # the fleet's arrivals plus its backlog to drain (the knobs' target)
     prediction: str  # the model and its numbers, for reasons
+    windows: int = 0  # how many windows the model's line went through
 
 
 @dataclass(frozen=True)
@@ -230,14 +234,17 @@ def _scale_out(case: ReplicaCase) -> ScaleDecision | None:
     return _change(
         case, target,
         f"{head} and the batch is spent: {_rate(case)} over {per_pod:.2f} req/s per pod "
-        f"({_basis(case)}) needs {wanted} at {SCALE_OUT_UTILISATION:.0%} busy",
+        f"({_basis(case, case.capacity is None)}) needs {wanted} at "
+        f"{SCALE_OUT_UTILISATION:.0%} busy",
     )  # fmt: skip
 
 
 def _scale_in(case: ReplicaCase) -> ScaleDecision:
     signals, desired, bounds = case.signals, case.fleet.desired, case.bounds
     p99 = signals.p99_latency_s or 0.0
-    per_pod = _per_pod_throughput(case)
+    young = case.capacity is not None and case.capacity.windows < SCALE_IN_MODEL_WINDOWS
+    measured = case.capacity is None or young
+    per_pod = _measured_throughput(case) if measured else _per_pod_throughput(case)
     if per_pod is None or per_pod <= 0:
         return _hold(case, "no pod throughput known: the replica count stays")
     wanted = bounds.clamp(math.ceil(_demand(case) / (SCALE_IN_UTILISATION * per_pod) - 1e-9))
@@ -266,7 +273,7 @@ def _scale_in(case: ReplicaCase) -> ScaleDecision:
     return _change(
         case, highest,
         f"p99 {_ms(p99)} with headroom: {_rate(case)} over {per_pod:.2f} req/s per pod "
-        f"({_basis(case)}) needs {highest} at {SCALE_IN_UTILISATION:.0%} busy for "
+        f"({_basis(case, measured)}) needs {highest} at {SCALE_IN_UTILISATION:.0%} busy for "
         f"{window:.0f} s",
     )  # fmt: skip
 
@@ -278,6 +285,10 @@ def _per_pod_throughput(case: ReplicaCase) -> float | None:
     config in force, more at a larger batch)."""
     if case.capacity is not None:
         return case.capacity.per_pod_rps
+    return _measured_throughput(case)
+
+
+def _measured_throughput(case: ReplicaCase) -> float | None:
     signals = case.signals
     pods = signals.pods or case.fleet.ready
     if pods <= 0 or signals.finished_rate <= 0:
@@ -290,13 +301,13 @@ def _per_pod_throughput(case: ReplicaCase) -> float | None:
 
 
 def _demand(case: ReplicaCase) -> float:
-    if case.capacity is not None:
-        return case.capacity.demand_rps
+    """The arrivals alone: a backlog drains with any spare capacity, and pods started for
+    it would have to be stopped again once it is gone."""
     return case.signals.demand_rate
 
 
-def _basis(case: ReplicaCase) -> str:
-    if case.capacity is not None:
+def _basis(case: ReplicaCase, measured: bool) -> str:
+    if case.capacity is not None and not measured:
         return f"model at batch {case.capacity.batch_limit}: {case.capacity.prediction}"
     return "measured: finished per busy second"
 

@@ -474,6 +474,7 @@ def _capacity(case: _Case) -> Capacity | None:
         per_pod_rps=model.throughput_rps(limit, tokens),
         demand_rps=demand,
         prediction=f"{model.describe()}, {tokens:.0f} tokens a request",
+        windows=model.samples,
     )
 
 

@@ -35,7 +35,8 @@ def window(pods: int, **fields: float | None) -> Signals:
 
 
 def capacity(demand: float, per_pod: float = PER_POD_RPS) -> Capacity:
-    return Capacity(batch_limit=32, per_pod_rps=per_pod, demand_rps=demand, prediction="line")
+    return Capacity(batch_limit=32, per_pod_rps=per_pod, demand_rps=demand, prediction="line",
+                    windows=4)  # fmt: skip
 
 
 def case(
@@ -49,6 +50,9 @@ def case(
     now: float = 10_000.0,
     bounds: ReplicaBounds = BOUNDS,
 ) -> ReplicaCase:
+    if cap is not None and signals.arrival_rate is None:
+        # the rule sizes for the arrivals; the capacity's demand adds the knobs' backlog
+        signals = replace(signals, arrival_rate=cap.demand_rps)
     return ReplicaCase(
         signals=signals, slo_s=0.5, band=0.2, queue_share=0.5, knobs_spent=spent, capacity=cap,
         fleet=Fleet(desired, desired if ready is None else ready), bounds=bounds,
@@ -238,3 +242,23 @@ def test_bounds_are_checked() -> None:
     with pytest.raises(ValueError, match="negative"):
         ReplicaBounds(scale_down_stabilization_s=-1)
     assert SCALE_IN_UTILISATION < SCALE_OUT_UTILISATION  # the band that stops flapping
+
+
+def test_pods_are_sized_for_the_arrivals_not_the_backlog() -> None:
+    # the knobs' demand adds a queue to drain (35 req/s); 8 arrive: the model's pod carries it
+    signals = window(1, arrival_rate=8.0, p99_latency_s=0.3, queue_wait_p99_s=0.05)
+    decision = decide_replicas(case(signals, spent=False, cap=capacity(demand=35.0)))
+    assert decision.action == "hold"
+
+
+def test_a_young_model_does_not_scale_in_on_its_own_word() -> None:
+    bounds = replace(BOUNDS, scale_down_stabilization_s=0.0)
+    young = replace(capacity(8.0, per_pod=100.0), windows=2)
+    # measured: 2 pods finish 9 req/s each, busy all along (no busy-time series: saturated)
+    signals = replace(quiet(2), queue_wait_p99_s=0.15)
+    held = decide_replicas(case(signals, desired=2, cap=young, bounds=bounds))
+    assert held.action == "hold"  # 18 req/s over 9 a pod at 60 %: both pods stay
+    grown = decide_replicas(case(signals, desired=2, cap=replace(young, windows=3),
+                                 bounds=bounds))  # fmt: skip
+    assert (grown.action, grown.replicas) == ("scale_in", 1)
+    assert "model at batch 32" in grown.reason
