@@ -32,6 +32,9 @@ from batchpilot_operator.signals import Signals
 
 MAX_SAMPLES = 24  # half-octave batch bands (12 span 1 to 64), over a few fleet sizes
 MIN_SPREAD = 1.5  # the largest sampled batch must be this many times the smallest
+# A line through fewer windows sizes the batch (cheap to move again) but not the fleet:
+# two windows of a start-up, under a queue and a changing load, are a guess.
+TRUSTED_WINDOWS = 3
 
 
 @dataclass(frozen=True)

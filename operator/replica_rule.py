@@ -37,6 +37,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from batchpilot_operator.capacity_model import TRUSTED_WINDOWS
 from batchpilot_operator.signals import Signals
 
 ScaleAction = Literal["hold", "scale_out", "scale_in"]
@@ -46,9 +47,6 @@ SCALE_IN_UTILISATION = 0.6  # a scale-in only to a fleet that would run at most 
 RECOMMENDATION_LIMIT = 64  # kept rounds, whatever the window (a 300 s window at 30 s is 11)
 # HPA's default scale-down stabilization: long enough to ride out a lull between bursts.
 SCALE_DOWN_STABILIZATION_S = 300.0
-# A scale-in takes the model's word only from a line through this many windows; a younger
-# one (two windows of a start-up, say) is checked against the measured throughput.
-SCALE_IN_MODEL_WINDOWS = 3
 
 
 @dataclass(frozen=True)
@@ -179,6 +177,8 @@ def decide_replicas(case: ReplicaCase) -> ScaleDecision:
     """The replica count for this round; see the module docstring."""
     if case.state.since is None:
         case = replace(case, state=replace(case.state, since=case.now))
+    if case.capacity is not None and case.capacity.windows < TRUSTED_WINDOWS:
+        case = replace(case, capacity=None)  # a young line moves no pods: measure instead
     fleet, bounds, signals = case.fleet, case.bounds, case.signals
     desired = fleet.desired
     if not bounds.min_replicas <= desired <= bounds.max_replicas:
@@ -242,9 +242,8 @@ def _scale_out(case: ReplicaCase) -> ScaleDecision | None:
 def _scale_in(case: ReplicaCase) -> ScaleDecision:
     signals, desired, bounds = case.signals, case.fleet.desired, case.bounds
     p99 = signals.p99_latency_s or 0.0
-    young = case.capacity is not None and case.capacity.windows < SCALE_IN_MODEL_WINDOWS
-    measured = case.capacity is None or young
-    per_pod = _measured_throughput(case) if measured else _per_pod_throughput(case)
+    measured = case.capacity is None
+    per_pod = _per_pod_throughput(case)
     if per_pod is None or per_pod <= 0:
         return _hold(case, "no pod throughput known: the replica count stays")
     wanted = bounds.clamp(math.ceil(_demand(case) / (SCALE_IN_UTILISATION * per_pod) - 1e-9))

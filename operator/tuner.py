@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from batchpilot_operator.capacity_model import (
+    TRUSTED_WINDOWS,
     CapacityModel,
     StepSample,
     fit,
@@ -563,11 +564,10 @@ def _spent(case: _Case, decision: Decision) -> bool:
         return True
     if decision.action not in ("hold", "grow_batch"):
         return False
-    if case.capacity is not None:
+    capacity = case.capacity
+    if capacity is not None and capacity.windows >= TRUSTED_WINDOWS:
         # the model's running time is one to act on: too slow, and only pods help the queue
-        return decision.config.max_batch_size >= case.capacity.batch_limit or (
-            _running_too_slow(case)
-        )
+        return decision.config.max_batch_size >= capacity.batch_limit or _running_too_slow(case)
     return decision.config.max_batch_size >= _growth_limit(case)
 
 

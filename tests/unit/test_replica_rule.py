@@ -262,3 +262,10 @@ def test_a_young_model_does_not_scale_in_on_its_own_word() -> None:
                                  bounds=bounds))  # fmt: skip
     assert (grown.action, grown.replicas) == ("scale_in", 1)
     assert "model at batch 32" in grown.reason
+
+
+def test_a_line_through_two_windows_moves_no_pods() -> None:
+    # two windows' line says no batch carries 35 req/s; the pods are measured instead
+    young = replace(capacity(35.0), windows=2)
+    signals = window(1, arrival_rate=35.0, p99_latency_s=0.3, queue_wait_p99_s=0.05)
+    assert decide_replicas(case(signals, spent=False, cap=young)).action == "hold"

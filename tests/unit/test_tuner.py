@@ -314,7 +314,7 @@ def test_a_change_moves_one_knob_at_a_time_and_always_explains() -> None:
 # -- the capacity model's jumps ---------------------------------------------------------------
 
 FIXED_S, PER_SEQ_S = 0.004, 0.0005  # the iteration line the windows below were measured on
-LINE = tuple(StepSample(b, FIXED_S + PER_SEQ_S * b, pods=1) for b in (2.0, 8.0))
+LINE = tuple(StepSample(b, FIXED_S + PER_SEQ_S * b, pods=1) for b in (2.0, 4.0, 8.0))
 
 
 def measured(batch_seen: float = 8.0, **fields: float | None) -> Signals:
@@ -415,7 +415,7 @@ def test_a_kv_cut_keeps_the_samples_and_spends_the_knobs() -> None:
     decision = decide(measured(kv_usage=0.95), BatchingConfig(8, 10.0), GOAL,
                       TunerState(samples=LINE))  # fmt: skip
     assert decision.action == "kv_guard" and decision.spent
-    assert len(decision.state.samples) == 2 and decision.state.ceiling == 8  # 8 refreshed
+    assert len(decision.state.samples) == 3 and decision.state.ceiling == 8  # 8 refreshed
 
 
 def test_tuner_state_round_trips_its_samples() -> None:
