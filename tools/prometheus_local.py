@@ -169,9 +169,11 @@ class LocalPrometheus:
     def _write_config(self, config: Mapping[str, Any]) -> None:
         self.config_path.write_text(yaml.safe_dump(dict(config), sort_keys=False))
 
-    def query(self, promql: str) -> list[dict[str, Any]]:
-        """Instant query: the `result` list of the HTTP API (empty when there is no data)."""
-        body = self._request("/api/v1/query?" + urllib.parse.urlencode({"query": promql}))
+    def query(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
+        """Instant query, now or at Unix time `at`: the `result` list of the HTTP API
+        (empty when there is no data)."""
+        params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
+        body = self._request("/api/v1/query?" + urllib.parse.urlencode(params))
         payload = json.loads(body)
         if payload.get("status") != "success":
             raise PrometheusError(f"query {promql!r} failed: {payload.get('error', payload)}")

@@ -13,6 +13,7 @@ import json
 import math
 import re
 import subprocess
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,20 +204,27 @@ async def test_every_query_returns_data(
         assert applied["max_batch_size"] == 4
         report = await load
         assert report.ok > 0, report
+        # Every panel is read as of the load's end: the loop of queries below takes seconds
+        # on a busy machine, and a rate window read later would cover only the load's tail.
+        ended = time.time()
 
         for where, expr in panel_queries(load_dashboard()):
-            result = await asyncio.to_thread(prom.query, substitute(expr))
+            result = await asyncio.to_thread(prom.query, substitute(expr), ended)
             assert finite_values(result), f"{where}: no data for {substitute(expr)}: {result}"
 
         # mixed output lengths in dynamic batches: finished members held their slots
         waste = next(p for p in load_dashboard()["panels"] if p["title"] == "Batch slot waste")
-        finished = await asyncio.to_thread(prom.query, substitute(waste["targets"][0]["expr"]))
+        finished = await asyncio.to_thread(
+            prom.query, substitute(waste["targets"][0]["expr"]), ended
+        )
         shares = {s["metric"]["policy"]: float(s["value"][1]) for s in finished}
         assert shares["cont"] == 0.0 < shares["dyn"] < 1.0, shares
 
         # one server per policy here: the Replicas panel counts the pods serving each
         replicas = next(p for p in load_dashboard()["panels"] if p["title"] == "Replicas")
-        counted = await asyncio.to_thread(prom.query, substitute(replicas["targets"][0]["expr"]))
+        counted = await asyncio.to_thread(
+            prom.query, substitute(replicas["targets"][0]["expr"]), ended
+        )
         assert {s["metric"]["policy"]: float(s["value"][1]) for s in counted} == {
             policy: 1.0 for policy in POLICIES
         }
