@@ -65,8 +65,13 @@ async def test_the_disruption_budget_lives_while_two_or_more_replicas_run(
 
     await cluster.patch(kube.POLICIES, "budget", "llm", {"spec": {"replicas": 1}})
     await cluster.wait_gone(kube.PODDISRUPTIONBUDGETS, "budget", "llm")
-    messages = [e["message"] for e in await cluster.events_for("budget", "llm")]
-    assert any(m.startswith("deleted PodDisruptionBudget llm") for m in messages), messages
+
+    async def deletion_event() -> list[str]:
+        # the operator posts the Event after the deletion it reports
+        messages = [e["message"] for e in await cluster.events_for("budget", "llm")]
+        return [m for m in messages if m.startswith("deleted PodDisruptionBudget llm")]
+
+    await cluster.wait_until(deletion_event, "an Event for the deleted budget")
 
     await cluster.patch(kube.POLICIES, "budget", "llm", {"spec": {"replicas": 3}})
     again = await cluster.wait_for(kube.PODDISRUPTIONBUDGETS, "budget", "llm")
