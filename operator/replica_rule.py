@@ -17,7 +17,9 @@ spent before the pod count moves:
    knobs and the pods move in the same round;
    The step is sized, not one pod at a time: enough pods that each carries at
    most `SCALE_OUT_UTILISATION` of its throughput (the model's at the batch
-   limit, else the measured completions per saturated pod);
+   limit, else the measured completions per saturated pod), for the arrivals
+   the new pods will meet: a steady rise is forecast over the lead time (the
+   last start-up and a round), one jump is not;
 3. scale in when fewer pods would carry the demand at `SCALE_IN_UTILISATION`
    of their throughput, the SLO has headroom and nothing queues, for a whole
    scale-down stabilization window (the window's highest recommendation
@@ -33,7 +35,9 @@ docs/tuning.md gives the numbers behind each constant.
 
 from __future__ import annotations
 
+import itertools
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -45,6 +49,9 @@ ScaleAction = Literal["hold", "scale_out", "scale_in"]
 SCALE_OUT_UTILISATION = 0.8  # a scale-out sizes the fleet so each pod runs at most this busy
 SCALE_IN_UTILISATION = 0.6  # a scale-in only to a fleet that would run at most this busy
 RECOMMENDATION_LIMIT = 64  # kept rounds, whatever the window (a 300 s window at 30 s is 11)
+# Rounds of arrivals kept for the forecast: three round-to-round rises, whose median is
+# the trend (one jump, a step or a flash crowd, is no trend; a steady climb is).
+ARRIVAL_HISTORY = 4
 # HPA's default scale-down stabilization: long enough to ride out a lull between bursts.
 SCALE_DOWN_STABILIZATION_S = 300.0
 
@@ -97,6 +104,7 @@ class ScaleChange:
     at: float
     before: int
     after: int
+    ready_at: float | None = None  # the first round that found a scale-out's pods all ready
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,8 @@ class ReplicaState:
     recommendations: tuple[tuple[float, int], ...] = ()  # (at, replicas), newest last
     # Since when this fleet has been watched: the last change, or the rule's first round.
     since: float | None = None
+    arrivals: tuple[tuple[float, float], ...] = ()  # (at, req/s) of the last rounds, newest last
+    startup_s: float | None = None  # how long the last scale-out took to serve: its lead time
 
     def to_dict(self) -> dict[str, Any]:
         change = self.last_change
@@ -115,8 +125,15 @@ class ReplicaState:
             "since": self.since,
             "lastChange": None
             if change is None
-            else {"at": change.at, "from": change.before, "to": change.after},
+            else {
+                "at": change.at,
+                "from": change.before,
+                "to": change.after,
+                "readyAt": change.ready_at,
+            },
             "recommendations": [[at, n] for at, n in self.recommendations],
+            "arrivals": [[at, rps] for at, rps in self.arrivals],
+            "startupSeconds": self.startup_s,
         }
 
     @classmethod
@@ -128,22 +145,35 @@ class ReplicaState:
         last: ScaleChange | None = None
         try:
             if isinstance(change, dict):
-                last = ScaleChange(float(change["at"]), int(change["from"]), int(change["to"]))
+                last = ScaleChange(
+                    float(change["at"]), int(change["from"]), int(change["to"]),
+                    _finite(change.get("readyAt")),
+                )  # fmt: skip
         except (KeyError, TypeError, ValueError):
             last = None
-        recs: list[tuple[float, int]] = []
-        for item in data.get("recommendations") or []:
-            try:
-                at, n = item
-                recs.append((float(at), int(n)))
-            except (TypeError, ValueError):
-                continue
-        since = data.get("since")
         return cls(
             last,
-            tuple(recs[-RECOMMENDATION_LIMIT:]),
-            float(since) if isinstance(since, int | float) and math.isfinite(since) else None,
+            tuple(_pairs(data.get("recommendations"), int)[-RECOMMENDATION_LIMIT:]),
+            _finite(data.get("since")),
+            tuple(_pairs(data.get("arrivals"), float)[-ARRIVAL_HISTORY:]),
+            _finite(data.get("startupSeconds")),
         )
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def _pairs(items: Any, kind: type[int] | type[float]) -> list[tuple[float, Any]]:
+    """The readable (at, value) pairs of a stored list; the rest is left out."""
+    pairs: list[tuple[float, Any]] = []
+    for item in items if isinstance(items, list) else []:
+        try:
+            at, value = item
+            pairs.append((float(at), kind(value)))
+        except (TypeError, ValueError):
+            continue
+    return pairs
 
 
 @dataclass(frozen=True)
@@ -177,6 +207,7 @@ def decide_replicas(case: ReplicaCase) -> ScaleDecision:
     """The replica count for this round; see the module docstring."""
     if case.state.since is None:
         case = replace(case, state=replace(case.state, since=case.now))
+    case = replace(case, state=_observe(case))
     if case.capacity is not None and case.capacity.windows < TRUSTED_WINDOWS:
         case = replace(case, capacity=None)  # a young line moves no pods: measure instead
     fleet, bounds, signals = case.fleet, case.bounds, case.signals
@@ -299,10 +330,53 @@ def _measured_throughput(case: ReplicaCase) -> float | None:
     return signals.finished_rate / (pods * min(1.0, busy))
 
 
+def _observe(case: ReplicaCase) -> ReplicaState:
+    """The round's arrivals into the history; a scale-out's lead time once its pods serve."""
+    state, rate = case.state, case.signals.arrival_rate
+    if rate is not None:
+        state = replace(state, arrivals=(*state.arrivals, (case.now, rate))[-ARRIVAL_HISTORY:])
+    change = state.last_change
+    if (
+        change is not None
+        and change.after > change.before
+        and change.ready_at is None
+        and case.fleet.ready >= case.fleet.desired
+    ):
+        state = replace(
+            state, last_change=replace(change, ready_at=case.now), startup_s=case.now - change.at
+        )
+    return state
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """The arrivals a pod started now would meet once it serves: now's, plus the recent
+    rise over the lead time (the last scale-out's start-up, or a round before one was
+    seen, and a round for its effect to show)."""
+
+    now_rps: float
+    rise_per_s: float = 0.0
+    lead_s: float = 0.0
+
+    @property
+    def rps(self) -> float:
+        return self.now_rps + self.rise_per_s * self.lead_s
+
+
+def _forecast(case: ReplicaCase) -> Forecast:
+    now, history = case.signals.demand_rate, case.state.arrivals
+    rises = [(b - a) / (tb - ta) for (ta, a), (tb, b) in itertools.pairwise(history) if tb > ta]
+    if len(rises) < ARRIVAL_HISTORY - 1:
+        return Forecast(now)
+    gap = (history[-1][0] - history[0][0]) / (len(history) - 1)
+    startup = case.state.startup_s if case.state.startup_s is not None else gap
+    return Forecast(now, max(0.0, statistics.median(rises)), gap + startup)
+
+
 def _demand(case: ReplicaCase) -> float:
-    """The arrivals alone: a backlog drains with any spare capacity, and pods started for
-    it would have to be stopped again once it is gone."""
-    return case.signals.demand_rate
+    """The arrivals alone, as forecast: a backlog drains with any spare capacity, and pods
+    started for it would have to be stopped again once it is gone."""
+    return _forecast(case).rps
 
 
 def _basis(case: ReplicaCase, measured: bool) -> str:
@@ -312,7 +386,13 @@ def _basis(case: ReplicaCase, measured: bool) -> str:
 
 
 def _rate(case: ReplicaCase) -> str:
-    return f"{_demand(case):.2f} req/s"
+    forecast = _forecast(case)
+    if forecast.rise_per_s <= 0:
+        return f"{forecast.now_rps:.2f} req/s"
+    return (
+        f"{forecast.now_rps:.2f} req/s, rising to {forecast.rps:.2f} req/s in "
+        f"{forecast.lead_s:.0f} s"
+    )
 
 
 def _recommend(
@@ -334,7 +414,8 @@ def _settling(case: ReplicaCase, reason: str) -> ScaleDecision:
 def _change(case: ReplicaCase, replicas: int, reason: str) -> ScaleDecision:
     desired = case.fleet.desired
     action: ScaleAction = "scale_out" if replicas > desired else "scale_in"
-    state = ReplicaState(
+    state = replace(
+        case.state,
         last_change=ScaleChange(case.now, desired, replicas),
         # Recommendations from before the change described another fleet.
         recommendations=(),

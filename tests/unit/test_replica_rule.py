@@ -219,8 +219,51 @@ def test_a_steady_load_never_reverses_the_count(seed: int) -> None:
     assert desired * PER_POD_RPS * SCALE_OUT_UTILISATION >= level * 0.9 or desired == 8
 
 
+def climbing(rates: list[float], every_s: float = 30.0) -> ReplicaState:
+    """A rule that saw these arrivals, one round each, ending `every_s` before 10 000 s."""
+    start = 10_000.0 - every_s * len(rates)
+    return ReplicaState(arrivals=tuple((start + i * every_s, r) for i, r in enumerate(rates)))
+
+
+def test_a_steady_climb_scales_out_for_the_arrivals_a_new_pod_will_meet() -> None:
+    # 16 req/s now on 2 pods that carry 10 each: no breach, no overload yet, but it
+    # climbs 3 req/s a round; a pod started now serves in a round and shows in the next
+    state = climbing([7.0, 10.0, 13.0])
+    decision = decide_replicas(case(quiet(2), desired=2, cap=capacity(16.0), state=state))
+    # 16 + 3/30 s x 60 s = 22 req/s: over 2 pods' 20 at 100 %, 3 pods at 80 %
+    assert (decision.action, decision.replicas) == ("scale_out", 3)
+    assert "rising to 22.00 req/s in 60 s" in decision.reason
+    # the same arrivals without the climb: no scale-out
+    flat = decide_replicas(case(quiet(2), desired=2, cap=capacity(16.0),
+                                state=climbing([16.0, 16.0, 16.0])))  # fmt: skip
+    assert flat.action == "hold"
+
+
+def test_one_jump_is_no_trend() -> None:
+    # a step (or a flash crowd's front) is sized for what arrives, not extrapolated
+    state = climbing([10.0, 10.0, 10.0])
+    decision = decide_replicas(case(window(1), cap=capacity(35.0), state=state))
+    assert (decision.action, decision.replicas) == ("scale_out", 5)
+    assert "rising" not in decision.reason
+
+
+def test_the_lead_time_is_the_last_scale_outs_start_up() -> None:
+    started = ReplicaState(ScaleChange(9_900.0, 1, 2), since=9_900.0)
+    waiting = decide_replicas(case(quiet(2), desired=2, ready=1, state=started, now=9_930.0))
+    assert waiting.state.startup_s is None
+    ready = decide_replicas(case(quiet(2), desired=2, state=waiting.state, now=9_960.0))
+    assert ready.state.startup_s == 60.0 and ready.state.last_change.ready_at == 9_960.0
+    # a climb of 3 req/s a round then looks 30 s (a round) + 60 s (a start-up) ahead
+    state = replace(climbing([7.0, 10.0, 13.0]), startup_s=60.0)
+    decision = decide_replicas(case(quiet(2), desired=2, cap=capacity(16.0), state=state))
+    assert "rising to 25.00 req/s in 90 s" in decision.reason
+
+
 def test_state_round_trips_and_survives_garbage() -> None:
-    state = ReplicaState(ScaleChange(12.5, 1, 3), ((1.0, 3), (31.0, 2)), since=12.5)
+    state = ReplicaState(
+        ScaleChange(12.5, 1, 3, ready_at=42.5), ((1.0, 3), (31.0, 2)), since=12.5,
+        arrivals=((1.0, 4.5), (31.0, 6.0)), startup_s=30.0,
+    )  # fmt: skip
     assert ReplicaState.from_dict(state.to_dict()) == state
     assert ReplicaState.from_dict(None) == ReplicaState()
     broken = {"lastChange": {"at": "x"}, "recommendations": [[1, 2], "bad", [None, None]]}
