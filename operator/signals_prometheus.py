@@ -74,7 +74,7 @@ def queries(selector: str, window_s: float) -> dict[str, str]:
         "output_tokens_p90": quantile(0.9, names.REQUEST_GENERATION_TOKENS),
         "output_tokens_p99": quantile(0.99, names.REQUEST_GENERATION_TOKENS),
         "arrival_rate": f"sum(rate({names.REQUESTS_ARRIVED_TOTAL}{sel}[{half}]))",
-        "busy_per_token": f"sum(rate({names.STEP_DURATION}_sum{sel}[{w}])) / "
+        "busy_per_token": f"sum(rate({names.ENGINE_BUSY_SECONDS_TOTAL}{sel}[{w}])) / "
         f"sum(rate({names.GENERATION_TOKENS_TOTAL}{sel}[{w}]))",
         # every pod exports the config it runs: one series each
         "pods": f"count({names.CONFIG_MAX_BATCH_SIZE}{sel})",

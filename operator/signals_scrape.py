@@ -36,11 +36,10 @@ SCHEDULING_SLACK_S = 0.25
 SCHEDULING_SLACK_SHARE = 0.05
 HISTOGRAMS = (
     names.REQUEST_DURATION, names.QUEUE_WAIT, names.BATCH_SIZE, names.REQUEST_GENERATION_TOKENS,
-    names.STEP_DURATION,
 )
 COUNTERS = (
     names.REQUESTS_TOTAL, names.REQUESTS_ARRIVED_TOTAL, names.GENERATION_TOKENS_TOTAL,
-    names.PREEMPTIONS_TOTAL,
+    names.PREEMPTIONS_TOTAL, names.ENGINE_BUSY_SECONDS_TOTAL,
 )
 GAUGES = (names.KV_CACHE_USAGE, names.REQUESTS_WAITING)
 
@@ -221,7 +220,7 @@ class ScrapeSource:
             output_tokens_p90=quantile_from_buckets(0.9, lengths),
             output_tokens_p99=quantile_from_buckets(0.99, lengths),
             arrival_rate=self._arrival_rate(baseline, now),
-            busy_s_per_token=_per_token(deltas, names.STEP_DURATION),
+            busy_s_per_token=_busy_per_token(deltas),
             pods=len(deltas),
             detail=detail,
         )
@@ -269,10 +268,10 @@ def _rate_if_exported(deltas: Sequence[Totals], name: str, window_s: float) -> f
     return _total(deltas, name) / window_s
 
 
-def _per_token(deltas: Sequence[Totals], histogram: str) -> float | None:
-    """A histogram's summed seconds per generated token; None when no token was generated."""
+def _busy_per_token(deltas: Sequence[Totals]) -> float | None:
+    """The engines' busy seconds per generated token; None when no token was generated."""
     tokens = _total(deltas, names.GENERATION_TOKENS_TOTAL)
-    return sum(t.sums.get(histogram, 0.0) for t in deltas) / tokens if tokens else None
+    return _total(deltas, names.ENGINE_BUSY_SECONDS_TOTAL) / tokens if tokens else None
 
 
 def _mean(deltas: Sequence[Totals], histogram: str) -> float | None:

@@ -19,13 +19,14 @@ requests never scheduled end with `EngineStoppedError` at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -57,6 +58,34 @@ log = logging.getLogger(__name__)
 _END = object()  # a stream's end marker
 StreamItem = TokenEvent | EngineError | object
 Delivery = list[tuple["RequestStream", StreamItem]]
+
+
+class BusyClock:
+    """The engine thread's working time: wall time between laps, less its waits for work.
+
+    What a step really costs the pod (scheduling, forwards, sampling, handing tokens
+    to the event loop, and waiting for the GIL or the lock meanwhile), where
+    `batchpilot_step_duration_seconds` times the forwards alone.
+    """
+
+    def __init__(self) -> None:
+        self._since = time.perf_counter()
+        self._idle = 0.0
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._idle += time.perf_counter() - began
+
+    def lap(self) -> float:
+        """Busy seconds since the last lap."""
+        now = time.perf_counter()
+        busy = now - self._since - self._idle
+        self._since, self._idle = now, 0.0
+        return max(0.0, busy)
 
 
 class RequestStream:
@@ -373,20 +402,22 @@ class Engine:
 
     def _run(self, scheduler: Scheduler) -> None:
         """Each step: schedule, run the model, hand the results back."""
+        busy = BusyClock()
         try:
-            while (plan := self._next_plan(scheduler)) is not None:
+            while (plan := self._next_plan(scheduler, busy)) is not None:
                 rows, tokens, logprobs = self._run_model(plan)
                 with self._cond:
                     outputs = scheduler.postprocess(rows, tokens, logprobs, time.monotonic())
                     delivery = self._delivery(outputs)
                 self._send(delivery)
+                self._observer.on_busy(busy.lap())
         except Exception as exc:
             log.exception("engine thread failed")
             self._failure = f"{type(exc).__name__}: {exc}"
         finally:
             self._stop(scheduler)
 
-    def _next_plan(self, scheduler: Scheduler) -> StepPlan | None:
+    def _next_plan(self, scheduler: Scheduler, busy: BusyClock) -> StepPlan | None:
         """The next step to run, once there is one; None: stop. Requests that end
         meanwhile (cancelled, past their deadline, refused) are answered at once."""
         with self._cond:
@@ -401,7 +432,10 @@ class Engine:
                 if self._state == "stopping" and scheduler.idle:
                     return None
                 wake_at = scheduler.wake_at()
-                self._cond.wait(None if wake_at is None else max(0.0, wake_at - time.monotonic()))
+                with busy.waiting():
+                    self._cond.wait(
+                        None if wake_at is None else max(0.0, wake_at - time.monotonic())
+                    )
 
     def _run_model(self, plan: StepPlan) -> tuple[list[Sequence], list[int], list[float]]:
         """Outside the lock: the plan's forwards; the rows that sampled a token, the

@@ -6,6 +6,8 @@ INTER_TOKEN_LATENCY = "batchpilot_inter_token_latency_seconds"
 QUEUE_WAIT = "batchpilot_queue_wait_seconds"
 BATCH_SIZE = "batchpilot_batch_size"
 STEP_DURATION = "batchpilot_step_duration_seconds"
+# The engine thread's time on steps, forwards and all around them: what the pod is busy.
+ENGINE_BUSY_SECONDS_TOTAL = "batchpilot_engine_busy_seconds_total"
 HOSTAGE = "batchpilot_hostage_seconds"
 KV_CACHE_USAGE = "batchpilot_kv_cache_usage_ratio"
 REQUESTS_RUNNING = "batchpilot_requests_running"

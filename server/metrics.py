@@ -95,6 +95,11 @@ class ServerMetrics:
         self.prompt_tokens = counter(names.PROMPT_TOKENS_TOTAL, "Prompt tokens admitted.")
         self.generation_tokens = counter(names.GENERATION_TOKENS_TOTAL, "Tokens generated.")
         self.preemptions = counter(names.PREEMPTIONS_TOTAL, "Sequences evicted for KV space.")
+        self.engine_busy = counter(
+            names.ENGINE_BUSY_SECONDS_TOTAL,
+            "Seconds the engine thread spent on steps (scheduling, forwards, sampling, "
+            "handing tokens out), its waits for work left out.",
+        )
         self.config_max_batch_size = gauge(
             names.CONFIG_MAX_BATCH_SIZE, "max_batch_size in force."
         )
@@ -109,6 +114,9 @@ class ServerMetrics:
 
     def on_step(self, batch_size: int, duration_s: float) -> None:
         self.step_duration.observe(duration_s)
+
+    def on_busy(self, seconds: float) -> None:
+        self.engine_busy.inc(seconds)
 
     def on_batch(self, batch_size: int) -> None:
         # The engine reports a step's sequences (continuous) or a fired batch (dynamic).

@@ -40,6 +40,7 @@ class RecordingObserver:
 
     scheduled: list[float] = field(default_factory=list)
     steps: list[tuple[int, float]] = field(default_factory=list)
+    busy: list[float] = field(default_factory=list)
     batches: list[int] = field(default_factory=list)
     hostage: list[float] = field(default_factory=list)
     preemptions: int = 0
@@ -55,6 +56,10 @@ class RecordingObserver:
     def on_step(self, batch_size: int, duration_s: float) -> None:
         with self.lock:
             self.steps.append((batch_size, duration_s))
+
+    def on_busy(self, seconds: float) -> None:
+        with self.lock:
+            self.busy.append(seconds)
 
     def on_batch(self, batch_size: int) -> None:
         with self.lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from tests.support.engine_helpers import ATTENTIONS, RecordingObserver, collect,
 
 MODES = ("dynamic", "continuous")
 GREEDY_16 = SamplingParams(max_tokens=16, ignore_eos=True)
+IDLE_S = 0.3
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
@@ -233,16 +235,23 @@ async def test_engine_reports_what_the_server_needs() -> None:
         engine.submit([1], GREEDY_16)
     await engine.start()
     assert engine.max_model_len == 1024 and engine.tokenizer.eos_ids == {257}
+    began = time.perf_counter()
     try:
+        await asyncio.sleep(IDLE_S)  # the engine waits for work: that is not busy
         events = await collect(engine.submit(prompt(engine, 4), GREEDY_16))
         stats = engine.stats()
     finally:
         await engine.shutdown()
+    wall = time.perf_counter() - began
     # K and V x 4 layers x 2 KV heads x 16 tokens x head_dim 64 x float32
     assert stats.kv_blocks_total == 4 * 2**20 // (2 * 4 * 2 * 16 * 64 * 4)
     assert stats.kv_blocks_used == 0 and stats.running == 0 and stats.steps == 16
     assert [e.index for e in events] == list(range(16))
     assert len(observer.scheduled) == 1 and len(observer.steps) == 16
+    # busy once per step, around the forward it times: never less than the forwards
+    assert len(observer.busy) == 16
+    assert sum(observer.busy) >= sum(duration for _, duration in observer.steps)
+    assert sum(observer.busy) <= wall - IDLE_S
 
 
 class FailingObserver(RecordingObserver):
