@@ -376,7 +376,7 @@ def _on_breach(case: _Case, p99: float) -> Decision:
             f"timeout {timeout:g} -> {new_timeout:g} ms",
             timeout=new_timeout,
         )
-    predicted = _predicted_growth(case, f"{head} from queueing")
+    predicted = _predicted_growth(case, f"{head} from queueing", overloaded=True)
     if predicted is not None:
         return predicted
     # Without a model, capacity growth ignores the probing ceiling: a ceiling learnt at
@@ -498,9 +498,15 @@ def _iteration_budget(case: _Case, model: CapacityModel) -> float | None:
     return model.iteration_s(batch_seen) * budget / max(1e-6, p99 - queue_wait)
 
 
-def _predicted_growth(case: _Case, head: str) -> Decision | None:
+def _predicted_growth(case: _Case, head: str, overloaded: bool = False) -> Decision | None:
     """The batch the model says carries this window's demand per pod at `busy_target`
-    busy, in one jump; None without a model (the caller steps by AIMD)."""
+    busy, in one jump; None without a model (the caller steps by AIMD).
+
+    The running-time limit caps the jump, except where the SLO is broken by queueing
+    (`overloaded`) and the fleet cannot grow: a queue that never drains breaks every
+    request's latency and then times them out, a batch past the limit only runs the
+    longest ones a little over. Where no batch carries the demand, AIMD steps there.
+    """
     capacity, model = case.capacity, case.model
     tokens = case.signals.mean_output_tokens
     if capacity is None or model is None or tokens is None:
@@ -512,9 +518,19 @@ def _predicted_growth(case: _Case, head: str) -> Decision | None:
     busy = f"{case.p.busy_target:.0%} busy"
     needs = f"batch {needed}" if needed is not None else "more than any batch carries"
     wants = f"{per_pod:.2f} req/s per pod needs {needs} at {busy}"
+    serve_past_limit = overloaded and not _fleet_can_grow(case)
+    if needed is None and serve_past_limit:
+        return None
     target = limit if needed is None else min(limit, max(case.bounds.min_batch, needed))
     if needed is not None and needed > limit:
-        wants += f", capped at the limit {limit}"
+        if serve_past_limit:
+            target = min(_growth_limit(case), needed)
+            wants += (
+                f", past the running-time limit {limit}: the fleet cannot grow, and a queue "
+                "that never drains is worse"
+            )
+        else:
+            wants += f", capped at the limit {limit}"
     if target > batch:
         return case.change(
             "grow_batch",
@@ -532,6 +548,13 @@ def _predicted_growth(case: _Case, head: str) -> Decision | None:
             )
         return None
     return case.hold(f"{head}: model: {wants}; batch {batch} is at its limit {limit}")
+
+
+def _fleet_can_grow(case: _Case) -> bool:
+    """Whether pods may still be added: the replica rule runs and is below its maximum
+    (an HPA that owns the count is taken to add pods too)."""
+    replicas = case.goal.replicas
+    return replicas is not None and max(1, case.signals.pods) < replicas.max_replicas
 
 
 def _running(case: _Case) -> tuple[float, str]:

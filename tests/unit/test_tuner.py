@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 from batchpilot_operator.capacity_model import StepSample
+from batchpilot_operator.replica_rule import ReplicaBounds
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.spec import parse_spec
 from batchpilot_operator.tuner import (
@@ -26,6 +27,8 @@ SLO = Slo(p99_latency_s=0.5, kv_high_watermark=0.9)
 BOUNDS = Bounds(min_batch=1, max_batch=64, min_timeout_ms=0.0, max_timeout_ms=200.0)
 P = TunerParams()
 GOAL = Goal(SLO, BOUNDS, P)
+# The same goal where the replica rule may still add pods.
+AUTOSCALED = replace(GOAL, replicas=ReplicaBounds(min_replicas=1, max_replicas=4))
 CURRENT = BatchingConfig(max_batch_size=16, batch_timeout_ms=10.0)
 
 
@@ -361,19 +364,41 @@ def test_a_batch_that_carries_the_demand_holds_while_the_backlog_drains() -> Non
 
 
 def test_demand_beyond_any_batch_goes_to_the_limit_and_spends_the_knobs() -> None:
+    # pods can still be added: the knobs stop at the running-time limit, the pods go on
     signals = measured(arrival_rate=24.0)
-    decision = decide(signals, BatchingConfig(8, 10.0), GOAL, TunerState(samples=LINE))
+    decision = decide(signals, BatchingConfig(8, 10.0), AUTOSCALED, TunerState(samples=LINE))
     assert (decision.action, decision.config.max_batch_size) == ("grow_batch", 13)
     assert "needs batch 192 at 80% busy, capped at the limit 13" in decision.reason
     assert decision.spent and decision.capacity is not None
     assert decision.capacity.per_pod_rps == pytest.approx(13 / (64 * (FIXED_S + PER_SEQ_S * 13)))
     signals = measured(13.0, arrival_rate=24.0)
-    at_limit = decide(signals, BatchingConfig(13, 10.0), GOAL, TunerState(samples=LINE))
+    at_limit = decide(signals, BatchingConfig(13, 10.0), AUTOSCALED, TunerState(samples=LINE))
     assert at_limit.action == "hold" and at_limit.spent
     assert "batch 13 is at its limit 13" in at_limit.reason
-    beyond = decide(measured(arrival_rate=40.0), BatchingConfig(8, 10.0), GOAL,
+    beyond = decide(measured(arrival_rate=40.0), BatchingConfig(8, 10.0), AUTOSCALED,
                     TunerState(samples=LINE))  # fmt: skip
     assert "more than any batch carries" in beyond.reason and beyond.config.max_batch_size == 13
+
+
+def test_a_fleet_that_cannot_grow_serves_the_demand_past_the_running_time_limit() -> None:
+    # No pod can be added (a fixed fleet, or the replica rule at its maximum): a queue
+    # that never drains times every request out, a batch past the limit runs the
+    # longest ones a little over. 24 req/s needs batch 192 at 80 % busy.
+    at_max = replace(AUTOSCALED, replicas=ReplicaBounds(min_replicas=1, max_replicas=1))
+    for goal in (GOAL, at_max):
+        decision = decide(measured(arrival_rate=24.0), BatchingConfig(8, 10.0), goal,
+                          TunerState(samples=LINE))  # fmt: skip
+        assert (decision.action, decision.config.max_batch_size) == ("grow_batch", 64)
+        assert "past the running-time limit 13: the fleet cannot grow" in decision.reason
+    # 20 req/s needs batch 32 at 80% busy: one jump there, not to the bound
+    decision = decide(measured(arrival_rate=20.0), BatchingConfig(8, 10.0), GOAL,
+                      TunerState(samples=LINE))  # fmt: skip
+    assert decision.config.max_batch_size == 32, decision.reason
+    # where no batch carries it, AIMD steps towards the bound
+    beyond = decide(measured(arrival_rate=40.0), BatchingConfig(8, 10.0), GOAL,
+                    TunerState(samples=LINE))  # fmt: skip
+    assert (beyond.action, beyond.config.max_batch_size) == ("grow_batch", 12)
+    assert "capacity short" in beyond.reason
 
 
 @pytest.mark.parametrize(
@@ -394,7 +419,7 @@ def test_without_lengths_the_running_time_seen_limits_the_batch(
 def test_the_backlog_counts_as_demand_to_drain_within_a_window() -> None:
     # 300 queued over a 60 s window add 5 req/s: 20 req/s needs batch 38 (limit 13)
     signals = measured(waiting=300.0)
-    decision = decide(signals, BatchingConfig(8, 10.0), GOAL, TunerState(samples=LINE))
+    decision = decide(signals, BatchingConfig(8, 10.0), AUTOSCALED, TunerState(samples=LINE))
     assert decision.capacity is not None
     assert decision.capacity.demand_rps == pytest.approx(20.0)
     assert decision.config.max_batch_size == 13
