@@ -133,7 +133,7 @@ def test_the_tuner_starts_a_second_server_once_the_batch_is_spent(tmp_path: Path
     # knobs spent, whatever the machine's speed.
     run = DemoRun(
         tmp_path, "--duration", "30", "--interval", "5", "--max-batch", "1", "--rate", "16",
-        "--step-factor", "1",
+        "--step-factor", "1", "--surge-factor", "1",
     )  # fmt: skip
     code = run.run_to_exit()
     output = run.output()
@@ -256,12 +256,15 @@ def test_the_default_demo_scales_one_to_two_servers_and_the_load_falls_back() ->
     assert options.replicas == DEFAULT_REPLICAS == Replicas(1, 2)
     bounds = options.replica_bounds
     assert bounds is not None and (bounds.min_replicas, bounds.max_replicas) == (1, 2)
-    # scale-down patience of a few intervals, not HPA's 300 s: the fall lasts a minute
+    # scale-down patience of a few intervals, not HPA's 300 s: the fall lasts 45 s
     assert bounds.scale_down_stabilization_s == 3 * options.interval_s
-    base, high = options.base_rate, options.base_rate * options.step_factor
-    rates = [options.offered_rate(t) for t in (0, options.step_at_s, options.fall_at_s - 1,
-                                                 options.fall_at_s, options.duration_s)]
-    assert rates == [base, high, high, base, base]
+    base = options.base_rate
+    step, surge = base * options.step_factor, base * options.surge_factor
+    assert base < step < surge
+    times = (0, options.step_at_s, options.surge_at_s - 1, options.surge_at_s,
+             options.fall_at_s - 1, options.fall_at_s, options.duration_s)  # fmt: skip
+    assert [options.offered_rate(t) for t in times] == [base, step, step, surge, surge, base,
+                                                        base]  # fmt: skip
     assert options_from(["--replicas", "2"]).replica_bounds is None  # a fixed fleet
 
 
@@ -270,6 +273,7 @@ def test_a_real_model_gets_a_lighter_load_and_a_longer_slo_unless_told_otherwise
     assert tiny.model == "tiny" and real.model == "SmolLM2.gguf"
     assert real.base_rate < tiny.base_rate
     assert real.base_rate * real.step_factor < tiny.base_rate * tiny.step_factor
+    assert real.base_rate * real.surge_factor < tiny.base_rate * tiny.surge_factor
     assert real.slo_p99_ms > tiny.slo_p99_ms
     told = options_from(["--model", "SmolLM2.gguf", "--rate", "3", "--slo-p99-ms", "700"])
     assert (told.base_rate, told.slo_p99_ms) == (3.0, 700.0)
@@ -279,6 +283,7 @@ def test_a_real_model_gets_a_lighter_load_and_a_longer_slo_unless_told_otherwise
     ("argv", "message"),
     [
         (["--duration", "0"], "--duration must be positive"),
+        (["--surge-factor", "-1"], "--surge-factor must be positive"),
         (["--duration", "10", "--interval", "5"], "too short for --interval"),
         (["--replicas", "0"], "1 <= MIN <= MAX"),
         (["--replicas", "3..1"], "1 <= MIN <= MAX"),

@@ -3,10 +3,11 @@
 `batchpilot serve` processes (continuous batching, a deliberately poor start
 config) form one local "policy"; Prometheus scrapes them when its binary is
 installed (otherwise the tuner scrapes `/metrics` itself); the load generator
-offers a steady rate that steps up for the middle third of the run and falls
-back; the local tuning loop moves both knobs and, with a range of replicas,
-the number of servers: it grows the batch first, starts a second server once
-the batch is spent, and stops it when the load has fallen. A live view shows
+offers a steady rate, a quarter of the run each: the base rate, a step up that
+one server carries at a larger batch, a surge beyond it, and the base rate
+again; the local tuning loop moves both knobs and, with a range of replicas,
+the number of servers: it sizes the batch for the step, starts a second server
+once the batch is spent in the surge, and stops it when the load has fallen. A live view shows
 what happens; at the end the run is plotted to `batchpilot-demo.png`
 (untracked: `make demo` changes no file of the repository; the README's figure
 is a run with `--out docs/demo.png`) and summarised.
@@ -68,8 +69,13 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--step-factor", type=float,
-        help=f"load multiplier at the step (default {tiny.step_factor:g}, "
-        f"{real.step_factor:g} for a real model)",
+        help=f"load multiplier in the second quarter, the step (default "
+        f"{tiny.step_factor:g}, {real.step_factor:g} for a real model)",
+    )  # fmt: skip
+    p.add_argument(
+        "--surge-factor", type=float,
+        help=f"load multiplier in the third quarter, the surge (default "
+        f"{tiny.surge_factor:g}, {real.surge_factor:g} for a real model)",
     )  # fmt: skip
     p.add_argument(
         "--replicas", default=str(DEFAULT_REPLICAS), metavar="N|MIN..MAX",
@@ -97,12 +103,14 @@ def options_from(argv: list[str]) -> DemoOptions:
     slo_p99_ms = profile.slo_p99_ms if args.slo_p99_ms is None else args.slo_p99_ms
     rate = profile.rate if args.rate is None else args.rate
     step_factor = profile.step_factor if args.step_factor is None else args.step_factor
+    surge_factor = profile.surge_factor if args.surge_factor is None else args.surge_factor
     for flag, value in (
         ("--duration", args.duration),
         ("--slo-p99-ms", slo_p99_ms),
         ("--interval", args.interval),
         ("--rate", rate),
         ("--step-factor", step_factor),
+        ("--surge-factor", surge_factor),
     ):
         if value <= 0:
             p.error(f"{flag} must be positive, got {value:g}")
@@ -124,6 +132,7 @@ def options_from(argv: list[str]) -> DemoOptions:
         interval_s=args.interval,
         base_rate=rate,
         step_factor=step_factor,
+        surge_factor=surge_factor,
         use_prometheus=not args.no_prometheus,
         model=args.model,
         replicas=replicas,

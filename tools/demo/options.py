@@ -27,24 +27,26 @@ class LoadProfile:
 
     rate: float
     step_factor: float
+    surge_factor: float
     slo_p99_ms: float
     output_len: LengthDist
     ready_timeout_s: float
 
 
-# x3 at the step: 24 req/s is more than one tiny server carries within the SLO on
-# two shared cores (its p99 passed 1 s between 16 and 20 req/s here), and about what
-# two carry: the tuner has to spend the batch and then start the second server.
+# The step (x3) is one a single tiny server carries at a larger batch: the knobs' job,
+# sized from the capacity model in a round or two. The surge (x6) is more than one
+# server carries within the SLO on two shared cores, and about what two carry: the
+# tuner spends the batch and starts the second server.
 TINY_PROFILE = LoadProfile(
-    rate=8.0, step_factor=3.0, slo_p99_ms=1000.0,
-    output_len=LengthDist("uniform", 32, 96), ready_timeout_s=90.0,
+    rate=4.0, step_factor=3.0, surge_factor=6.0, slo_p99_ms=1000.0,
+    output_len=LengthDist("uniform", 16, 48), ready_timeout_s=90.0,
 )
 # A 135M-parameter model decodes some 50x slower than tiny on one core per server:
 # a fraction of a request per second, shorter answers and a SLO of seconds keep the
 # step near capacity, so the tuner still has a visible decision to make. These are
 # starting points, not measurements of every model: --rate and --slo-p99-ms override.
 REAL_MODEL_PROFILE = LoadProfile(
-    rate=0.5, step_factor=4.0, slo_p99_ms=10000.0,
+    rate=0.5, step_factor=2.0, surge_factor=4.0, slo_p99_ms=10000.0,
     output_len=LengthDist("uniform", 16, 48), ready_timeout_s=600.0,
 )
 
@@ -84,7 +86,7 @@ class Replicas:
 # only take CPU from the other two.
 DEFAULT_REPLICAS = Replicas(1, 2)
 # Scale-down patience, in tuner intervals. HPA's 300 s rides out lulls of minutes
-# between bursts; the demo's load falls for a third of a 3-minute run, so it waits
+# between bursts; the demo's load falls for a quarter of a 3-minute run, so it waits
 # 3 intervals (15 s at the default 5 s): one quiet window is not enough, several are.
 SCALE_DOWN_INTERVALS = 3
 
@@ -97,6 +99,7 @@ class DemoOptions:
     interval_s: float
     base_rate: float
     step_factor: float
+    surge_factor: float
     use_prometheus: bool
     model: str = "tiny"
     replicas: Replicas = DEFAULT_REPLICAS
@@ -108,18 +111,31 @@ class DemoOptions:
 
     @property
     def step_at_s(self) -> float:
-        return self.duration_s / 3
+        return self.duration_s / 4
+
+    @property
+    def surge_at_s(self) -> float:
+        return self.duration_s / 2
 
     @property
     def fall_at_s(self) -> float:
-        return 2 * self.duration_s / 3
+        return 3 * self.duration_s / 4
 
     def offered_rate(self, elapsed_s: float) -> float:
-        """Requests/s the load generator offers at `elapsed_s`: the base rate, stepped up
-        for the middle third of the run, then back down."""
-        if self.step_at_s <= elapsed_s < self.fall_at_s:
+        """Requests/s the load generator offers at `elapsed_s`, a quarter of the run each:
+        the base rate, the step, the surge, the base rate again."""
+        if self.step_at_s <= elapsed_s < self.surge_at_s:
             return self.base_rate * self.step_factor
+        if self.surge_at_s <= elapsed_s < self.fall_at_s:
+            return self.base_rate * self.surge_factor
         return self.base_rate
+
+    def phases(self) -> list[tuple[float, float, str]]:
+        """(start, end, label) of the loaded phases after the first: step, surge."""
+        return [
+            (self.step_at_s, self.surge_at_s, f"x{self.step_factor:g} step"),
+            (self.surge_at_s, self.fall_at_s, f"x{self.surge_factor:g} surge"),
+        ]
 
     @property
     def batch_bounds(self) -> Bounds:

@@ -1,8 +1,9 @@
 """The run as a PNG: p99 against the SLO, both knobs and the replicas, over time; the load
-step and its fall marked."""
+steps and the fall marked."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from batchpilot_tools.demo.options import INITIAL
@@ -42,11 +43,10 @@ def write_plot(recording: Recording, path: Path) -> None:
     else:
         ax_p99.set_ylim(bottom=0)
     ax_load = ax_p99.twinx()
-    step, fall, end = options.step_at_s, options.fall_at_s, options.duration_s
-    high = options.offered_rate(step)
-    load_t = [0.0, step, step, fall, fall, end]
-    load_r = [options.base_rate, options.base_rate, high, high, options.base_rate,
-              options.base_rate]  # fmt: skip
+    step, surge, fall = options.step_at_s, options.surge_at_s, options.fall_at_s
+    edges = [0.0, step, surge, fall, options.duration_s]
+    load_t = [t for start, end in itertools.pairwise(edges) for t in (start, end)]
+    load_r = [options.offered_rate(start) for start in edges[:-1] for _ in range(2)]
     ax_load.plot(load_t, load_r, color="tab:gray", alpha=0.6, label="offered load")
     ax_load.set_ylabel("offered load (req/s)")
     ax_load.set_ylim(bottom=0)
@@ -69,11 +69,12 @@ def write_plot(recording: Recording, path: Path) -> None:
     ax_timeout.set_ylim(bottom=0)
     ax_timeout.set_xlabel("time since load start (s)")
     for ax in (ax_p99, ax_replicas, ax_batch, ax_timeout):
-        for at in (step, fall):
+        for at in (step, surge, fall):
             ax.axvline(at, color="black", linestyle=":", linewidth=1)
         ax.grid(alpha=0.3)
     # At the bottom of the axes whatever its scale: x in data, y in axes fractions.
-    for at, text in ((step, f"load x{options.step_factor:g}"), (fall, "load back")):
+    marks = [(start, f"load {label}") for start, _, label in options.phases()]
+    for at, text in (*marks, (fall, "load back")):
         ax_p99.annotate(
             text, (at, 0), xycoords=ax_p99.get_xaxis_transform(), xytext=(4, 4),
             textcoords="offset points", fontsize=8,

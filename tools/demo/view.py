@@ -25,7 +25,8 @@ def view_lines(recording: Recording) -> list[str]:
     lines = [
         f"batchpilot demo  {elapsed:5.0f}/{options.duration_s:.0f} s  "
         f"offered {options.offered_rate(elapsed):5.1f} req/s  "
-        f"(x{options.step_factor:g} from {options.step_at_s:.0f} s to "
+        f"(x{options.step_factor:g} from {options.step_at_s:.0f} s, "
+        f"x{options.surge_factor:g} from {options.surge_at_s:.0f} s, back at "
         f"{options.fall_at_s:.0f} s)  signals: {recording.signal_source}",
     ]
     if last is None:
@@ -122,7 +123,7 @@ def summary_lines(recording: Recording, report: LoadReport | None, interrupted: 
         replicas_line(recording),
     ]
     if samples:
-        lines.append(recovery_line(recording))
+        lines += [recovery_line(recording, *phase) for phase in options.phases()]
     if recording.slot_waste is not None:
         lines += slot_waste_lines(recording.slot_waste)
     if samples:
@@ -168,12 +169,11 @@ def reversals_within_a_phase(recording: Recording) -> int:
     return reversals
 
 
-def recovery_line(recording: Recording) -> str:
-    """How many intervals after the load step the p99 met the SLO again."""
-    options = recording.options
-    after = [s for s in recording.samples if options.step_at_s <= s.t_s < options.fall_at_s]
-    slo = options.slo_p99_ms
-    head = f"  after the x{options.step_factor:g} step at {options.step_at_s:.0f} s:"
+def recovery_line(recording: Recording, start_s: float, end_s: float, label: str) -> str:
+    """How many intervals after a phase's start the p99 met the SLO again."""
+    after = [s for s in recording.samples if start_s <= s.t_s < end_s]
+    slo = recording.options.slo_p99_ms
+    head = f"  after the {label} at {start_s:.0f} s:"
     breached = next((i for i, s in enumerate(after) if s.p99_ms is not None and s.p99_ms > slo),
                     None)  # fmt: skip
     if breached is None:
@@ -184,7 +184,7 @@ def recovery_line(recording: Recording) -> str:
         None,
     )  # fmt: skip
     if met is None:
-        return f"{head} p99 broke the SLO and did not meet it again before the load fell"
+        return f"{head} p99 broke the SLO and did not meet it again before the phase ended"
     return (
         f"{head} p99 met the SLO again in interval {met + 1} after it "
         f"({after[met].t_s:.0f} s, p99 {after[met].p99_ms:.0f} ms)"
