@@ -505,7 +505,8 @@ def _predicted_growth(case: _Case, head: str, overloaded: bool = False) -> Decis
     The running-time limit caps the jump, except where the SLO is broken by queueing
     (`overloaded`) and the fleet cannot grow: a queue that never drains breaks every
     request's latency and then times them out, a batch past the limit only runs the
-    longest ones a little over. Where no batch carries the demand, AIMD steps there.
+    longest ones a little over. Where no batch carries the demand, AIMD steps there,
+    under the ceiling a back-off left.
     """
     capacity, model = case.capacity, case.model
     tokens = case.signals.mean_output_tokens
@@ -520,7 +521,17 @@ def _predicted_growth(case: _Case, head: str, overloaded: bool = False) -> Decis
     wants = f"{per_pod:.2f} req/s per pod needs {needs} at {busy}"
     serve_past_limit = overloaded and not _fleet_can_grow(case)
     if needed is None and serve_past_limit:
-        return None
+        # AIMD's step, but under the ceiling a back-off left: a batch that ran too slow
+        # once would only run too slow again
+        step = min(_growth_limit(case), max(batch + 1, round(batch * case.p.capacity_factor)))
+        if step <= batch:
+            return case.hold(f"{head}: model: {wants}; batch {batch} is at its ceiling")
+        return case.change(
+            "grow_batch",
+            f"{head}: model ({capacity.prediction}): {wants}, and the fleet cannot grow: "
+            f"batch {batch} -> {step}",
+            batch=step,
+        )
     target = limit if needed is None else min(limit, max(case.bounds.min_batch, needed))
     if needed is not None and needed > limit:
         if serve_past_limit:

@@ -398,7 +398,13 @@ def test_a_fleet_that_cannot_grow_serves_the_demand_past_the_running_time_limit(
     beyond = decide(measured(arrival_rate=40.0), BatchingConfig(8, 10.0), GOAL,
                     TunerState(samples=LINE))  # fmt: skip
     assert (beyond.action, beyond.config.max_batch_size) == ("grow_batch", 12)
-    assert "capacity short" in beyond.reason
+    assert "more than any batch carries at 80% busy, and the fleet cannot grow" in beyond.reason
+    # but never past a back-off's ceiling: 14 ran too slow, 9 grows to 13 and stays
+    backed_off = TunerState(samples=LINE, ceiling=14)
+    under = decide(measured(arrival_rate=40.0), BatchingConfig(9, 10.0), GOAL, backed_off)
+    assert under.config.max_batch_size == 13
+    held = decide(measured(arrival_rate=40.0), BatchingConfig(13, 10.0), GOAL, backed_off)
+    assert held.action == "hold" and "batch 13 is at its ceiling" in held.reason
 
 
 @pytest.mark.parametrize(
