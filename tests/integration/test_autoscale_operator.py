@@ -54,10 +54,8 @@ def cluster() -> Iterator[Cluster]:
 async def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> AsyncIterator[str]:
     """The test's namespace; its policies are deleted afterwards, so that the next test's
     operator does not resume their tuning loops beside its own."""
-    name = request.node.name.removeprefix("test_").replace("_", "-")[:40].rstrip("-")
-    yield name
-    for policy in await cluster.list(kube.POLICIES, name):
-        await cluster.delete(kube.POLICIES, name, policy["metadata"]["name"])
+    yield request.node.name.removeprefix("test_").replace("_", "-")[:40].rstrip("-")
+    await cluster.delete_policies()
 
 
 def autoscaled_policy(namespace: str, name: str = "llm", **autoscale: Any) -> dict[str, Any]:

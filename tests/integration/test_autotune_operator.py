@@ -31,6 +31,13 @@ def cluster() -> Iterator[Cluster]:
         yield running
 
 
+@pytest.fixture(autouse=True)
+async def no_policy_left(cluster: Cluster) -> AsyncIterator[None]:
+    """Each test's policies go with it: the next test's operator must not tune them too."""
+    yield
+    await cluster.delete_policies()
+
+
 def policy(namespace: str, name: str = "llm", **autotune: Any) -> dict[str, Any]:
     return policy_object(name, namespace, {
         "replicas": 1,

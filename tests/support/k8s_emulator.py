@@ -456,6 +456,16 @@ class Cluster:
         status, data = await self.request("DELETE", kind.path(namespace, name))
         _expect(status, data, "delete", 200)
 
+    async def delete_policies(self) -> None:
+        """Delete every BatchingPolicy. Tests sharing a cluster call it after each test: the
+        next test's operator would otherwise resume their tuning loops beside its own,
+        against pods that are gone, and share the test process's CPU with them."""
+        kind = kube.POLICIES
+        status, data = await self.request("GET", f"/apis/{kind.group}/{kind.version}/{kind.plural}")
+        _expect(status, data, "list", 200)
+        for policy in data["items"]:
+            await self.delete(kind, policy["metadata"]["namespace"], policy["metadata"]["name"])
+
     async def wait_until(
         self,
         probe: Callable[[], Awaitable[T | None]],
