@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import TextIO
 
 from batchpilot_operator.tune_local import TuneError
-from batchpilot_operator.tuner import Bounds
 from batchpilot_tools.demo.options import (
     DEFAULT_REPLICAS,
+    DEMO_MAX_BATCH,
     REAL_MODEL_PROFILE,
     SCALE_DOWN_INTERVALS,
     TINY_PROFILE,
@@ -84,8 +84,8 @@ def parser() -> argparse.ArgumentParser:
         f"{SCALE_DOWN_INTERVALS} quiet intervals (default {DEFAULT_REPLICAS})",
     )  # fmt: skip
     p.add_argument(
-        "--max-batch", type=int, default=Bounds().max_batch,
-        help=f"the largest batch the tuner may set (default {Bounds().max_batch}); a small "
+        "--max-batch", type=int, default=DEMO_MAX_BATCH,
+        help=f"the largest batch the tuner may set (default {DEMO_MAX_BATCH}); a small "
         "one spends the batch sooner",
     )  # fmt: skip
     p.add_argument(

@@ -18,6 +18,12 @@ POLICY = "demo"
 # Poor on purpose: a small batch and a long idle wait before the first step, so
 # the tuner has visible work to do before the load even steps up.
 INITIAL = BatchingConfig(max_batch_size=1, batch_timeout_ms=100.0, max_queue_size=512)
+# The most batch the knobs may give. On two shared cores a tiny server's step cost
+# grows almost as fast as its batch (Python per token and sequence, and the load
+# generator beside it), so throughput levels off early and moves with the machine's
+# load; a bound that the step fits in and the surge does not keeps the story (knobs
+# first, then a server) on a quiet and on a busy machine alike.
+DEMO_MAX_BATCH = 8
 ADMIN_TOKEN = "batchpilot-demo"
 
 
@@ -103,7 +109,7 @@ class DemoOptions:
     use_prometheus: bool
     model: str = "tiny"
     replicas: Replicas = DEFAULT_REPLICAS
-    max_batch: int = Bounds().max_batch
+    max_batch: int = DEMO_MAX_BATCH
 
     @property
     def profile(self) -> LoadProfile:

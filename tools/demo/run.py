@@ -102,7 +102,8 @@ async def run_demo(
             servers = f"{replicas.low} server" + ("s" if replicas.low > 1 else "")
             scaling = f"the tuner scales {replicas}" if replicas.autoscaled else "a fixed fleet"
             say(stream, f"starting {servers} of {options.model} (continuous batching, batch "
-                f"{INITIAL.max_batch_size}, timeout {INITIAL.batch_timeout_ms:g} ms; {scaling})")
+                f"{INITIAL.max_batch_size} of at most {options.max_batch}, timeout "
+                f"{INITIAL.batch_timeout_ms:g} ms; {scaling})")
             fleet = await stack.enter_async_context(
                 ProcessFleet(options.model, workdir, options.profile.ready_timeout_s)
             )
