@@ -128,7 +128,9 @@ async def test_patches_are_json_merge_patches(cluster: Cluster, client: kube.Cli
     await cluster.create(kube.CONFIGMAPS, config_map("merge", "cm"))
     patched = await client.patch(kube.CONFIGMAPS, "merge", "cm", {"data": {"a": None, "b": "2"}})
     assert patched["data"] == {"b": "2"}
-    requests = [r for r in cluster.emulator if r.method == "PATCH" and r.namespace == "merge"]
+    requests = [
+        r for r in cluster.emulator.requests if r.method == "PATCH" and r.namespace == "merge"
+    ]
     assert [r.headers.get("Content-Type") for r in requests] == [kube.MERGE_PATCH]
 
 

@@ -71,7 +71,9 @@ def exec_kubeconfig(directory: Path, url: str, *plugin_args: str) -> tuple[Path,
 
 def authorizations(cluster: Cluster, user_agent: str) -> list[str]:
     """The Authorization header of each request the emulator got from `user_agent`."""
-    headers = [{k.lower(): v for k, v in request.headers.items()} for request in cluster.emulator]
+    headers = [
+        {k.lower(): v for k, v in request.headers.items()} for request in cluster.emulator.requests
+    ]
     return [h.get("authorization", "") for h in headers
             if h.get("user-agent", "").startswith(user_agent)]
 

@@ -120,6 +120,8 @@ class Emulator(kmock.KubernetesEmulator):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self._versions = itertools.count(1)
+        # Every request as kmock parsed it (method, path, headers), in order of arrival.
+        self.requests: list[kmock.Request] = []
         # Every resource request, for RBAC tests to compare with the ClusterRole.
         self.calls: list[ApiCall] = []
         # Errors to answer instead of serving (chaos tests); appended from the test thread.
@@ -168,6 +170,16 @@ class Emulator(kmock.KubernetesEmulator):
 
     @override
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        self.requests.append(request)
+        try:
+            return await self._serve(request)
+        finally:
+            # kmock finds a request's reaction by scanning every request its root holds, from
+            # the first: an emulator that lives for a module of tests got slower with each
+            # call. The root holds only the requests in flight; `requests` keeps the history.
+            self._requests[:] = [held for held in self._requests if held is not request]
+
+    async def _serve(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if request.resource is not None and request.action is not None:
             call = self._record(request)
             fault = next((f for f in self.faults if call is not None and f.takes(call)), None)
