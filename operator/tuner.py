@@ -411,6 +411,9 @@ def _on_headroom(case: _Case, p99: float) -> Decision:
             f"{head} and requests queue behind full batches: batch {batch} -> {new_batch}",
             batch=new_batch,
         )
+    ahead = _sized_ahead(case, head, limit)
+    if ahead is not None:
+        return ahead
     timeout_cap = min(bounds.max_timeout_ms, p.timeout_budget_share * case.slo_s * 1000)
     step = max(1.0, p.timeout_step_share * case.slo_s * 1000)
     # Rounded to whole microseconds so that reaching the cap ends the growth.
@@ -566,6 +569,30 @@ def _fleet_can_grow(case: _Case) -> bool:
     (an HPA that owns the count is taken to add pods too)."""
     replicas = case.goal.replicas
     return replicas is not None and max(1, case.signals.pods) < replicas.max_replicas
+
+
+def _sized_ahead(case: _Case, head: str, limit: int) -> Decision | None:
+    """With headroom and no queue yet, the batch the model says this demand needs, where
+    the batch in force carries it at more than `busy_target` busy: a climbing load fills
+    the slots a window before it queues, and growing then is cheaper than draining."""
+    capacity, model = case.capacity, case.model
+    tokens = case.signals.mean_output_tokens
+    if capacity is None or model is None or tokens is None or case.batch >= limit:
+        return None
+    per_pod = capacity.demand_rps / max(1, case.signals.pods)
+    needed = model.batch_for(per_pod, tokens, case.p.busy_target)
+    if needed is None or needed <= case.batch:
+        return None
+    target = min(limit, capacity.batch_limit, needed)
+    if target <= case.batch:
+        return None
+    return case.change(
+        "grow_batch",
+        f"{head}, but batch {case.batch} runs past {case.p.busy_target:.0%} busy: model "
+        f"({capacity.prediction}): {per_pod:.2f} req/s per pod needs batch {needed}: "
+        f"batch {case.batch} -> {target} before a queue forms",
+        batch=target,
+    )
 
 
 def _running(case: _Case) -> tuple[float, str]:

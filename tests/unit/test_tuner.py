@@ -332,6 +332,21 @@ def measured(batch_seen: float = 8.0, **fields: float | None) -> Signals:
     return replace(ok(**base), pods=1)
 
 
+def test_with_headroom_a_batch_running_past_busy_target_grows_before_a_queue_forms() -> None:
+    # p99 0.3 s well within the 0.5 s SLO, nothing queues; but 15 req/s on batch 8 is
+    # 15 x 64 x (4 + 0.5 x 8) ms = 7.7 busy slots of 8: the model asks for 12
+    calm = measured(p99_latency_s=0.3, queue_wait_p99_s=0.0)
+    decision = decide(calm, BatchingConfig(8, 10.0), GOAL, TunerState(samples=LINE))
+    assert (decision.action, decision.config.max_batch_size) == ("grow_batch", 12)
+    assert "batch 8 runs past 80% busy" in decision.reason
+    assert "batch 8 -> 12 before a queue forms" in decision.reason
+    # at a batch that carries it, headroom holds; without a model, AIMD waits for a queue
+    assert decide(calm, BatchingConfig(12, 10.0), GOAL, TunerState(samples=LINE)).action != (
+        "grow_batch"
+    )
+    assert decide(calm, BatchingConfig(8, 10.0), GOAL, TunerState()).action != "grow_batch"
+
+
 def test_the_model_sizes_the_batch_for_the_demand_in_one_jump() -> None:
     decision = decide(measured(), BatchingConfig(8, 10.0), GOAL, TunerState(samples=LINE))
     # 15 req/s x 64 tokens at 80 % busy: b >= 1200 x (4 ms + 0.5 ms b)  ->  b = 12
