@@ -31,9 +31,11 @@ prometheus:
 
 # Everything: ruff, then tests/unit and tests/integration (pyproject's testpaths).
 # pytest's exit status 5 (no test collected) fails the target like any other.
+# Two workers: the emulator-only operator tests beside the rest, which run one at a
+# time as without -n (tests/support/lanes.py).
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2
 
 # The unit tests alone (under a minute): no servers, Prometheus or cluster emulator.
 test-fast: $(STAMP)

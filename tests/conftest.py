@@ -1,13 +1,22 @@
-"""Fixtures shared by test modules: the real SmolLM2 test model's files, one torch thread."""
+"""Fixtures shared by test modules: the real SmolLM2 test model's files, one torch thread;
+and the lanes `make test` runs side by side (tests/support/lanes.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.support import smollm2
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: called under -n only
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from tests.support.lanes import LaneScheduling  # here: it imports xdist
+
+    return LaneScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

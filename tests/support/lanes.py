@@ -1,0 +1,40 @@
+"""The two lanes `make test` runs side by side (`pytest -n 2`), each whole on one worker.
+
+Most tests time real servers, loads and Prometheus against each other on two cores, so
+they run one at a time, in collection order, in the main lane, as they do without xdist.
+The modules beside it test the operator against the API emulator with fake pods or
+none: they mostly wait for its rounds (5 s apart) on a tenth of a core.
+
+The controller sees test ids only, so a lane is chosen by module. (xdist_group marks and
+`--dist loadgroup` would say it in each module, but on pytest 9.2 that silently stops
+grouping: pytest-xdist issue #1386.)
+"""
+
+from __future__ import annotations
+
+from xdist.scheduler import LoadScopeScheduling
+
+MAIN = "main"
+BESIDE = "emulator"
+BESIDE_THE_SERVERS = frozenset({
+    "test_kube.py",
+    "test_kube_login.py",
+    "test_operator.py",
+    "test_operator_chaos.py",
+    "test_operator_cli.py",
+    "test_operator_emulator.py",
+    "test_operator_metrics.py",
+    "test_operator_replicas.py",
+})  # fmt: skip
+
+
+def lane_of(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return BESIDE if module in BESIDE_THE_SERVERS else MAIN
+
+
+class LaneScheduling(LoadScopeScheduling):
+    """xdist's scope scheduling with the lane as the scope: a worker takes a lane whole."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return lane_of(nodeid)
