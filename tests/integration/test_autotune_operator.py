@@ -18,7 +18,7 @@ from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
 from tests.support.k8s_emulator import Cluster, condition, run_cluster, run_operator
 from tests.support.policies import policy_object
 from tests.support.prometheus import requires_prometheus, run_prometheus
-from tests.support.servers import ServerProcess, free_port, spawn_server
+from tests.support.servers import ServerProcess, free_port, spawn_server, wait_ready
 
 TOKEN = "autotune-test-token"
 INTERVAL_S = 5  # the CRD's minimum
@@ -230,10 +230,15 @@ async def test_pods_holding_other_values_get_the_config_in_force_again(
     await admin_secret(cluster, ns)
     with (
         spawn_server(
-            tmp_path=tmp_path, max_batch_size=3, batch_timeout_ms=7, admin_token=TOKEN
+            tmp_path=tmp_path, max_batch_size=3, batch_timeout_ms=7, admin_token=TOKEN,
+            wait=False,
         ) as drifted,
-        spawn_server(tmp_path=tmp_path, max_batch_size=2, admin_token="stale-token") as locked,
+        spawn_server(
+            tmp_path=tmp_path, max_batch_size=2, admin_token="stale-token", wait=False
+        ) as locked,
     ):
+        for server in (drifted, locked):  # both started before either is waited for
+            wait_ready(server)
         await cluster.add_server_pod(ns, "llm", "llm-0", "127.0.0.1", drifted.port)
         await cluster.add_server_pod(ns, "llm", "llm-1", "127.0.0.1", locked.port)
         with run_operator(cluster):

@@ -26,7 +26,7 @@ from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
 
 from tests.support import ROOT
 from tests.support.prometheus import requires_prometheus, run_prometheus
-from tests.support.servers import ServerProcess, spawn_server
+from tests.support.servers import ServerProcess, spawn_server, wait_ready
 
 pytestmark = requires_prometheus
 
@@ -140,9 +140,13 @@ def test_kustomize_provisions_the_dashboard_verbatim() -> None:
 @pytest.fixture
 def servers(tmp_path: Path) -> Iterator[dict[str, ServerProcess]]:
     with (
-        spawn_server(tmp_path=tmp_path, mode=POLICIES["cont"], max_batch_size=8) as cont,
-        spawn_server(tmp_path=tmp_path, mode=POLICIES["dyn"], max_batch_size=8) as dyn,
+        spawn_server(
+            tmp_path=tmp_path, mode=POLICIES["cont"], max_batch_size=8, wait=False
+        ) as cont,
+        spawn_server(tmp_path=tmp_path, mode=POLICIES["dyn"], max_batch_size=8, wait=False) as dyn,
     ):
+        for server in (cont, dyn):  # both started before either is waited for
+            wait_ready(server)
         yield {"cont": cont, "dyn": dyn}
 
 

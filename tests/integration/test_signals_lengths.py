@@ -25,7 +25,7 @@ from batchpilot_server import metric_names as names
 from batchpilot_tools.loadgen import LengthDist, LoadSpec, RequestResult, run_load
 
 from tests.support.prometheus import PrometheusProcess, requires_prometheus, run_prometheus
-from tests.support.servers import spawn_server
+from tests.support.servers import spawn_server, wait_ready
 
 TOKEN_BOUNDS = (*names.GENERATION_TOKEN_BUCKETS, math.inf)
 SETTLE_DEADLINE_S = 30.0
@@ -50,9 +50,11 @@ def reads_lengths(signals: Signals, lengths: list[int]) -> bool:
 @requires_prometheus
 async def test_both_sources_read_the_length_spread_and_the_mean_latency(tmp_path: Path) -> None:
     with (
-        spawn_server(tmp_path=tmp_path) as equal_server,
-        spawn_server(tmp_path=tmp_path) as spread_server,
+        spawn_server(tmp_path=tmp_path, wait=False) as equal_server,
+        spawn_server(tmp_path=tmp_path, wait=False) as spread_server,
     ):
+        for server in (equal_server, spread_server):  # both started before either waits
+            wait_ready(server)
         urls = {"equal": equal_server.url, "spread": spread_server.url}
         hosts = [u.removeprefix("http://") for u in urls.values()]
         with run_prometheus(tmp_path, hosts) as prom:

@@ -19,7 +19,7 @@ from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
 
 from tests.support.prometheus import requires_prometheus, run_prometheus
-from tests.support.servers import spawn_server
+from tests.support.servers import spawn_server, wait_ready
 
 BOUNDS = (*names.LATENCY_BUCKETS, math.inf)
 BATCH = 16
@@ -40,9 +40,11 @@ async def test_p99_agrees_with_the_load_generator_and_the_tuner_rides_out_an_out
     tmp_path: Path,
 ) -> None:
     with (
-        spawn_server(tmp_path=tmp_path, max_batch_size=BATCH) as first,
-        spawn_server(tmp_path=tmp_path, max_batch_size=BATCH) as second,
+        spawn_server(tmp_path=tmp_path, max_batch_size=BATCH, wait=False) as first,
+        spawn_server(tmp_path=tmp_path, max_batch_size=BATCH, wait=False) as second,
     ):
+        for server in (first, second):  # both started before either is waited for
+            wait_ready(server)
         urls = [first.url, second.url]
         hosts = [u.removeprefix("http://") for u in urls]
         with run_prometheus(tmp_path, hosts, labels={"policy": "local"}) as prom:
