@@ -10,12 +10,11 @@ from typing import Any
 import pytest
 
 from tests.support import smollm2
+from tests.support.lanes import LaneScheduling
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: called under -n only
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    from tests.support.lanes import LaneScheduling  # here: it imports xdist
-
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LaneScheduling:
     return LaneScheduling(config, log)
 
 

@@ -2,12 +2,13 @@
 
 Most tests time real servers, loads and Prometheus against each other on two cores, so
 they run one at a time, in collection order, in the main lane, as they do without xdist.
-The modules beside it test the operator against the API emulator with fake pods or
-none: they mostly wait for its rounds (5 s apart) on a tenth of a core.
+The tests beside it run the operator, or its API client, against the API emulator with
+fake pods or none: they mostly wait for its rounds (5 s apart) on a tenth of a core.
 
-The controller sees test ids only, so a lane is chosen by module. (xdist_group marks and
-`--dist loadgroup` would say it in each module, but on pytest 9.2 that silently stops
-grouping: pytest-xdist issue #1386.)
+The controller sees test ids only, so a lane is chosen by module, or by test where a
+module's other tests run servers. (xdist_group marks and `--dist loadgroup` would say
+it in each module, but on pytest 9.2 that silently stops grouping: pytest-xdist issue
+#1386.)
 """
 
 from __future__ import annotations
@@ -25,12 +26,19 @@ BESIDE_THE_SERVERS = frozenset({
     "test_operator_emulator.py",
     "test_operator_metrics.py",
     "test_operator_replicas.py",
+    "test_autoscale_operator.py::"
+    "test_kubectl_scale_writes_through_the_scale_subresource_and_the_operator_follows",
+    "test_autotune_operator.py::"
+    "test_unreachable_prometheus_sets_metrics_available_false_and_holds",
 })  # fmt: skip
 
 
 def lane_of(nodeid: str) -> str:
-    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
-    return BESIDE if module in BESIDE_THE_SERVERS else MAIN
+    path, _, test = nodeid.partition("::")
+    module = path.rsplit("/", 1)[-1]
+    function = test.split("[", 1)[0]
+    beside = {module, f"{module}::{function}"} & BESIDE_THE_SERVERS
+    return BESIDE if beside else MAIN
 
 
 class LaneScheduling(LoadScopeScheduling):

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from tests.support import ROOT
+from tests.support.lanes import BESIDE_THE_SERVERS
 
 # import name -> folder (pyproject's package-dir)
 PACKAGES = {"batchpilot_server": "server", "batchpilot_operator": "operator",
@@ -97,3 +98,24 @@ def test_tests_import_shared_helpers_from_tests_support_only() -> None:
         or (target.split(".")[0] == "tests" and not target.startswith("tests.support"))
     }
     assert not stray
+
+
+def test_every_test_the_side_lane_names_exists() -> None:
+    """A renamed module or test would drop back into the main lane without a word."""
+    integration = ROOT / "tests" / "integration"
+    missing = []
+    for entry in sorted(BESIDE_THE_SERVERS):
+        module, _, function = entry.partition("::")
+        path = integration / module
+        if not path.exists() or (function and function not in defined_functions(path)):
+            missing.append(entry)
+    assert not missing
+
+
+def defined_functions(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    return {
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
