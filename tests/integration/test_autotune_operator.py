@@ -39,34 +39,46 @@ async def no_policy_left(cluster: Cluster) -> AsyncIterator[None]:
 
 
 def policy(namespace: str, name: str = "llm", **autotune: Any) -> dict[str, Any]:
-    return policy_object(name, namespace, {
-        "replicas": 1,
-        "server": {"image": "batchpilot:test"},
-        "batching": {
-            "mode": "continuous",
-            "maxBatchSize": {"initial": 1, "min": 1, "max": 32},
-            "batchTimeoutMs": {"initial": 0, "min": 0, "max": 50},
+    return policy_object(
+        name,
+        namespace,
+        {
+            "replicas": 1,
+            "server": {"image": "batchpilot:test"},
+            "batching": {
+                "mode": "continuous",
+                "maxBatchSize": {"initial": 1, "min": 1, "max": 32},
+                "batchTimeoutMs": {"initial": 0, "min": 0, "max": 50},
+            },
+            "slo": {"p99LatencyMs": 30000},
+            "autotune": {"intervalSeconds": INTERVAL_S, "windowSeconds": 10, **autotune},
         },
-        "slo": {"p99LatencyMs": 30000},
-        "autotune": {"intervalSeconds": INTERVAL_S, "windowSeconds": 10, **autotune},
-    })
+    )
 
 
 async def admin_secret(cluster: Cluster, namespace: str, name: str = "llm") -> None:
     """The policy's admin Secret made up front, so the local server can share its token."""
-    await cluster.create(kube.SECRETS, {
-        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-        "metadata": {"name": builders.secret_name(name), "namespace": namespace},
-        "data": {builders.TOKEN_KEY: base64.b64encode(TOKEN.encode()).decode()},
-    })
+    await cluster.create(
+        kube.SECRETS,
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "type": "Opaque",
+            "metadata": {"name": builders.secret_name(name), "namespace": namespace},
+            "data": {builders.TOKEN_KEY: base64.b64encode(TOKEN.encode()).decode()},
+        },
+    )
 
 
 @contextlib.asynccontextmanager
 async def background_load(url: str) -> AsyncIterator[None]:
     """Far more than a batch of one can serve: the queue grows until the tuner acts."""
     spec = LoadSpec(
-        urls=[url], rate=40.0, duration_s=3 * TUNE_DEADLINE_S,
-        prompt_len=LengthDist("fixed", 16), output_len=LengthDist("fixed", 24),
+        urls=[url],
+        rate=40.0,
+        duration_s=3 * TUNE_DEADLINE_S,
+        prompt_len=LengthDist("fixed", 16),
+        output_len=LengthDist("fixed", 24),
     )
     task = asyncio.create_task(run_load(spec))
     try:
@@ -83,7 +95,10 @@ async def server_pod(
     """A real server at batch 1, timeout 0, sharing the policy's admin token, as pod llm-0."""
     await admin_secret(cluster, namespace)
     with spawn_server(
-        tmp_path=tmp_path, max_batch_size=1, batch_timeout_ms=0, max_queue_size=4096,
+        tmp_path=tmp_path,
+        max_batch_size=1,
+        batch_timeout_ms=0,
+        max_queue_size=4096,
         admin_token=TOKEN,
     ) as server:
         await cluster.add_server_pod(namespace, "llm", "llm-0", "127.0.0.1", server.port)
@@ -106,7 +121,11 @@ async def test_the_loop_tunes_a_real_server_and_a_restart_resumes_from_status(
             with run_operator(cluster):
                 await cluster.create(kube.POLICIES, policy(ns))
                 first = await cluster.wait_for(
-                    kube.POLICIES, ns, "llm", tuned, "a tuning change in status.history",
+                    kube.POLICIES,
+                    ns,
+                    "llm",
+                    tuned,
+                    "a tuning change in status.history",
                     TUNE_DEADLINE_S,
                 )
             status = first["status"]
@@ -132,12 +151,17 @@ async def test_the_loop_tunes_a_real_server_and_a_restart_resumes_from_status(
 
             # A new operator starts from what is in force, not from `initial`.
             with run_operator(cluster):
+
                 def decided_again(obj: dict[str, Any]) -> bool:
                     last = (obj.get("status") or {}).get("lastDecision") or {}
                     return last.get("time", "") > status["lastDecision"]["time"]
 
                 resumed = await cluster.wait_for(
-                    kube.POLICIES, ns, "llm", decided_again, "a decision after the restart",
+                    kube.POLICIES,
+                    ns,
+                    "llm",
+                    decided_again,
+                    "a decision after the restart",
                     TUNE_DEADLINE_S,
                 )
             assert resumed["status"]["maxBatchSize"] >= status["maxBatchSize"] > 1
@@ -208,7 +232,11 @@ async def test_prometheus_outage_holds_with_metrics_unavailable_and_recovers(
                     )
                     prometheus.stop()
                     down = await cluster.wait_for_condition(
-                        ns, "llm", "MetricsAvailable", "False", "MetricsUnavailable",
+                        ns,
+                        "llm",
+                        "MetricsAvailable",
+                        "False",
+                        "MetricsUnavailable",
                         TUNE_DEADLINE_S,
                     )
                     during = await cluster.get(kube.POLICIES, ns, "llm")
@@ -230,7 +258,10 @@ async def test_pods_holding_other_values_get_the_config_in_force_again(
     await admin_secret(cluster, ns)
     with (
         spawn_server(
-            tmp_path=tmp_path, max_batch_size=3, batch_timeout_ms=7, admin_token=TOKEN,
+            tmp_path=tmp_path,
+            max_batch_size=3,
+            batch_timeout_ms=7,
+            admin_token=TOKEN,
             wait=False,
         ) as drifted,
         spawn_server(
@@ -251,7 +282,11 @@ async def test_pods_holding_other_values_get_the_config_in_force_again(
                     return decision.get("time", "") > after
 
                 found = await cluster.wait_for(
-                    kube.POLICIES, ns, "llm", decided_again, f"round {round_ + 1}",
+                    kube.POLICIES,
+                    ns,
+                    "llm",
+                    decided_again,
+                    f"round {round_ + 1}",
                     TUNE_DEADLINE_S,
                 )
                 last = found["status"]["lastDecision"]["time"]
@@ -263,8 +298,9 @@ async def test_pods_holding_other_values_get_the_config_in_force_again(
     assert still.max_batch_size == 2
     events = await cluster.events_for(ns, "llm")
     resynced = [e["message"] for e in events if e["reason"] == "Resynced"]
-    assert resynced == ["maxBatchSize 1, batchTimeoutMs 0 pushed again to llm-0: they held "
-                        "other values"]
+    assert resynced == [
+        "maxBatchSize 1, batchTimeoutMs 0 pushed again to llm-0: they held other values"
+    ]
     refused = [e for e in events if e["reason"] == "PushRefused"]
     assert len(refused) == 1 and refused[0]["type"] == "Warning"
     assert refused[0]["message"].startswith("resync refused by llm-1: HTTP 403")

@@ -188,9 +188,7 @@ async def test_every_query_returns_data(
         target: {"policy": policy, "namespace": NAMESPACE, "pod": f"{policy}-0"}
         for target, policy in targets.items()
     }
-    with run_prometheus(
-        tmp_path, [*targets, operator_target], target_labels=target_labels
-    ) as prom:
+    with run_prometheus(tmp_path, [*targets, operator_target], target_labels=target_labels) as prom:
         await asyncio.to_thread(prom.wait_for_targets_up)
         spec = LoadSpec(
             urls=[s.url for s in servers.values()],

@@ -242,8 +242,9 @@ def test_the_servers_serve_the_model_the_demo_is_given(tmp_path: Path) -> None:
     # A model path that does not exist: the servers get it and refuse it at once,
     # which shows it reached them without loading a real model for minutes.
     missing = tmp_path / "no-such-model.gguf"
-    run = DemoRun(tmp_path, "--model", str(missing), "--duration", "20", "--interval", "4",
-                  "--no-prometheus")
+    run = DemoRun(
+        tmp_path, "--model", str(missing), "--duration", "20", "--interval", "4", "--no-prometheus"
+    )
     code = run.run_to_exit()
     output = run.output()
     assert code == 1, output

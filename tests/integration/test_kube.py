@@ -42,8 +42,11 @@ def fault(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[Fault]:
 
 
 def bare(kind: kube.Kind, namespace: str, name: str) -> dict[str, Any]:
-    return {"apiVersion": kind.api_version, "kind": kind.kind,
-            "metadata": {"name": name, "namespace": namespace}}
+    return {
+        "apiVersion": kind.api_version,
+        "kind": kind.kind,
+        "metadata": {"name": name, "namespace": namespace},
+    }
 
 
 def valid(kind: kube.Kind, namespace: str, name: str) -> dict[str, Any]:
@@ -51,9 +54,13 @@ def valid(kind: kube.Kind, namespace: str, name: str) -> dict[str, Any]:
     body = bare(kind, namespace, name)
     if kind == kube.DEPLOYMENTS:
         labels = {"app": name}
-        body["spec"] = {"selector": {"matchLabels": labels}, "template": {
-            "metadata": {"labels": labels},
-            "spec": {"containers": [{"name": "c", "image": "i"}]}}}
+        body["spec"] = {
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"containers": [{"name": "c", "image": "i"}]},
+            },
+        }
     if kind == kube.EVENTS:
         body["involvedObject"] = {"kind": "ConfigMap", "name": name, "namespace": namespace}
     if kind == kube.POLICIES:  # the scale subresource reads spec.replicas
@@ -94,10 +101,15 @@ async def test_every_declared_call_reaches_the_api_as_declared(
     for (kind, sub), verbs in kube.PERMISSIONS.items():
         for verb in sorted(verbs):
             await call(client, kind, sub, verb, namespace, kind.plural)
-    made = {(c.group, c.resource, c.verb)
-            for c in cluster.emulator.operator_calls(since, time.monotonic())}
-    declared = {(kind.group, kind.plural + (f"/{sub}" if sub else ""), verb)
-                for (kind, sub), verbs in kube.PERMISSIONS.items() for verb in verbs}
+    made = {
+        (c.group, c.resource, c.verb)
+        for c in cluster.emulator.operator_calls(since, time.monotonic())
+    }
+    declared = {
+        (kind.group, kind.plural + (f"/{sub}" if sub else ""), verb)
+        for (kind, sub), verbs in kube.PERMISSIONS.items()
+        for verb in verbs
+    }
     assert made == declared
 
 

@@ -47,14 +47,18 @@ def cluster() -> Iterator[Cluster]:
 
 
 def write_kubeconfig(path: Path, cluster: dict[str, Any], user: dict[str, Any]) -> Path:
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1",
-        "kind": "Config",
-        "current-context": "test",
-        "clusters": [{"name": "test", "cluster": cluster}],
-        "users": [{"name": "test", "user": user}],
-        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "test",
+                "clusters": [{"name": "test", "cluster": cluster}],
+                "users": [{"name": "test", "user": user}],
+                "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}],
+            }
+        )
+    )
     return path
 
 
@@ -63,9 +67,14 @@ def exec_kubeconfig(directory: Path, url: str, *plugin_args: str) -> tuple[Path,
     plugin = directory / "plugin.py"
     plugin.write_text(PLUGIN)
     issued = directory / "issued"
-    user = {"exec": {"apiVersion": EXEC_API, "command": sys.executable,
-                     "args": [str(plugin), str(issued), *plugin_args],
-                     "interactiveMode": "Never"}}
+    user = {
+        "exec": {
+            "apiVersion": EXEC_API,
+            "command": sys.executable,
+            "args": [str(plugin), str(issued), *plugin_args],
+            "interactiveMode": "Never",
+        }
+    }
     return write_kubeconfig(directory / "kubeconfig", {"server": url}, user), issued
 
 
@@ -74,8 +83,11 @@ def authorizations(cluster: Cluster, user_agent: str) -> list[str]:
     headers = [
         {k.lower(): v for k, v in request.headers.items()} for request in cluster.emulator.requests
     ]
-    return [h.get("authorization", "") for h in headers
-            if h.get("user-agent", "").startswith(user_agent)]
+    return [
+        h.get("authorization", "")
+        for h in headers
+        if h.get("user-agent", "").startswith(user_agent)
+    ]
 
 
 async def test_the_operator_and_kopf_log_in_through_an_exec_plugin(
@@ -83,8 +95,10 @@ async def test_the_operator_and_kopf_log_in_through_an_exec_plugin(
 ) -> None:
     kubeconfig, issued = exec_kubeconfig(tmp_path, cluster.url, "eks-token")
     with run_operator(dataclasses.replace(cluster, kubeconfig=kubeconfig)):
-        await cluster.create(kube.POLICIES, policy_object(
-            "llm", "exec", {"replicas": 1, "autotune": {"enabled": False}}))
+        await cluster.create(
+            kube.POLICIES,
+            policy_object("llm", "exec", {"replicas": 1, "autotune": {"enabled": False}}),
+        )
         await cluster.wait_for(kube.DEPLOYMENTS, "exec", "llm")
     ours, kopfs = authorizations(cluster, kube.USER_AGENT), authorizations(cluster, "kopf/")
     assert ours and kopfs
@@ -115,10 +129,14 @@ def test_kopf_gets_the_clusters_ca_and_the_users_client_certificate(
     ca, cert, key = b"--- the CA ---", b"--- a client cert ---", b"--- its key ---"
     kubeconfig = write_kubeconfig(
         tmp_path / "kubeconfig",
-        {"server": "https://api.example:6443",
-         "certificate-authority-data": base64.b64encode(ca).decode()},
-        {"client-certificate-data": base64.b64encode(cert).decode(),
-         "client-key-data": base64.b64encode(key).decode()},
+        {
+            "server": "https://api.example:6443",
+            "certificate-authority-data": base64.b64encode(ca).decode(),
+        },
+        {
+            "client-certificate-data": base64.b64encode(cert).decode(),
+            "client-key-data": base64.b64encode(key).decode(),
+        },
     )
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     info = kube.connection_info(kopf.OperatorSettings())
@@ -148,8 +166,10 @@ def test_in_a_pod_the_service_account_comes_before_any_kubeconfig(
 @pytest.mark.parametrize(
     ("content", "words"),
     [
-        ({"apiVersion": "v1", "kind": "Config", "clusters": [], "users": [], "contexts": []},
-         "cannot log in with kubeconfig"),
+        (
+            {"apiVersion": "v1", "kind": "Config", "clusters": [], "users": [], "contexts": []},
+            "cannot log in with kubeconfig",
+        ),
         ("not: [a, kubeconfig", "cannot log in with kubeconfig"),
     ],
     ids=["no-context", "not-yaml"],
@@ -163,4 +183,3 @@ def test_a_kubeconfig_the_client_cannot_use_is_a_permanent_error(
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
     with pytest.raises(kopf.PermanentError, match=words):
         kube.connection_info(kopf.OperatorSettings())
-

@@ -66,14 +66,21 @@ async def test_both_sources_read_the_length_spread_and_the_mean_latency(tmp_path
                     await scrape.scrape()
                 started = time.monotonic()
                 results: dict[str, list[RequestResult]] = {"equal": [], "spread": []}
-                await asyncio.gather(*(
-                    run_load(
-                        LoadSpec(urls=[urls[k]], rate=15.0, duration_s=6.0,
-                                 prompt_len=LengthDist("fixed", 8), output_len=dist),
-                        results[k].append,
+                await asyncio.gather(
+                    *(
+                        run_load(
+                            LoadSpec(
+                                urls=[urls[k]],
+                                rate=15.0,
+                                duration_s=6.0,
+                                prompt_len=LengthDist("fixed", 8),
+                                output_len=dist,
+                            ),
+                            results[k].append,
+                        )
+                        for k, dist in (("equal", EQUAL), ("spread", SPREAD))
                     )
-                    for k, dist in (("equal", EQUAL), ("spread", SPREAD))
-                ))
+                )
                 ok = {k: [r for r in rs if r.ok] for k, rs in results.items()}
                 assert all(len(rs) >= 50 for rs in ok.values()), {k: len(v) for k, v in ok.items()}
                 window = time.monotonic() - started + 1.0
@@ -84,9 +91,9 @@ async def test_both_sources_read_the_length_spread_and_the_mean_latency(tmp_path
                 queried_at = time.monotonic()
                 window = queried_at - started + 5.0
                 queried = {
-                    k: await PrometheusSource(
-                        prom.url, selector_for_instances(us), session
-                    ).read(window)
+                    k: await PrometheusSource(prom.url, selector_for_instances(us), session).read(
+                        window
+                    )
                     for k, us in (*((k, [u]) for k, u in urls.items()), ("both", [*urls.values()]))
                 }
     # Every request the load generator sent arrived, whatever its outcome. The scrape's two
@@ -115,7 +122,10 @@ async def test_both_sources_read_the_length_spread_and_the_mean_latency(tmp_path
             client_mean = float(np.mean([r.latency_s for r in ok[kind]]))
             assert signals.mean_latency_s is not None
             assert 0.5 * client_mean <= signals.mean_latency_s <= client_mean, (
-                kind, signals.mean_latency_s, client_mean)
+                kind,
+                signals.mean_latency_s,
+                client_mean,
+            )
             # Forward time per token: a pod is never busier than the whole window.
             utilisation = signals.utilisation
             assert utilisation is not None and 0 < utilisation <= 1, (kind, signals)
@@ -126,9 +136,7 @@ async def test_both_sources_read_the_length_spread_and_the_mean_latency(tmp_path
 
 async def settle(prom: PrometheusProcess, url: str, requests: int) -> None:
     """Wait until Prometheus scraped every request the server finished."""
-    count = (
-        f"sum({names.REQUEST_GENERATION_TOKENS}_count{{{selector_for_instances([url])}}})"
-    )
+    count = f"sum({names.REQUEST_GENERATION_TOKENS}_count{{{selector_for_instances([url])}}})"
     deadline = time.monotonic() + SETTLE_DEADLINE_S
     while True:
         result = await asyncio.to_thread(prom.query, count)

@@ -55,7 +55,9 @@ async def test_p99_agrees_with_the_load_generator_and_the_tuner_rides_out_an_out
                 started = time.monotonic()
                 report = await run_load(
                     LoadSpec(
-                        urls=urls, rate=25.0, duration_s=8.0,
+                        urls=urls,
+                        rate=25.0,
+                        duration_s=8.0,
                         prompt_len=LengthDist("uniform", 8, 64),
                         output_len=LengthDist("uniform", 4, 48),
                     )
@@ -69,7 +71,9 @@ async def test_p99_agrees_with_the_load_generator_and_the_tuner_rides_out_an_out
                 assert scraped.status == "ok", scraped.detail
                 assert scraped.requests == report.ok
                 assert within_bucket_resolution(measured, scraped.p99_latency_s), (
-                    measured, scraped.p99_latency_s)
+                    measured,
+                    scraped.p99_latency_s,
+                )
 
                 # Prometheus, once it scraped the last of them, agrees.
                 count = f"sum({names.REQUEST_DURATION}_count{{{selector_for_instances(urls)}}})"
@@ -84,7 +88,9 @@ async def test_p99_agrees_with_the_load_generator_and_the_tuner_rides_out_an_out
                 signals = await source.read(window)
                 assert signals.status == "ok", signals.detail
                 assert within_bucket_resolution(measured, signals.p99_latency_s), (
-                    measured, signals.p99_latency_s)
+                    measured,
+                    signals.p99_latency_s,
+                )
                 assert signals.kv_usage is not None and 0 <= signals.kv_usage <= 1
                 assert signals.mean_batch_size is not None and signals.mean_batch_size >= 1
                 assert signals.tokens_per_s > 0
@@ -101,8 +107,11 @@ async def test_p99_agrees_with_the_load_generator_and_the_tuner_rides_out_an_out
             timeout = BatchingConfig().batch_timeout_ms
             pinned = Bounds(BATCH, BATCH, timeout, timeout)
             options = TuneOptions(
-                servers=tuple(urls), goal=Goal(Slo(60.0), pinned), prometheus_url=prom.url,
-                cadence=Cadence(0.5, window + 10), iterations=3,
+                servers=tuple(urls),
+                goal=Goal(Slo(60.0), pinned),
+                prometheus_url=prom.url,
+                cadence=Cadence(0.5, window + 10),
+                iterations=3,
             )
             steps = await tune_loop(options, outage)
     before, during, after = (s.signals for s in steps)

@@ -49,7 +49,12 @@ from tests.support import ROOT
 
 CRD_PATH = ROOT / "crds" / "batchingpolicy.yaml"
 BUILTIN_KINDS = (
-    kube.DEPLOYMENTS, kube.SERVICES, kube.CONFIGMAPS, kube.SECRETS, kube.PODS, kube.EVENTS,
+    kube.DEPLOYMENTS,
+    kube.SERVICES,
+    kube.CONFIGMAPS,
+    kube.SECRETS,
+    kube.PODS,
+    kube.EVENTS,
     kube.PODDISRUPTIONBUDGETS,
 )
 # Served for the operator's HPA lookup (scaler.py) and for tests that create one.
@@ -108,8 +113,13 @@ class Fault:
         reason = {409: "Conflict", 429: "TooManyRequests"}.get(self.status, "InternalError")
         headers = {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else None
         status = {
-            "apiVersion": "v1", "kind": "Status", "metadata": {}, "status": "Failure",
-            "code": self.status, "reason": reason, "message": f"injected fault {self.status}",
+            "apiVersion": "v1",
+            "kind": "Status",
+            "metadata": {},
+            "status": "Failure",
+            "code": self.status,
+            "reason": reason,
+            "message": f"injected fault {self.status}",
         }
         return aiohttp.web.json_response(status, status=self.status, headers=headers)
 
@@ -158,8 +168,11 @@ class Emulator(kmock.KubernetesEmulator):
         for version in crd["spec"]["versions"]:
             self.resources[f"{crd['spec']['group']}/{version['name']}/{names['plural']}"] = (
                 kmock.ResourceInfo(
-                    kind=names["kind"], singular=names["singular"], namespaced=True,
-                    shortnames=set(names.get("shortNames", [])), verbs=set(ALL_VERBS),
+                    kind=names["kind"],
+                    singular=names["singular"],
+                    namespaced=True,
+                    shortnames=set(names.get("shortNames", [])),
+                    verbs=set(ALL_VERBS),
                     subresources=set(version.get("subresources", {})),
                 )
             )
@@ -339,9 +352,11 @@ class Emulator(kmock.KubernetesEmulator):
         payload: dict[str, Any] = await super()._serve_list(request)
         selector = _parse_selector(request.params.get("labelSelector", ""))
         payload["items"] = [
-            item for item in payload["items"]
-            if all(item.get("metadata", {}).get("labels", {}).get(k) == v
-                   for k, v in selector.items())
+            item
+            for item in payload["items"]
+            if all(
+                item.get("metadata", {}).get("labels", {}).get(k) == v for k, v in selector.items()
+            )
         ]
         return payload
 
@@ -380,9 +395,11 @@ def _scale_of(obj: Mapping[str, Any], paths: Mapping[str, str]) -> dict[str, Any
     return {
         "apiVersion": "autoscaling/v1",
         "kind": "Scale",
-        "metadata": {key: meta[key] for key in (
-            "name", "namespace", "uid", "resourceVersion", "creationTimestamp"
-        ) if key in meta},
+        "metadata": {
+            key: meta[key]
+            for key in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp")
+            if key in meta
+        },
         "spec": {"replicas": replicas},
         "status": status,
     }
@@ -422,10 +439,15 @@ class Cluster:
     async def request(
         self, method: str, path: str, body: Any = None, content_type: str = "application/json"
     ) -> tuple[int, Any]:
-        async with aiohttp.ClientSession() as session, session.request(
-            method, self.url + path, json=body,
-            headers={"Content-Type": content_type} if body is not None else {},
-        ) as response:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.request(
+                method,
+                self.url + path,
+                json=body,
+                headers={"Content-Type": content_type} if body is not None else {},
+            ) as response,
+        ):
             return response.status, await response.json(content_type=None)
 
     async def create(self, kind: kube.Kind, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -458,7 +480,9 @@ class Cluster:
         subresource: str | None = None,
     ) -> dict[str, Any]:
         status, data = await self.request(
-            "PATCH", kind.path(namespace, name, subresource), patch,
+            "PATCH",
+            kind.path(namespace, name, subresource),
+            patch,
             "application/merge-patch+json",
         )
         _expect(status, data, "patch", 200)
@@ -510,9 +534,7 @@ class Cluster:
             obj = await self.get(kind, namespace, name)
             return obj if obj is not None and predicate(obj) else None
 
-        return await self.wait_until(
-            probe, what or f"{kind.kind} {namespace}/{name}", timeout
-        )
+        return await self.wait_until(probe, what or f"{kind.kind} {namespace}/{name}", timeout)
 
     async def wait_gone(
         self, kind: kube.Kind, namespace: str, name: str, timeout: float | None = None
@@ -540,8 +562,12 @@ class Cluster:
             return reason is None or found.get("reason") == reason
 
         policy = await self.wait_for(
-            kube.POLICIES, namespace, name, matches,
-            f"condition {type_}={status} ({reason or 'any reason'}) on {namespace}/{name}", timeout,
+            kube.POLICIES,
+            namespace,
+            name,
+            matches,
+            f"condition {type_}={status} ({reason or 'any reason'}) on {namespace}/{name}",
+            timeout,
         )
         found = condition(policy, type_)
         assert found is not None
@@ -576,11 +602,13 @@ def server_pod(namespace: str, policy_name: str, name: str, port: int) -> dict[s
             "labels": builders.selector_labels(policy_name),
         },
         "spec": {
-            "containers": [{
-                "name": "server",
-                "image": "batchpilot:test",
-                "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
-            }],
+            "containers": [
+                {
+                    "name": "server",
+                    "image": "batchpilot:test",
+                    "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+                }
+            ],
         },
     }
 
@@ -598,14 +626,20 @@ def _expect(status: int, data: Any, what: str, *ok: int) -> None:
 
 
 def _write_kubeconfig(path: Path, url: str) -> None:
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1",
-        "kind": "Config",
-        "current-context": "emulator",
-        "clusters": [{"name": "emulator", "cluster": {"server": url}}],
-        "users": [{"name": "emulator", "user": {"token": "emulator"}}],
-        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "emulator"}}],
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "emulator",
+                "clusters": [{"name": "emulator", "cluster": {"server": url}}],
+                "users": [{"name": "emulator", "user": {"token": "emulator"}}],
+                "contexts": [
+                    {"name": "emulator", "context": {"cluster": "emulator", "user": "emulator"}}
+                ],
+            }
+        )
+    )
 
 
 @contextlib.contextmanager
@@ -694,10 +728,16 @@ def run_operator(
 
     def main() -> None:
         try:
-            asyncio.run(kopf.operator(
-                clusterwide=True, standalone=True, settings=settings,
-                memo=kopf.Memo(**(memo or {})), ready_flag=ready, stop_flag=stop,
-            ))
+            asyncio.run(
+                kopf.operator(
+                    clusterwide=True,
+                    standalone=True,
+                    settings=settings,
+                    memo=kopf.Memo(**(memo or {})),
+                    ready_flag=ready,
+                    stop_flag=stop,
+                )
+            )
         except BaseException as exc:  # surfaced by OperatorThread.check
             errors.append(exc)
             ready.set()
