@@ -96,6 +96,8 @@ async def test_both_sources_read_the_length_spread_and_the_mean_latency(tmp_path
                     )
                     for k, us in (*((k, [u]) for k, u in urls.items()), ("both", [*urls.values()]))
                 }
+                # Prometheus evaluates each query when it arrives: somewhere in between.
+                queried_until = time.monotonic()
     # Every request the load generator sent arrived, whatever its outcome. The scrape's two
     # snapshots bracket the load: its counter delta counts them exactly. Prometheus reads
     # the newer half of its window, where part of the load fell; rate() extrapolates.
@@ -104,10 +106,14 @@ async def test_both_sources_read_the_length_spread_and_the_mean_latency(tmp_path
         arrival = scraped[kind].arrival_rate
         assert arrival is not None and arrival * scraped[kind].window_s == pytest.approx(sent)
         half = queried[kind].window_s / 2
-        in_half = sum(1 for r in results[kind] if started + r.start_s > queried_at - half)
+
+        def in_half_ending(at: float, kind: str = kind, half: float = half) -> int:
+            return sum(1 for r in results[kind] if started + r.start_s > at - half)
+
+        earliest, latest = in_half_ending(queried_at), in_half_ending(queried_until)
         queried_arrival = queried[kind].arrival_rate
         assert queried_arrival is not None
-        assert 0.75 * in_half <= queried_arrival * half <= 1.33 * in_half, (in_half, sent)
+        assert 0.75 * latest <= queried_arrival * half <= 1.33 * earliest, (latest, earliest, sent)
         busy, queried_busy = scraped[kind].busy_s_per_token, queried[kind].busy_s_per_token
         assert busy is not None and queried_busy is not None
         assert 0.8 * busy <= queried_busy <= 1.25 * busy, (busy, queried_busy)
