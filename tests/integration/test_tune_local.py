@@ -31,11 +31,7 @@ async def tune_until_first_change(
     """Run the load and the tuner together; stop both at the tuner's first change."""
     stop = asyncio.Event()
     options = TuneOptions(
-        servers=(url,),
-        goal=Goal(slo),
-        cadence=Cadence(2.0, 2.0),
-        token=token,
-        min_requests=10,
+        servers=(url,), goal=Goal(slo), cadence=Cadence(2.0, 2.0), token=token, min_requests=10,
     )
 
     def on_step(step: TuneStep) -> None:
@@ -59,11 +55,8 @@ async def test_batch_of_one_under_heavy_load_grows(tmp_path: Path) -> None:
         tmp_path=tmp_path, max_batch_size=1, batch_timeout_ms=0, max_queue_size=4096
     ) as srv:
         load = LoadSpec(
-            urls=[srv.url],
-            rate=40.0,
-            duration_s=DEADLINE_S,
-            prompt_len=LengthDist("fixed", 16),
-            output_len=LengthDist("fixed", 24),
+            urls=[srv.url], rate=40.0, duration_s=DEADLINE_S,
+            prompt_len=LengthDist("fixed", 16), output_len=LengthDist("fixed", 24),
         )
         change, _ = await tune_until_first_change(srv.url, srv.token, Slo(30.0), load)
         assert change.decision.action == "grow_batch", change.decision.reason
@@ -77,12 +70,8 @@ async def test_batch_of_64_with_a_tight_slo_shrinks() -> None:
     async with serve_in_process(max_batch_size=64, batch_timeout_ms=0, kv_cache_mb=64) as srv:
         # 64 closed-loop clients keep the batch full: every step is a batch-64 step.
         load = LoadSpec(
-            urls=[srv.url],
-            arrival="concurrency",
-            concurrency=64,
-            duration_s=DEADLINE_S,
-            prompt_len=LengthDist("fixed", 16),
-            output_len=LengthDist("fixed", 32),
+            urls=[srv.url], arrival="concurrency", concurrency=64, duration_s=DEADLINE_S,
+            prompt_len=LengthDist("fixed", 16), output_len=LengthDist("fixed", 32),
         )
         change, _ = await tune_until_first_change(srv.url, srv.token, Slo(0.05), load)
         assert change.decision.action == "backoff_batch", change.decision.reason
@@ -96,25 +85,10 @@ async def test_cli_prints_json_decisions_and_holds_without_traffic(tmp_path: Pat
         token_file = tmp_path / "token"
         token_file.write_text(f"{srv.token}\n")
         proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "batchpilot_server.cli",
-            "tune",
-            "--server",
-            srv.url,
-            "--slo-p99-ms",
-            "500",
-            "--interval",
-            "0.5",
-            "--window",
-            "0.5",
-            "--iterations",
-            "2",
-            "--token-file",
-            str(token_file),
-            "--json",
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
+            sys.executable, "-m", "batchpilot_server.cli", "tune", "--server", srv.url,
+            "--slo-p99-ms", "500", "--interval", "0.5", "--window", "0.5", "--iterations", "2",
+            "--token-file", str(token_file), "--json",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )
         out, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 0, err.decode()
@@ -130,17 +104,11 @@ async def test_cli_prints_json_decisions_and_holds_without_traffic(tmp_path: Pat
     ("args", "code", "message"),
     [
         (["--slo-p99-ms", "0"], 2, "SLO must be positive"),
-        (
-            ["--slo-p99-ms", "500", "--interval", "30", "--window", "10"],
-            2,
-            "must be at least the interval",
-        ),
+        (["--slo-p99-ms", "500", "--interval", "30", "--window", "10"], 2,
+         "must be at least the interval"),
         (["--slo-p99-ms", "500", "--min-batch", "9", "--max-batch", "4"], 2, "1 <= min <= max"),
-        (
-            ["--slo-p99-ms", "500", "--token-file", "/nonexistent/token"],
-            2,
-            "cannot read --token-file",
-        ),
+        (["--slo-p99-ms", "500", "--token-file", "/nonexistent/token"], 2,
+         "cannot read --token-file"),
         (["--slo-p99-ms", "500", "--iterations", "0"], 2, "--iterations must be at least 1"),
     ],
 )
@@ -205,7 +173,7 @@ async def test_a_scale_in_under_load_stops_the_newest_server_and_loses_no_reques
         oldest, newest = fleet.servers
         ended: list[RequestResult] = []
         spec = LoadSpec(
-            urls=fleet.serving(), rate=4.0, duration_s=8.0,
+            urls=fleet.serving(), rate=4.0, duration_s=12.0,
             prompt_len=LengthDist("fixed", 16), output_len=LengthDist("fixed", 48),
         )  # fmt: skip
         load = asyncio.create_task(run_load(spec, ended.append, targets=fleet.load))

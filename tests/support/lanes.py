@@ -2,10 +2,8 @@
 
 Most tests time real servers, loads and Prometheus against each other on two cores, so
 they run one at a time, in collection order, in the main lane, as they do without xdist.
-The tests beside it run no inference server: the operator, or its API client, against
-the API emulator with fake pods or none, and Prometheus scraping in-process exporters.
-They mostly wait, for the operator's rounds (5 s apart) or Prometheus's first scrape
-(some 5 s after it starts), on a tenth of a core.
+The tests beside it run the operator, or its API client, against the API emulator with
+fake pods or none: they mostly wait for its rounds (5 s apart) on a tenth of a core.
 
 The controller sees test ids only, so a lane is chosen by module, or by test where a
 module's other tests run servers. (xdist_group marks and `--dist loadgroup` would say
@@ -28,8 +26,6 @@ BESIDE_THE_SERVERS = frozenset({
     "test_operator_emulator.py",
     "test_operator_metrics.py",
     "test_operator_replicas.py",
-    "test_prometheus_fixture.py",
-    "test_prometheus_rules.py",
     "test_autoscale_operator.py::"
     "test_kubectl_scale_writes_through_the_scale_subresource_and_the_operator_follows",
     "test_autotune_operator.py::"
