@@ -383,7 +383,7 @@ def _on_breach(case: _Case, p99: float) -> Decision:
     # another load must not keep requests queued; if the bigger batch runs too slowly,
     # the next window says so and the batch backs off again.
     if batch < bounds.max_batch:
-        new_batch = min(bounds.max_batch, max(batch + 1, round(batch * p.capacity_factor)))
+        new_batch = min(bounds.max_batch, _capacity_step(case))
         return case.change(
             "grow_batch",
             f"{head} from queueing (queue wait p99 {_ms(queue_wait)}, running ~{_ms(service)}): "
@@ -526,7 +526,7 @@ def _predicted_growth(case: _Case, head: str, overloaded: bool = False) -> Decis
     if needed is None and serve_past_limit:
         # AIMD's step, but under the ceiling a back-off left: a batch that ran too slow
         # once would only run too slow again
-        step = min(_growth_limit(case), max(batch + 1, round(batch * case.p.capacity_factor)))
+        step = min(_growth_limit(case), _capacity_step(case))
         if step <= batch:
             return case.hold(f"{head}: model: {wants}; batch {batch} is at its ceiling")
         return case.change(
@@ -552,16 +552,25 @@ def _predicted_growth(case: _Case, head: str, overloaded: bool = False) -> Decis
             batch=target,
         )
     if needed is not None and needed <= batch:
-        # Right after a change, or with the queue down to a batch a pod, the window's
-        # breach is the old backlog's tail. A queue that outlives a window at this batch
-        # says the model promised more than the pods deliver (their time outside
-        # forwards, say): the measurement wins, AIMD steps on.
-        if case.state.since_change == 0 or case.signals.waiting <= batch * pods:
+        # Right after a change the window's breach is the old backlog's tail. Later the
+        # window itself must show the queue going; one that outlives a window at this
+        # batch says the model promised more than the pods deliver (a line fitted through
+        # the smallest batches only, their time outside forwards): the measurement wins,
+        # AIMD steps on.
+        if case.state.since_change == 0 or _draining(case):
             return case.hold(
                 f"{head}: model: {wants}; batch {batch} carries it, the queue drains"
             )
         return None
     return case.hold(f"{head}: model: {wants}; batch {batch} is at its limit {limit}")
+
+
+def _draining(case: _Case) -> bool:
+    """The window shows the queue going: the pods finished at least what arrived, and
+    what still waits is down to a batch a pod."""
+    signals = case.signals
+    pods = max(1, signals.pods)
+    return signals.finished_rate >= signals.demand_rate and signals.waiting <= case.batch * pods
 
 
 def _fleet_can_grow(case: _Case) -> bool:
@@ -646,6 +655,11 @@ def _full(case: _Case) -> bool:
 def _queueing(case: _Case) -> bool:
     queue_wait = case.signals.queue_wait_p99_s or 0.0
     return queue_wait >= case.p.queueing_share * case.slo_s
+
+
+def _capacity_step(case: _Case) -> int:
+    # Never less than the step taken with headroom: a breach is the stronger evidence.
+    return max(case.batch + case.p.additive_step, round(case.batch * case.p.capacity_factor))
 
 
 def _cut_batch(case: _Case, factor: float) -> int:

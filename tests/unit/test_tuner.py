@@ -132,6 +132,14 @@ def test_breach_from_queueing_at_the_maximum_batch_holds_and_says_the_load_is_to
     assert "exceeds what the SLO allows" in decision.reason
 
 
+def test_a_breach_from_queueing_grows_a_small_batch_at_least_as_far_as_headroom_would() -> None:
+    # x1.5 from batch 1 or 2 is one more slot; a queue with headroom already gets +4
+    breach = ok(p99_latency_s=0.9, queue_wait_p99_s=0.6, mean_batch_size=1.0)
+    for batch, grown in ((1, 1 + P.additive_step), (2, 2 + P.additive_step), (16, 24)):
+        decision = run(breach, BatchingConfig(max_batch_size=batch, batch_timeout_ms=10.0))
+        assert (decision.action, decision.config.max_batch_size) == ("grow_batch", grown)
+
+
 def test_breach_at_minimum_batch_and_timeout_holds_and_says_why() -> None:
     floor = BatchingConfig(max_batch_size=1, batch_timeout_ms=0.0)
     decision = run(ok(p99_latency_s=0.9, queue_wait_p99_s=0.0, mean_batch_size=1.0), floor)
@@ -366,16 +374,19 @@ def test_a_batch_that_carries_the_demand_holds_while_the_backlog_drains() -> Non
     assert decision.action == "hold" and decision.config.max_batch_size == 12
     assert "carries it, the queue drains" in decision.reason
     assert not decision.spent
-    # a second window, the queue down to a batch: the breach is the backlog's tail
-    later = {"arrival_rate": 14.0}  # with the queue's share, batch 12 still carries it
+    # a second window: the pods finished more than arrived and the queue is down to a
+    # batch: the breach is the backlog's tail
+    later = {"arrival_rate": 14.0, "requests": 900.0}  # 15 req/s finished
     drained = decide(measured(12.0, waiting=12.0, **later), BatchingConfig(12, 10.0), GOAL,
                      decision.state)  # fmt: skip
     assert drained.action == "hold" and "the queue drains" in drained.reason
-    # ... still 40 waiting: the pods deliver less than the model says, AIMD steps on
-    again = decide(measured(12.0, waiting=40.0, **later), BatchingConfig(12, 10.0), GOAL,
-                   decision.state)  # fmt: skip
-    assert (again.action, again.config.max_batch_size) == ("grow_batch", 18)
-    assert "capacity short" in again.reason
+    # ... still 40 waiting, or a short queue but fewer finished than arrived (13 of 14
+    # req/s): the pods deliver less than the model says, AIMD steps on
+    for window in ({"waiting": 40.0}, {"waiting": 4.0, "requests": 780.0}):
+        again = decide(measured(12.0, **{**later, **window}), BatchingConfig(12, 10.0), GOAL,
+                       decision.state)  # fmt: skip
+        assert (again.action, again.config.max_batch_size) == ("grow_batch", 18), window
+        assert "capacity short" in again.reason
 
 
 def test_demand_beyond_any_batch_goes_to_the_limit_and_spends_the_knobs() -> None:
