@@ -355,9 +355,18 @@ def _on_breach(case: _Case, p99: float) -> Decision:
         # Running alone takes too long: a smaller batch makes every step shorter.
         if batch > bounds.min_batch:
             new_batch = _cut_batch(case, p.backoff_factor)
+            floor, carried = _carrying_floor(case)
+            running = f"{head} while running ({basis} ~{_ms(service)})"
+            if new_batch < floor:
+                if floor >= batch:
+                    return case.hold(
+                        f"{running}, but {carried}: a smaller batch only rebuilds the queue"
+                    )
+                running += f"; the cut stops at batch {floor}, as {carried}"
+                new_batch = floor
             return case.change(
                 "backoff_batch",
-                f"{head} while running ({basis} ~{_ms(service)}): batch {batch} -> {new_batch}",
+                f"{running}: batch {batch} -> {new_batch}",
                 batch=new_batch,
                 ceiling=batch,
             )
@@ -508,8 +517,9 @@ def _predicted_growth(case: _Case, head: str, overloaded: bool = False) -> Decis
     The running-time limit caps the jump, except where the SLO is broken by queueing
     (`overloaded`) and the fleet cannot grow: a queue that never drains breaks every
     request's latency and then times them out, a batch past the limit only runs the
-    longest ones a little over. Where no batch carries the demand, AIMD steps there,
-    under the ceiling a back-off left.
+    longest ones a little over. Where no batch carries the demand, AIMD steps there.
+    A back-off's ceiling does not cap this growth: it was learnt running too slow, the
+    price accepted here (and `_carrying_floor` keeps the back-off from undoing it).
     """
     capacity, model = case.capacity, case.model
     tokens = case.signals.mean_output_tokens
@@ -524,11 +534,9 @@ def _predicted_growth(case: _Case, head: str, overloaded: bool = False) -> Decis
     wants = f"{per_pod:.2f} req/s per pod needs {needs} at {busy}"
     serve_past_limit = overloaded and not _fleet_can_grow(case)
     if needed is None and serve_past_limit:
-        # AIMD's step, but under the ceiling a back-off left: a batch that ran too slow
-        # once would only run too slow again
-        step = min(_growth_limit(case), _capacity_step(case))
+        step = min(case.bounds.max_batch, _capacity_step(case))
         if step <= batch:
-            return case.hold(f"{head}: model: {wants}; batch {batch} is at its ceiling")
+            return case.hold(f"{head}: model: {wants}; batch {batch} is at the maximum")
         return case.change(
             "grow_batch",
             f"{head}: model ({capacity.prediction}): {wants}, and the fleet cannot grow: "
@@ -538,7 +546,7 @@ def _predicted_growth(case: _Case, head: str, overloaded: bool = False) -> Decis
     target = limit if needed is None else min(limit, max(case.bounds.min_batch, needed))
     if needed is not None and needed > limit:
         if serve_past_limit:
-            target = min(_growth_limit(case), needed)
+            target = min(case.bounds.max_batch, needed)
             wants += (
                 f", past the running-time limit {limit}: the fleet cannot grow, and a queue "
                 "that never drains is worse"
@@ -563,6 +571,28 @@ def _predicted_growth(case: _Case, head: str, overloaded: bool = False) -> Decis
             )
         return None
     return case.hold(f"{head}: model: {wants}; batch {batch} is at its limit {limit}")
+
+
+def _carrying_floor(case: _Case) -> tuple[int, str]:
+    """The smallest batch that still carries the arrivals with the pods always busy, where
+    the fleet cannot grow, and why; (0, "") where pods may be added or there is no model.
+
+    Below it the queue grows without end, breaking every request's latency and then timing
+    them out; above it only the longest requests run over. This keeps a back-off from
+    undoing the growth past the running-time limit that `_predicted_growth` makes there.
+    """
+    capacity, model = case.capacity, case.model
+    tokens = case.signals.mean_output_tokens
+    if capacity is None or model is None or tokens is None or _fleet_can_grow(case):
+        return 0, ""
+    per_pod = case.signals.demand_rate / max(1, case.signals.pods)
+    needed = model.batch_for(per_pod, tokens, 1.0)
+    if needed is None:
+        needed = case.batch
+        how = "no batch carries"
+    else:
+        how = f"batch {needed} is the least that carries"
+    return needed, f"{how} {per_pod:.2f} req/s per pod all busy and the fleet cannot grow"
 
 
 def _draining(case: _Case) -> bool:

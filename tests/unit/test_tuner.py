@@ -425,12 +425,39 @@ def test_a_fleet_that_cannot_grow_serves_the_demand_past_the_running_time_limit(
                     TunerState(samples=LINE))  # fmt: skip
     assert (beyond.action, beyond.config.max_batch_size) == ("grow_batch", 12)
     assert "more than any batch carries at 80% busy, and the fleet cannot grow" in beyond.reason
-    # but never past a back-off's ceiling: 14 ran too slow, 9 grows to 13 and stays
+    # a back-off's ceiling (learnt at another load, running too slow: the price accepted
+    # here) does not hold the batch below the demand: 9 grows past 14 ...
     backed_off = TunerState(samples=LINE, ceiling=14)
-    under = decide(measured(arrival_rate=40.0), BatchingConfig(9, 10.0), GOAL, backed_off)
-    assert under.config.max_batch_size == 13
-    held = decide(measured(arrival_rate=40.0), BatchingConfig(13, 10.0), GOAL, backed_off)
-    assert held.action == "hold" and "batch 13 is at its ceiling" in held.reason
+    past = decide(measured(arrival_rate=40.0), BatchingConfig(9, 10.0), GOAL, backed_off)
+    assert (past.action, past.config.max_batch_size) == ("grow_batch", 14), past.reason
+    past = decide(measured(arrival_rate=20.0), BatchingConfig(9, 10.0), GOAL, backed_off)
+    assert (past.action, past.config.max_batch_size) == ("grow_batch", 32), past.reason
+    # ... and stops at the bound
+    top = decide(measured(arrival_rate=40.0), BatchingConfig(64, 10.0), GOAL, backed_off)
+    assert top.action == "hold" and "batch 64 is at the maximum" in top.reason
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "action", "batch", "why"),
+    [
+        (10.0, "backoff_batch", 14, "while running"),  # batch 4 carries 10 req/s: cut x0.7
+        (20.0, "backoff_batch", 15, "the cut stops at batch 15"),  # 14 would not carry it
+        (25.0, "hold", 20, "batch 32 is the least that carries"),
+        (40.0, "hold", 20, "no batch carries"),
+    ],
+)
+def test_where_the_fleet_cannot_grow_a_back_off_stops_at_the_batch_that_carries_the_demand(
+    arrivals: float, action: str, batch: int, why: str
+) -> None:
+    # batch 20 runs the longest requests (38 tokens x 14 ms) 0.53 s, over the 0.5 s SLO
+    running_over = measured(20.0, queue_wait_p99_s=0.2, arrival_rate=arrivals)
+    state = TunerState(samples=LINE)
+    decision = decide(running_over, BatchingConfig(20, 10.0), GOAL, state)
+    assert (decision.action, decision.config.max_batch_size) == (action, batch), decision.reason
+    assert why in decision.reason
+    # where pods may be added, the back-off cuts as always: the replica rule adds capacity
+    grows = decide(running_over, BatchingConfig(20, 10.0), AUTOSCALED, state)
+    assert (grows.action, grows.config.max_batch_size) == ("backoff_batch", 14), grows.reason
 
 
 @pytest.mark.parametrize(
