@@ -606,7 +606,7 @@ def main(argv: list[str]) -> int:
         if not args.skip_real:
             real = run_real(args.real_seconds)
         text = markdown(curve, setup, rows, real, knob_s)
-        text += "\n".join(fleet.markdown(fleet_setup, fleet_rows, fleet_s))
+        text += "\n" + "\n".join(fleet.markdown(fleet_setup, fleet_rows, fleet_s))
         replace_section(BENCHMARKS_MD, "tuner", text)
     summary = {
         "bench": "tuner",
