@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from typing import Any, Literal
 
 from batchpilot_operator.capacity_model import (
@@ -235,8 +236,9 @@ class _Case:
     state: TunerState
     capacity: Capacity | None = None
 
-    @property
+    @cached_property
     def model(self) -> CapacityModel | None:
+        # read by several steps of one decision; a new state makes a new case
         return fit(of_fleet(self.state.samples, self.signals.pods))
 
     @property
@@ -581,9 +583,8 @@ def _carrying_floor(case: _Case) -> tuple[int, str]:
     them out; above it only the longest requests run over. This keeps a back-off from
     undoing the growth past the running-time limit that `_predicted_growth` makes there.
     """
-    capacity, model = case.capacity, case.model
-    tokens = case.signals.mean_output_tokens
-    if capacity is None or model is None or tokens is None or _fleet_can_grow(case):
+    model, tokens = case.model, case.signals.mean_output_tokens
+    if model is None or tokens is None or _fleet_can_grow(case):
         return 0, ""
     per_pod = case.signals.demand_rate / max(1, case.signals.pods)
     needed = model.batch_for(per_pod, tokens, 1.0)
