@@ -73,12 +73,28 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """One sequence's sampling, as the engine's sampler applies it (batched over a step's
+    rows). Each default changes nothing; the HTTP API validates ranges once."""
+
     max_tokens: int
     temperature: float = 0.0  # below GREEDY_BELOW_TEMPERATURE: greedy
     top_p: float = 1.0
     seed: int | None = None  # per-request generator: a seeded request is reproducible
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    top_k: int = 0  # 0: every token (OpenAI clients also send -1; the API maps it to 0)
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability
+    # vLLM's and transformers' multiplicative penalty on tokens of prompt or output
+    repetition_penalty: float = 1.0
+    # OpenAI's additive penalties over the output so far: count x frequency + presence
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many are output
+    # top-k log-probabilities per generated token (None: none; 0: the chosen token's only)
+    logprobs: int | None = None
+    # the prompt's own log-probabilities (completions `echo`), with this many top tokens
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,20 @@ class TokenEvent:
     # the engine step at whose end the event was handed out (Engine.stats().steps
     # counts them): a dynamic batch's final events all carry its last step
     step: int = 0
+    # SamplingParams.logprobs = k: the k most likely (token id, logprob), best first
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    # SamplingParams.prompt_logprobs set: on the first event only, one entry per prompt
+    # token (the first is None: nothing precedes it)
+    prompt_logprobs: tuple[PromptLogprob | None, ...] | None = None
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """One prompt token's log-probability given the tokens before it."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # the k most likely (token id, logprob)
 
 
 @dataclass(frozen=True)
