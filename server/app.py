@@ -294,23 +294,42 @@ async def _serve_generation(
     arrival = time.monotonic()
     state.metrics.arrivals.inc()
     state.inflight.enter()
-    outcome = "error"  # also when the client goes away and the handler is cancelled
+    end = RequestEnd(state.metrics, arrival)
     try:
-        response = await _generate(request, state, arrival, reader, answer_format)
-        outcome = "ok"
-        state.metrics.request_duration.observe(time.monotonic() - arrival)
+        response = await _generate(request, state, arrival, reader, answer_format, end)
+        end.record("ok")  # a JSON answer: before aiohttp sends it
         return response
     except _StreamEnded as ended:
+        end.record("error")
         return ended.response
     except ApiError as err:
-        outcome = err.outcome
+        end.record(err.outcome)
         raise
     except web.HTTPException:
-        outcome = "rejected"
+        end.record("rejected")
         raise
     finally:
-        state.metrics.count_request(outcome)
+        end.record("error")  # the client went away and the handler was cancelled
         state.inflight.leave()
+
+
+class RequestEnd:
+    """Counts a request's outcome, and an answered one's duration, once. A stream records
+    them before its last bytes go out, so that a client which saw its request end finds
+    it counted in /metrics (a load test reading the server's counters right after)."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float) -> None:
+        self.metrics = metrics
+        self.arrival = arrival
+        self.recorded = False
+
+    def record(self, outcome: str) -> None:
+        if self.recorded:
+            return
+        self.recorded = True
+        if outcome == "ok":
+            self.metrics.request_duration.observe(time.monotonic() - self.arrival)
+        self.metrics.count_request(outcome)
 
 
 async def _generate(
@@ -319,6 +338,7 @@ async def _generate(
     arrival: float,
     reader: RequestReader,
     answer_format: AnswerFormat,
+    end: RequestEnd,
 ) -> web.StreamResponse:
     if state.draining:
         raise ApiError(
@@ -335,7 +355,7 @@ async def _generate(
     generation = Generation(state, parsed, arrival, answer_format.id_prefix)
     try:
         if parsed.stream:
-            return await _stream(request, generation, answer_format)
+            return await _stream(request, generation, answer_format, end)
         while await generation.next_delta() is not None:
             pass
         return _json_answer(answer_format.answer(generation))
@@ -554,7 +574,7 @@ def _identity(generation: Generation) -> dict[str, Any]:
 
 
 async def _stream(
-    request: web.Request, generation: Generation, answer_format: AnswerFormat
+    request: web.Request, generation: Generation, answer_format: AnswerFormat, end: RequestEnd
 ) -> web.StreamResponse:
     # Wait for the first token before sending headers, so that a full queue or
     # a missed deadline still gets its own status code.
@@ -578,6 +598,7 @@ async def _stream(
             delta = await generation.next_delta()
     except ApiError as err:
         # Headers are gone: the error travels as an event and the request counts as failed.
+        end.record("error")
         await _send_event(response, err.answer())
         await response.write(b"data: [DONE]\n\n")
         raise _StreamEnded(response) from err
@@ -585,6 +606,7 @@ async def _stream(
         raise _StreamEnded(response) from exc
     if generation.parsed.include_usage_chunk:
         await _send_event(response, answer_format.usage_event(generation))
+    end.record("ok")
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response

@@ -19,6 +19,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +208,38 @@ class LocalPrometheus:
                 raise PrometheusError(f"no data for {promql!r} within {timeout_s:.0f}s")
             time.sleep(0.25)
 
+    def wait_for_value(self, promql: str, at_least: float, timeout_s: float = 30.0) -> float:
+        """Poll the single-series `promql` until its value reaches `at_least` (a counter
+        catching up with what a test sent); return it, or fail with the last value seen."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            result = self.query(promql)
+            value = float(result[0]["value"][1]) if result else None
+            if value is not None and value >= at_least:
+                return value
+            if time.monotonic() > deadline:
+                raise PrometheusError(
+                    f"{promql!r} never reached {at_least:g} within {timeout_s:.0f}s; "
+                    f"last value: {'no data' if value is None else f'{value:g}'}"
+                )
+            time.sleep(0.25)
+
+    def wait_for_scrapes_after(self, moment: float, timeout_s: float = 30.0) -> None:
+        """Block until every active target was last scraped after Unix time `moment`: a
+        query evaluated at `moment` then sees every sample taken up to it (a scrape that
+        began before `moment` stores its samples only once it is done)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            scraped = {t["scrapeUrl"]: _unix_time(t["lastScrape"]) for t in self.targets()}
+            if scraped and min(scraped.values()) > moment:
+                return
+            if time.monotonic() > deadline:
+                raise PrometheusError(
+                    f"not every target was scraped within {timeout_s:.0f}s after {moment:.3f}: "
+                    f"last scrapes {scraped}"
+                )
+            time.sleep(0.2)
+
     def __enter__(self) -> LocalPrometheus:
         self.start()
         return self
@@ -261,3 +294,10 @@ class LocalPrometheus:
         if not self.log_path.exists():
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _unix_time(rfc3339: str) -> float:
+    """Prometheus's RFC 3339 time stamp (nanoseconds, `Z`) as Unix seconds."""
+    head, _, fraction = rfc3339.removesuffix("Z").partition(".")
+    whole = datetime.fromisoformat(head).replace(tzinfo=UTC).timestamp()
+    return whole + (float(f"0.{fraction}") if fraction else 0.0)

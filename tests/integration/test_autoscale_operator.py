@@ -113,9 +113,22 @@ def autoscaling(policy: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
+def is_scaled(event: dict[str, Any]) -> bool:
+    return event["reason"] == "Scaled" and event["type"] == "Normal"
+
+
 async def scaled_events(cluster: Cluster, namespace: str, name: str = "llm") -> list[str]:
-    events = await cluster.events_for(namespace, name)
-    return [e["message"] for e in events if e["reason"] == "Scaled" and e["type"] == "Normal"]
+    """The Scaled Events posted so far: for asserting that none came."""
+    return [e["message"] for e in await cluster.events_for(namespace, name) if is_scaled(e)]
+
+
+async def wait_scaled_events(cluster: Cluster, namespace: str, count: int) -> list[str]:
+    """The Scaled Events of `namespace`/llm once `count` have come (each follows the
+    status change it reports)."""
+    events = await cluster.wait_for_events(
+        namespace, "llm", is_scaled, f"{count} Scaled Event(s)", ROUND_DEADLINE_S, count
+    )
+    return [e["message"] for e in events]
 
 
 def scale_writes_by_operator(cluster: Cluster, namespace: str) -> list[str]:
@@ -169,9 +182,7 @@ async def test_scales_out_once_the_batch_is_spent_resumes_after_a_restart_and_sc
                 kube.POLICIES, ns, "llm", lambda p: "lastScaling" in status_of(p),
                 "a scale-out", SCALE_DEADLINE_S,
             )  # fmt: skip
-            await cluster.wait_until(
-                lambda: scaled_events(cluster, ns), "the Scaled Event", ROUND_DEADLINE_S
-            )
+            await wait_scaled_events(cluster, ns, 1)
         stopped = await cluster.get(kube.POLICIES, ns, "llm")
         assert stopped is not None
         last = status_of(out)["lastScaling"]
@@ -222,6 +233,8 @@ async def test_scales_out_once_the_batch_is_spent_resumes_after_a_restart_and_sc
                     lambda p: status_of(p)["lastScaling"]["action"] == "scale_in",
                     "a scale-in", SCALE_DEADLINE_S,
                 )  # fmt: skip
+                # while the operator runs: it posts the Event after the status it reports
+                await wait_scaled_events(cluster, ns, 2)
                 await cluster.wait_until(
                     fleet_of(fleet, 1, pods=1), "llm-1 drained and gone", START_DEADLINE_S
                 )
@@ -273,6 +286,7 @@ async def test_kubectl_scale_writes_through_the_scale_subresource_and_the_operat
             kube.POLICIES, ns, "llm", lambda p: "lastScaling" in status_of(p),
             "the operator's answer to 5 replicas", ROUND_DEADLINE_S,
         )  # fmt: skip
+        answered = await wait_scaled_events(cluster, ns, 1)
         not_configured = await cluster.wait_for_condition(
             ns, "fixed", "Autoscaling", "False", "NotConfigured", ROUND_DEADLINE_S
         )
@@ -281,7 +295,7 @@ async def test_kubectl_scale_writes_through_the_scale_subresource_and_the_operat
     assert "outside autoscale's 1..2" in last["reason"]
     assert back["spec"]["replicas"] == 2
     assert scale_writes_by_operator(cluster, ns), "the operator wrote through /scale"
-    assert await scaled_events(cluster, ns) == [last["reason"]]
+    assert answered == [last["reason"]]
     assert "batching is still tuned" in not_configured["message"]
     assert await scaled_events(cluster, ns, "fixed") == []
 

@@ -143,9 +143,14 @@ async def test_the_loop_tunes_a_real_server_and_a_restart_resumes_from_status(
             stored = builders.parse_config_data(cm["data"])
             assert stored is not None
             assert in_force.max_batch_size == stored.max_batch_size == status["maxBatchSize"]
-            events = {e["reason"]: e for e in await cluster.events_for(ns, "llm")}
-            assert "Tuned" in events, events
-            refused = events["PushRefused"]
+            # the round posts its Events after the status it records
+            await cluster.wait_for_events(
+                ns, "llm", lambda e: e["reason"] == "Tuned", "a Tuned Event", TUNE_DEADLINE_S
+            )
+            (refused, *_) = await cluster.wait_for_events(
+                ns, "llm", lambda e: e["reason"] == "PushRefused", "a PushRefused Event",
+                TUNE_DEADLINE_S,
+            )  # fmt: skip
             assert refused["type"] == "Warning"
             assert "llm-1: unreachable" in refused["message"]
 

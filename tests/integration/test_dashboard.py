@@ -209,6 +209,7 @@ async def test_every_query_returns_data(
         # Every panel is read as of the load's end: the loop of queries below takes seconds
         # on a busy machine, and a rate window read later would cover only the load's tail.
         ended = time.time()
+        await asyncio.to_thread(prom.wait_for_scrapes_after, ended)
 
         for where, expr in panel_queries(load_dashboard()):
             result = await asyncio.to_thread(prom.query, substitute(expr), ended)

@@ -121,7 +121,9 @@ async def test_auto_switches_once_to_the_mode_the_workload_favours(
             )
             reason = status_of(switched)["modeReason"]
             assert reason.startswith("continuous -> dynamic: equal output lengths at low load")
-            (event,) = await mode_events(cluster, equal)
+            (event,) = await cluster.wait_for_events(
+                equal, "llm", lambda e: e["reason"] == "ModeChanged", "the ModeChanged Event"
+            )
             assert event["type"] == "Normal" and event["message"].startswith(reason)
             config_map = await cluster.get(
                 kube.CONFIGMAPS, equal, builders.config_map_name("llm")

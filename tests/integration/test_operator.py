@@ -84,8 +84,9 @@ async def test_policy_creates_owned_objects_with_owner_references(cluster: Clust
         expected.max_batch_size, expected.batch_timeout_ms,
     )
     assert status["observedGeneration"] == created["metadata"]["generation"]
-    reasons = {e["reason"] for e in await cluster.events_for("create", "llm")}
-    assert "Reconciled" in reasons
+    await cluster.wait_for_events(
+        "create", "llm", lambda e: e["reason"] == "Reconciled", "a Reconciled Event"
+    )
 
 
 async def test_ready_follows_the_deployment_status(cluster: Cluster) -> None:
@@ -181,7 +182,9 @@ async def test_invalid_spec_says_why_and_creates_nothing(
     assert words in ready["message"]
     for kind, suffix in OWNED:
         assert await cluster.get(kind, namespace, "llm" + suffix) is None
-    warnings = [e for e in await cluster.events_for(namespace, "llm") if e["type"] == "Warning"]
+    warnings = await cluster.wait_for_events(
+        namespace, "llm", lambda e: e["type"] == "Warning", f"a {reason} Warning"
+    )
     assert [e["reason"] for e in warnings] == [reason]
     # Kopf recorded the spec as handled: it schedules no retry of an invalid spec.
     fresh = await cluster.get(kube.POLICIES, namespace, "llm") or {}
@@ -222,8 +225,9 @@ async def test_bounds_change_reclamps_the_config_in_force(cluster: Cluster) -> N
         kube.POLICIES, "clamp", "llm",
         lambda p: (p.get("status") or {}).get("maxBatchSize") == 16, "status.maxBatchSize 16",
     )
-    messages = [e["message"] for e in await cluster.events_for("clamp", "llm")]
-    assert any("re-clamped" in message for message in messages)
+    await cluster.wait_for_events(
+        "clamp", "llm", lambda e: "re-clamped" in e["message"], "an Event saying re-clamped"
+    )
 
 
 async def test_deleting_the_policy_deletes_what_it_owns(cluster: Cluster) -> None:

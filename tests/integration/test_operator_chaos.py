@@ -201,7 +201,15 @@ async def next_round(world: World, what: str) -> dict[str, Any]:
 
 
 async def events(cluster: Cluster, namespace: str, reason: str) -> list[dict[str, Any]]:
+    """The `reason` Events posted so far: for counting them once one has come."""
     return [e for e in await cluster.events_for(namespace, "llm") if e["reason"] == reason]
+
+
+async def wait_events(cluster: Cluster, namespace: str, reason: str) -> list[dict[str, Any]]:
+    """The `reason` Events, once one has come."""
+    return await cluster.wait_for_events(
+        namespace, "llm", lambda e: e["reason"] == reason, f"a {reason} Event", DEADLINE_S
+    )
 
 
 def calls_per_s(cluster: Cluster, since: float, until: float) -> float:
@@ -278,20 +286,17 @@ async def test_a_pod_refusing_or_hanging_on_the_admin_put_is_reported_and_caught
         assert first["status"]["maxBatchSize"] == MAX_BATCH
         assert await in_force(cluster, ns) == (MAX_BATCH, MAX_BATCH)
         assert world.pod.config["max_batch_size"] == 1
-        refused = await cluster.wait_until(
-            lambda: events(cluster, ns, "PushRefused"), "a PushRefused Event", DEADLINE_S
-        )
+        refused = await wait_events(cluster, ns, "PushRefused")
         assert refused[0]["type"] == "Warning"
         assert "llm-0: HTTP 500" in refused[0]["message"], refused[0]["message"]
 
         world.pod.put_mode = "hang"
         start = time.monotonic()
 
-        async def hang_reported() -> list[dict[str, Any]]:
-            return [e for e in await events(cluster, ns, "PushRefused")
-                    if "timed out" in e["message"]]
-
-        await cluster.wait_until(hang_reported, "the hanging pod reported", DEADLINE_S)
+        await cluster.wait_for_events(
+            ns, "llm", lambda e: e["reason"] == "PushRefused" and "timed out" in e["message"],
+            "the hanging pod reported", DEADLINE_S,
+        )  # fmt: skip
         await next_round(world, "a round while the pod hangs")
         hang_s = time.monotonic() - start
         hang_rate = calls_per_s(cluster, start, start + hang_s)
@@ -299,11 +304,10 @@ async def test_a_pod_refusing_or_hanging_on_the_admin_put_is_reported_and_caught
 
         world.pod.put_mode = "ok"
         start = time.monotonic()
-        await cluster.wait_until(
-            lambda: events(cluster, ns, "Resynced"), "the pod caught up", DEADLINE_S
-        )
+        await wait_events(cluster, ns, "Resynced")
         recovered = time.monotonic() - start
         await next_round(world, "a round after the catch-up")
+        await wait_events(cluster, ns, "Tuned")
     # Applied once, by the resync: neither the refusals nor the rounds after repeat it.
     assert world.pod.applied == [{"max_batch_size": MAX_BATCH, "batch_timeout_ms": 0.0}]
     assert world.pod.config["max_batch_size"] == MAX_BATCH
@@ -350,12 +354,13 @@ async def test_api_errors_back_off_are_reported_and_converge(
         await cluster.wait_for_condition(ns, "llm", "Ready", "False", "ReplicasNotReady",
                                          DEADLINE_S)
         recovered = time.monotonic() - end
+        # Kopf logs the faults its own watch met; those our client met must reach an Event.
+        if any(agent.startswith(kube.USER_AGENT) for agent in fault.hit_by):
+            await cluster.wait_for_events(
+                ns, "llm", lambda e: str(fault.status) in e.get("message", ""),
+                f"an Event reporting the API's {fault.status}", DEADLINE_S,
+            )  # fmt: skip
         operator.check()
-    reported = [e for e in await cluster.events_for(ns, "llm")
-                if f"{fault.status}" in e.get("message", "")]
-    # Kopf logs the faults its own watch met; those our client met must reach an Event.
-    if any(agent.startswith(kube.USER_AGENT) for agent in fault.hit_by):
-        assert reported, "the fault was never reported in an Event"
     assert rate < HOT_LOOP_CALLS_PER_S
     assert await in_force_plain(cluster, ns)
     report(f"API {fault.status} ({fault.resources or 'all'})", fault_s=end - start,
@@ -408,13 +413,14 @@ async def test_conflicts_while_applying_a_decision_never_apply_it_twice(
             await next_round(world, "a round after the decision")
             failed = await cluster.wait_for_condition(ns, "llm", "Tuning", "True",
                                                       timeout=DEADLINE_S)
+            await wait_events(cluster, ns, "Tuned")
+            reported = await wait_events(cluster, ns, "TuningRoundFailed")
     finally:
         cluster.emulator.faults.remove(conflict)
     assert conflict.hits == 2
     assert world.pod.applied == [{"max_batch_size": MAX_BATCH, "batch_timeout_ms": 0.0}]
     assert len(await events(cluster, ns, "Tuned")) == 1
-    reported = await events(cluster, ns, "TuningRoundFailed")
-    assert reported and "409" in reported[0]["message"], reported
+    assert "409" in reported[0]["message"], reported
     assert failed["reason"] == "Enabled"
     report("API 409 on the ConfigMap patch, twice", decision_in_force_after_s=took,
            tuned_events=1, pod_puts=len(world.pod.applied))

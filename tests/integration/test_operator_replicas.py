@@ -66,12 +66,10 @@ async def test_the_disruption_budget_lives_while_two_or_more_replicas_run(
     await cluster.patch(kube.POLICIES, "budget", "llm", {"spec": {"replicas": 1}})
     await cluster.wait_gone(kube.PODDISRUPTIONBUDGETS, "budget", "llm")
 
-    async def deletion_event() -> list[str]:
-        # the operator posts the Event after the deletion it reports
-        messages = [e["message"] for e in await cluster.events_for("budget", "llm")]
-        return [m for m in messages if m.startswith("deleted PodDisruptionBudget llm")]
-
-    await cluster.wait_until(deletion_event, "an Event for the deleted budget")
+    await cluster.wait_for_events(
+        "budget", "llm", lambda e: e["message"].startswith("deleted PodDisruptionBudget llm"),
+        "an Event for the deleted budget",
+    )
 
     await cluster.patch(kube.POLICIES, "budget", "llm", {"spec": {"replicas": 3}})
     again = await cluster.wait_for(kube.PODDISRUPTIONBUDGETS, "budget", "llm")
@@ -113,8 +111,10 @@ async def test_an_autoscaled_policy_without_replicas_starts_at_min_replicas(
         "a Deployment of 3 replicas",
     )
     await cluster.wait_for(kube.PODDISRUPTIONBUDGETS, "autoscaled", "llm")
-    messages = [e["message"] for e in await cluster.events_for("autoscaled", "llm")]
-    assert "set spec.replicas to 3 (autoscale.minReplicas: it was omitted)" in messages
+    filled_in = "set spec.replicas to 3 (autoscale.minReplicas: it was omitted)"
+    await cluster.wait_for_events(
+        "autoscaled", "llm", lambda e: e["message"] == filled_in, f"the Event {filled_in!r}"
+    )
 
 
 def test_every_call_the_operator_made_is_granted(cluster: Cluster) -> None:

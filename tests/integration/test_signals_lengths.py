@@ -143,10 +143,4 @@ async def test_both_sources_read_the_length_spread_and_the_mean_latency(tmp_path
 async def settle(prom: PrometheusProcess, url: str, requests: int) -> None:
     """Wait until Prometheus scraped every request the server finished."""
     count = f"sum({names.REQUEST_GENERATION_TOKENS}_count{{{selector_for_instances([url])}}})"
-    deadline = time.monotonic() + SETTLE_DEADLINE_S
-    while True:
-        result = await asyncio.to_thread(prom.query, count)
-        if result and float(result[0]["value"][1]) >= requests:
-            return
-        assert time.monotonic() < deadline, "Prometheus never saw every request"
-        await asyncio.sleep(0.5)
+    await asyncio.to_thread(prom.wait_for_value, count, requests, SETTLE_DEADLINE_S)

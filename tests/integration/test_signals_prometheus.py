@@ -77,12 +77,7 @@ async def test_p99_agrees_with_the_load_generator_and_the_tuner_rides_out_an_out
 
                 # Prometheus, once it scraped the last of them, agrees.
                 count = f"sum({names.REQUEST_DURATION}_count{{{selector_for_instances(urls)}}})"
-                deadline = time.monotonic() + SETTLE_DEADLINE_S
-                while float((await asyncio.to_thread(prom.query, count))[0]["value"][1]) < (
-                    report.ok
-                ):
-                    assert time.monotonic() < deadline, "Prometheus never saw every request"
-                    await asyncio.sleep(0.5)
+                await asyncio.to_thread(prom.wait_for_value, count, report.ok, SETTLE_DEADLINE_S)
                 source = PrometheusSource(prom.url, selector_for_instances(urls), session)
                 window = time.monotonic() - started + 5.0
                 signals = await source.read(window)

@@ -507,8 +507,11 @@ class Cluster:
         probe: Callable[[], Awaitable[T | None]],
         what: str,
         timeout: float | None = None,
+        seen: Callable[[], object] | None = None,
     ) -> T:
-        """Poll `probe` until it returns something truthy; fail naming `what` at the deadline."""
+        """Poll `probe` until it returns something truthy; fail naming `what` at the
+        deadline, with `seen()` (what the last probe saw) when given, so that CI's log
+        alone says what came instead."""
         deadline = time.monotonic() + (timeout or self.timeout)
         while True:
             result = await probe()
@@ -516,7 +519,8 @@ class Cluster:
                 return result
             if time.monotonic() > deadline:
                 waited = timeout or self.timeout
-                raise AssertionError(f"timed out after {waited:g}s waiting for {what}")
+                detail = f"; last seen: {shorten(seen())}" if seen is not None else ""
+                raise AssertionError(f"timed out after {waited:g}s waiting for {what}{detail}")
             await asyncio.sleep(0.05)
 
     async def wait_for(
@@ -529,12 +533,48 @@ class Cluster:
         timeout: float | None = None,
     ) -> dict[str, Any]:
         """The object once it exists and satisfies `predicate`."""
+        last: list[dict[str, Any] | None] = [None]
 
         async def probe() -> dict[str, Any] | None:
             obj = await self.get(kind, namespace, name)
+            last[0] = obj
             return obj if obj is not None and predicate(obj) else None
 
-        return await self.wait_until(probe, what or f"{kind.kind} {namespace}/{name}", timeout)
+        def seen() -> object:
+            obj = last[0]
+            if obj is None:
+                return "no such object"
+            return {key: obj[key] for key in ("spec", "status", "data") if key in obj}
+
+        return await self.wait_until(
+            probe, what or f"{kind.kind} {namespace}/{name}", timeout, seen
+        )
+
+    async def wait_for_events(
+        self,
+        namespace: str,
+        name: str,
+        predicate: Callable[[dict[str, Any]], bool],
+        what: str,
+        timeout: float | None = None,
+        count: int = 1,
+    ) -> list[dict[str, Any]]:
+        """The object's Events that satisfy `predicate`, once there are at least `count`.
+        The operator posts an Event after the change it reports: a test that saw the
+        change has not necessarily seen its Event yet."""
+        posted: list[dict[str, Any]] = []
+
+        async def probe() -> list[dict[str, Any]]:
+            posted[:] = await self.events_for(namespace, name)
+            matching = [e for e in posted if predicate(e)]
+            return matching if len(matching) >= count else []
+
+        def seen() -> object:
+            return [f"{e.get('type')} {e.get('reason')}: {e.get('message')}" for e in posted]
+
+        return await self.wait_until(
+            probe, f"{what} (an Event of {namespace}/{name})", timeout, seen
+        )
 
     async def wait_gone(
         self, kind: kube.Kind, namespace: str, name: str, timeout: float | None = None
@@ -611,6 +651,12 @@ def server_pod(namespace: str, policy_name: str, name: str, port: int) -> dict[s
             ],
         },
     }
+
+
+def shorten(value: object, limit: int = 2000) -> str:
+    """`value` as text for a failure message, cut to `limit` characters."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def condition(obj: Mapping[str, Any], type_: str) -> dict[str, Any] | None:
