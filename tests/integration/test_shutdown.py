@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -85,14 +85,10 @@ async def test_when_the_grace_runs_out_every_request_gets_an_answer(tmp_path: Pa
             ]
             await until_all_admitted(session, srv.url)
 
-            def exit_code_and_time() -> tuple[int, float]:
-                return srv.proc.wait(60), time.monotonic()
-
-            signalled = time.monotonic()
             srv.proc.send_signal(signal.SIGTERM)
-            exited = asyncio.create_task(asyncio.to_thread(exit_code_and_time))
+            exited = asyncio.create_task(asyncio.to_thread(srv.proc.wait, 60))
             answers = await asyncio.gather(*tasks)
-            exit_code, exit_time = await exited
+            exit_code = await exited
     lost = [a.lost for a in answers if a.lost or a.status == 0]
     assert not lost, f"{len(lost)} requests got no answer: {lost[:3]}"
     streams = [a for a in answers if a.stream and a.status == 200]
@@ -112,7 +108,18 @@ async def test_when_the_grace_runs_out_every_request_gets_an_answer(tmp_path: Pa
     assert all(a.events[-2]["choices"][0]["finish_reason"] == "length" for a in finished)  # type: ignore[index]
     assert len(cut) + len(refused) + len(plain_done) + len(finished) == REQUESTS
     assert exit_code == 0
-    assert exit_time - signalled <= GRACE_S + EXIT_MARGIN_S, srv.stderr_tail()
+    # Timed by the server's own log, from the drain's start to its last line: on a loaded
+    # machine the interpreter's exit and this test's wait for it stretch, not the drain.
+    log = srv.stderr_path.read_text()
+    assert logged_at(log, "draining:") + GRACE_S + EXIT_MARGIN_S >= logged_at(log, "stopped"), log
+
+
+def logged_at(log: str, words: str) -> float:
+    """The time stamp (seconds) of the server's first log line that holds `words`."""
+    line = next((line for line in log.splitlines() if words in line), None)
+    assert line is not None, f"no log line with {words!r}:\n{log}"
+    stamp = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+    return stamp.timestamp()
 
 
 def test_the_pod_outlives_its_servers_shutdown() -> None:
