@@ -23,7 +23,6 @@ from batchpilot_server.engine_api import (
     EngineOptions,
     EngineStats,
     EngineStoppedError,
-    FinishReason,
     PromptTooLongError,
     QueueFullError,
     SamplingParams,
@@ -40,17 +39,28 @@ from batchpilot_server.protocol import (
     ChatCompletionChunk,
     ChatCompletionMessage,
     ChatDelta,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
-    GenerationRequest,
+    CompletionLogprobs,
     Limits,
     ModelCard,
     ModelList,
-    Served,
-    StopMatcher,
     Usage,
-    decode_body,
     invalid,
+)
+from batchpilot_server.protocol_output import (
+    ChoiceDelta,
+    ChoiceOutput,
+    LogprobEntry,
+    TokenSpeller,
+    chat_logprobs,
+    completion_logprobs,
+)
+from batchpilot_server.protocol_parse import (
+    GenerationRequest,
+    Served,
+    decode_body,
     parse_json_body,
     read_batching_update,
     read_chat,
@@ -344,7 +354,8 @@ async def _generate(
 
 
 class Generation:
-    """One admitted request: turns engine token events into text deltas and records metrics."""
+    """One admitted request: its engine sequences (one per choice), their text deltas
+    merged in the order they come, and the request's metrics."""
 
     def __init__(
         self, state: ServerState, parsed: GenerationRequest, arrival: float, id_prefix: str
@@ -355,29 +366,38 @@ class Generation:
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = state.model_name
-        self.completion_tokens = 0
-        self.finish_reason: FinishReason | None = None
-        self._matcher = StopMatcher(parsed.stop)
-        # Decodes each new token once, instead of the whole completion per token.
-        self._decoder = state.engine.tokenizer.incremental_decoder()
-        self._decoded = ""
-        self._last_token_at = arrival
-        self._stream = self._submit()
-        state.metrics.prompt_tokens.inc(len(parsed.prompt_ids))
+        tokenizer = state.engine.tokenizer
+        self.speller = TokenSpeller(tokenizer)
+        self.outputs: list[ChoiceOutput] = []
+        self._streams: list[RequestStream] = []
+        self._last_token_at: dict[int, float] = {}
+        self._first_token = True
+        # the next event of each unfinished choice, awaited together
+        self._pending: dict[asyncio.Task[TokenEvent], int] = {}
+        try:
+            for index, prompt, params in parsed.sequences():
+                self.outputs.append(
+                    ChoiceOutput(
+                        index,
+                        tokenizer,
+                        self.speller,
+                        parsed.stop,
+                        echo_text=prompt.text if parsed.echo else None,
+                        prompt_ids=prompt.ids,
+                        logprobs=parsed.logprobs is not None,
+                        output=parsed.output,
+                    )
+                )
+                self._streams.append(self._submit(prompt.ids, params))
+                state.metrics.prompt_tokens.inc(len(prompt.ids))
+        except ApiError:
+            self.close()  # the choices admitted before a refused one end with it
+            raise
 
-    def _submit(self) -> RequestStream:
-        params = SamplingParams(
-            max_tokens=self.parsed.max_tokens,
-            temperature=self.parsed.temperature,
-            top_p=self.parsed.top_p,
-            seed=self.parsed.seed,
-            ignore_eos=self.parsed.ignore_eos,
-        )
+    def _submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         limits = self.state.limits
         try:
-            return self.state.engine.submit(
-                self.parsed.prompt_ids, params, deadline_s=limits.queue_timeout_s
-            )
+            return self.state.engine.submit(prompt_ids, params, deadline_s=limits.queue_timeout_s)
         except QueueFullError as exc:
             raise ApiError(
                 429,
@@ -387,32 +407,43 @@ class Generation:
                 code="queue_full",
                 headers={"Retry-After": str(limits.retry_after_s)},
             ) from exc
-        except PromptTooLongError as exc:  # protocol.py refuses it first; the engine guards
+        except PromptTooLongError as exc:  # protocol_parse refuses it first; the engine guards
             raise invalid(str(exc), code="context_length_exceeded", param="prompt") from exc
         except EngineStoppedError as exc:
             raise _engine_stopped(self.state, exc, "rejected") from exc
 
     @property
-    def prompt_tokens(self) -> int:
-        return len(self.parsed.prompt_ids)
-
-    @property
-    def text(self) -> str:
-        return self._matcher.text
+    def finished(self) -> bool:
+        return all(output.finish_reason is not None for output in self.outputs)
 
     def usage(self) -> Usage:
+        prompt = self.parsed.prompt_tokens
+        completion = sum(output.completion_tokens for output in self.outputs)
         return Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )
 
-    async def next_delta(self) -> str | None:
-        """The next piece of text (possibly empty) per token; None once finished."""
-        if self.finish_reason is not None:
+    async def next_delta(self) -> ChoiceDelta | None:
+        """The next delta of any choice, in the order their tokens come; None once all
+        finished."""
+        if len(self.outputs) == 1:  # no tasks for the common case
+            output = self.outputs[0]
+            if output.finish_reason is not None:
+                return None
+            return self._record(0, await self._next_event(0))
+        for index, output in enumerate(self.outputs):
+            if output.finish_reason is None and index not in self._pending.values():
+                self._pending[asyncio.ensure_future(self._next_event(index))] = index
+        if not self._pending:
             return None
+        done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
+        task = min(done, key=lambda t: self._pending[t])  # one at a time, lowest index first
+        index = self._pending.pop(task)
+        return self._record(index, task.result())
+
+    async def _next_event(self, index: int) -> TokenEvent:
         try:
-            event = await anext(self._stream)
+            return await anext(self._streams[index])
         except StopAsyncIteration:
             raise ApiError(
                 500, "the engine ended the request without a finish reason", type_="server_error"
@@ -429,35 +460,31 @@ class Generation:
             ) from exc
         except EngineStoppedError as exc:
             raise _engine_stopped(self.state, exc, "error") from exc
-        return self._record(event)
 
-    def _record(self, event: TokenEvent) -> str:
+    def _record(self, index: int, event: TokenEvent) -> ChoiceDelta:
         now = time.monotonic()
         metrics = self.state.metrics
-        if self.completion_tokens:
-            metrics.inter_token.observe(now - self._last_token_at)
-        else:
+        if self._first_token:
             metrics.ttft.observe(now - self.arrival)
-        self._last_token_at = now
-        self.completion_tokens += 1
+            self._first_token = False
+        elif index in self._last_token_at:
+            metrics.inter_token.observe(now - self._last_token_at[index])
+        self._last_token_at[index] = now
         metrics.generation_tokens.inc()
-        final = event.finish_reason is not None
-        self._decoded += self._decoder.decode([event.token_id], final=final)
-        delta = self._matcher.feed(self._decoded)
-        if self._matcher.stopped:
-            self.finish_reason = "stop"
-            self._stream.cancel()
-        elif final:
-            self.finish_reason = event.finish_reason
-            delta += self._matcher.flush()
-        if self.finish_reason is not None:
-            metrics.request_generation_tokens.observe(self.completion_tokens)
+        output = self.outputs[index]
+        delta = output.feed(event)
+        if output.finish_reason is not None:
+            self._streams[index].cancel()  # a stop string ends it before the engine does
+            metrics.request_generation_tokens.observe(output.completion_tokens)
         return delta
 
     def close(self) -> None:
         # Frees the request's KV blocks when it ends early (stop string, error,
         # client gone); a no-op for a finished request.
-        self._stream.cancel()
+        for task in self._pending:
+            task.cancel()
+        for stream in self._streams:
+            stream.cancel()
 
 
 def _engine_stopped(state: ServerState, error: EngineStoppedError, outcome: str) -> ApiError:
@@ -484,11 +511,7 @@ class AnswerFormat(Protocol):
         ...
 
     def event(
-        self,
-        generation: Generation,
-        text: str,
-        finish_reason: FinishReason | None,
-        usage: Usage | None = None,
+        self, generation: Generation, delta: ChoiceDelta, usage: Usage | None = None
     ) -> BaseModel: ...
     def usage_event(self, generation: Generation) -> BaseModel:
         """stream_options.include_usage: the last event, with no choices."""
@@ -499,50 +522,95 @@ class CompletionFormat:
     id_prefix = "cmpl"
 
     def answer(self, generation: Generation) -> Completion:
-        return self.event(generation, generation.text, generation.finish_reason, generation.usage())
+        choices = [
+            CompletionChoice(
+                index=output.index,
+                text=output.text,
+                logprobs=self._logprobs(generation, output.entries, 0),
+                finish_reason=output.finish_reason,
+            )
+            for output in generation.outputs
+        ]
+        return Completion(**_identity(generation), choices=choices, usage=generation.usage())
 
     def opening(self, generation: Generation) -> list[BaseModel]:
         return []
 
     def event(
-        self,
-        generation: Generation,
-        text: str,
-        finish_reason: FinishReason | None,
-        usage: Usage | None = None,
+        self, generation: Generation, delta: ChoiceDelta, usage: Usage | None = None
     ) -> Completion:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+        choice = CompletionChoice(
+            index=delta.index,
+            text=delta.text,
+            logprobs=self._logprobs(generation, delta.entries, delta.offset),
+            finish_reason=delta.finish_reason,
+        )
         return Completion(**_identity(generation), choices=[choice], usage=usage)
 
     def usage_event(self, generation: Generation) -> Completion:
         return Completion(**_identity(generation), choices=[], usage=generation.usage())
+
+    @staticmethod
+    def _logprobs(
+        generation: Generation, entries: list[LogprobEntry], offset: int
+    ) -> CompletionLogprobs | None:
+        k = generation.parsed.logprobs
+        if k is None:
+            return None
+        return completion_logprobs(entries, generation.speller, k, offset)
 
 
 class ChatFormat:
     id_prefix = "chatcmpl"
 
     def answer(self, generation: Generation) -> ChatCompletion:
-        message = ChatCompletionMessage(content=generation.text)
-        choice = ChatChoice(message=message, finish_reason=generation.finish_reason)
-        return ChatCompletion(**_identity(generation), choices=[choice], usage=generation.usage())
+        choices = [
+            ChatChoice(
+                index=output.index,
+                message=ChatCompletionMessage(content=output.text),
+                logprobs=self._logprobs(generation, output.entries),
+                finish_reason=output.finish_reason,
+            )
+            for output in generation.outputs
+        ]
+        return ChatCompletion(**_identity(generation), choices=choices, usage=generation.usage())
 
     def opening(self, generation: Generation) -> list[BaseModel]:
-        # As OpenAI: the first event names the role, the text follows.
-        choice = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""), finish_reason=None)
-        return [ChatCompletionChunk(**_identity(generation), choices=[choice])]
+        # As OpenAI: the first event of each choice names the role, the text follows.
+        return [
+            ChatCompletionChunk(
+                **_identity(generation),
+                choices=[
+                    ChatChunkChoice(
+                        index=output.index,
+                        delta=ChatDelta(role="assistant", content=""),
+                        finish_reason=None,
+                    )
+                ],
+            )
+            for output in generation.outputs
+        ]
 
     def event(
-        self,
-        generation: Generation,
-        text: str,
-        finish_reason: FinishReason | None,
-        usage: Usage | None = None,
+        self, generation: Generation, delta: ChoiceDelta, usage: Usage | None = None
     ) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(delta=ChatDelta(content=text), finish_reason=finish_reason)
+        choice = ChatChunkChoice(
+            index=delta.index,
+            delta=ChatDelta(content=delta.text),
+            logprobs=self._logprobs(generation, delta.entries),
+            finish_reason=delta.finish_reason,
+        )
         return ChatCompletionChunk(**_identity(generation), choices=[choice], usage=usage)
 
     def usage_event(self, generation: Generation) -> ChatCompletionChunk:
         return ChatCompletionChunk(**_identity(generation), choices=[], usage=generation.usage())
+
+    @staticmethod
+    def _logprobs(generation: Generation, entries: list[LogprobEntry]) -> ChatLogprobs | None:
+        k = generation.parsed.logprobs
+        if k is None:
+            return None
+        return chat_logprobs(entries, generation.speller, k)
 
 
 COMPLETION_FORMAT = CompletionFormat()
@@ -563,18 +631,23 @@ async def _stream(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
-    # Most events differ only in their text: serialize the rest once.
-    placeholder = answer_format.event(generation, "\x00", None).model_dump_json().encode()
-    head, tail = placeholder.split(b'"\\u0000"')
+    # Most events differ only in their text: serialize the rest once per choice.
+    frames: dict[int, tuple[bytes, bytes]] = {}
     try:
         for event in answer_format.opening(generation):
             await _send_event(response, event)
         while delta is not None:
-            if generation.finish_reason is None:
-                await response.write(b"data: " + head + json.dumps(delta).encode() + tail + b"\n\n")
+            if delta.finish_reason is not None:
+                usage = generation.usage() if generation.finished else None
+                await _send_event(response, answer_format.event(generation, delta, usage))
+            elif delta.entries or generation.parsed.logprobs is not None:
+                await _send_event(response, answer_format.event(generation, delta))
             else:
-                finish, usage = generation.finish_reason, generation.usage()
-                await _send_event(response, answer_format.event(generation, delta, finish, usage))
+                head, tail = frames.get(delta.index) or _text_frame(
+                    answer_format, generation, delta.index, frames
+                )
+                text = json.dumps(delta.text).encode()
+                await response.write(b"data: " + head + text + tail + b"\n\n")
             delta = await generation.next_delta()
     except ApiError as err:
         # Headers are gone: the error travels as an event and the request counts as failed.
@@ -588,6 +661,19 @@ async def _stream(
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+def _text_frame(
+    answer_format: AnswerFormat,
+    generation: Generation,
+    index: int,
+    frames: dict[int, tuple[bytes, bytes]],
+) -> tuple[bytes, bytes]:
+    """A text event of choice `index` split around its text, to be filled per token."""
+    placeholder = answer_format.event(generation, ChoiceDelta(index, "\x00"))
+    head, tail = placeholder.model_dump_json().encode().split(b'"\\u0000"')
+    frames[index] = (head, tail)
+    return head, tail
 
 
 class _StreamEnded(Exception):
