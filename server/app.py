@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import json
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -28,7 +30,12 @@ from batchpilot_server.engine_api import (
     SamplingParams,
     TokenEvent,
 )
-from batchpilot_server.metrics import CONTENT_TYPE, ServerMetrics
+from batchpilot_server.generation_defaults import (
+    MODEL_NEUTRAL,
+    GenerationDefaults,
+    generation_defaults,
+)
+from batchpilot_server.metrics import CONTENT_TYPE, MetricsCompat, ServerMetrics
 from batchpilot_server.openapi import openapi_document
 from batchpilot_server.protocol import (
     ApiError,
@@ -43,10 +50,13 @@ from batchpilot_server.protocol import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    DetokenizeResponse,
     Limits,
     ModelCard,
     ModelList,
+    TokenizeResponse,
     Usage,
+    VersionResponse,
     invalid,
 )
 from batchpilot_server.protocol_output import (
@@ -65,8 +75,10 @@ from batchpilot_server.protocol_parse import (
     read_batching_update,
     read_chat,
     read_completion,
+    read_detokenize,
+    read_tokenize,
 )
-from batchpilot_server.tokenizer import Tokenizer
+from batchpilot_server.tokenizer import ChatTemplate, Tokenizer
 from pydantic import BaseModel
 
 log = logging.getLogger("batchpilot.server")
@@ -138,6 +150,9 @@ class ServerState:
     metrics: ServerMetrics
     limits: Limits
     admin_token: Callable[[], str] | None  # the token in force now (TokenFile.current)
+    api_key: Callable[[], str] | None = None  # the OpenAI routes' bearer key; None: open
+    chat_template: str | None = None  # --chat-template: replaces the model's at start
+    defaults: GenerationDefaults = MODEL_NEUTRAL
     config_version: int = 1  # of the engine's config: increases with every accepted PUT
     ready: bool = False
     draining: bool = False
@@ -157,18 +172,28 @@ def create_app(
     metrics: ServerMetrics,
     admin_token: AdminToken,
     limits: Limits,
+    api_key: AdminToken = None,
+    chat_template: str | None = None,
+    defaults: GenerationDefaults = MODEL_NEUTRAL,
 ) -> web.Application:
-    """The HTTP app around a not yet started engine built with `metrics` as its observer."""
+    """The HTTP app around a not yet started engine built with `metrics` as its observer.
+
+    `api_key` (a key, or where to get the one in force): the OpenAI routes and
+    /tokenize, /detokenize then need `Authorization: Bearer <key>`; probes, /metrics,
+    /version and /openapi.json stay open, the admin API keeps its own token."""
     state = ServerState(
         engine=engine,
         metrics=metrics,
         limits=limits,
-        admin_token=(lambda: admin_token) if isinstance(admin_token, str) else admin_token,
+        admin_token=_current(admin_token),
+        api_key=_current(api_key),
+        chat_template=chat_template,
+        defaults=defaults,
     )
     metrics.set_config(engine.config)
     app = web.Application(
         client_max_size=limits.max_body_bytes,
-        middlewares=[error_middleware],
+        middlewares=[error_middleware, api_key_middleware],
         # aiohttp would unpack a compressed body in its parser, where one that is not what
         # its Content-Encoding says gets a plain-text 400 the app never sees: read_json does.
         handler_args={"auto_decompress": False},
@@ -177,6 +202,10 @@ def create_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
+    app.router.add_get("/health", health)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_endpoint)
@@ -209,9 +238,17 @@ def end_in_flight(app: web.Application, reason: str) -> int:
     return state.inflight.count
 
 
+def _current(token: AdminToken) -> Callable[[], str] | None:
+    return (lambda: token) if isinstance(token, str) else token
+
+
 async def _start_engine(app: web.Application) -> None:
     state = app[STATE]
     await state.engine.start()
+    if state.chat_template is not None:
+        tokenizer = state.engine.tokenizer  # loaded by start
+        special = tokenizer.chat_template.special_tokens
+        tokenizer.chat_template = ChatTemplate(state.chat_template, special)
     state.ready = True
 
 
@@ -339,9 +376,7 @@ async def _generate(
             headers={"Retry-After": str(state.limits.retry_after_s)},
             outcome="rejected",
         )
-    engine = state.engine
-    served = Served(state.model_name, engine.max_model_len, engine.tokenizer, state.limits)
-    parsed = reader(await read_json(request), served)
+    parsed = reader(await read_json(request), _served(state))
     generation = Generation(state, parsed, arrival, answer_format.id_prefix)
     try:
         if parsed.stream:
@@ -351,6 +386,13 @@ async def _generate(
         return _json_answer(answer_format.answer(generation))
     finally:
         generation.close()
+
+
+def _served(state: ServerState) -> Served:
+    engine = state.engine
+    return Served(
+        state.model_name, engine.max_model_len, engine.tokenizer, state.limits, state.defaults
+    )
 
 
 class Generation:
@@ -697,6 +739,49 @@ async def models(request: web.Request) -> web.Response:
     return _json_answer(ModelList(data=[card]))
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    served = _served(state)
+    tokenized = read_tokenize(await read_json(request), served)
+    strs = None
+    if tokenized.token_strs:
+        speller = TokenSpeller(served.tokenizer)
+        strs = [speller.text(token_id) for token_id in tokenized.ids]
+    answer = TokenizeResponse(
+        count=len(tokenized.ids),
+        max_model_len=served.max_model_len,
+        tokens=tokenized.ids,
+        token_strs=strs,
+    )
+    return _json_answer(answer)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    served = _served(request.app[STATE])
+    ids = read_detokenize(await read_json(request), served)
+    return _json_answer(DetokenizeResponse(prompt=served.tokenizer.decode(ids)))
+
+
+async def version(request: web.Request) -> web.Response:
+    return _json_answer(VersionResponse(version=package_version()))
+
+
+@cache
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("batchpilot")
+    except importlib.metadata.PackageNotFoundError:  # run from a tree, not installed
+        return "unknown"
+
+
+async def health(request: web.Request) -> web.Response:
+    """vLLM's, TGI's and llama.cpp's probe: 200 once the model serves, else 503."""
+    state = request.app[STATE]
+    if state.ready and not state.engine.failure:
+        return web.Response(status=200)
+    return await readyz(request)
+
+
 async def healthz(request: web.Request) -> web.Response:
     """Alive unless the engine thread died: then only a restart helps."""
     failure = request.app[STATE].engine.failure
@@ -760,9 +845,8 @@ def _authorize(request: web.Request, current_token: Callable[[], str] | None) ->
             type_="permission_error",
             code="admin_disabled",
         )
-    header = request.headers.get("Authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not given.strip():
+    given = _bearer(request)
+    if given is None:
         raise ApiError(
             401,
             "missing admin token: send 'Authorization: Bearer <token>'",
@@ -770,20 +854,83 @@ def _authorize(request: web.Request, current_token: Callable[[], str] | None) ->
             code="missing_token",
             headers={"WWW-Authenticate": 'Bearer realm="batchpilot-admin"'},
         )
-    # Header bytes that are not ASCII reach here as surrogate escapes: compare bytes.
-    given_bytes = given.strip().encode("utf-8", "surrogateescape")
-    if not hmac.compare_digest(given_bytes, current_token().encode("utf-8", "surrogateescape")):
+    if not _same(given, current_token()):
         raise ApiError(
             403, "the admin token is not valid", type_="permission_error", code="invalid_token"
         )
 
 
+def _bearer(request: web.Request) -> bytes | None:
+    """The bearer credential of the request, as bytes; None when it sends none."""
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return None
+    # Header bytes that are not ASCII reach here as surrogate escapes: compare bytes.
+    return given.strip().encode("utf-8", "surrogateescape")
+
+
+def _same(given: bytes, expected: str) -> bool:
+    """Constant time, so that the answer's timing tells nothing of the secret."""
+    return hmac.compare_digest(given, expected.encode("utf-8", "surrogateescape"))
+
+
+# routes behind --api-key: what OpenAI clients call (vLLM guards the same ones)
+KEYED_PREFIXES = ("/v1/",)
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
+@web.middleware
+async def api_key_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    current_key = request.app[STATE].api_key
+    path = request.path
+    if current_key is not None and (path.startswith(KEYED_PREFIXES) or path in KEYED_PATHS):
+        given = _bearer(request)
+        # OpenAI's answer to a missing or wrong key: 401, never the key itself
+        if given is None:
+            raise ApiError(
+                401,
+                "this server needs an API key: send 'Authorization: Bearer <key>'",
+                type_="authentication_error",
+                code="missing_api_key",
+                headers={"WWW-Authenticate": 'Bearer realm="batchpilot"'},
+            )
+        if not _same(given, current_key()):
+            raise ApiError(
+                401,
+                "the API key is not valid",
+                type_="authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": 'Bearer realm="batchpilot"'},
+            )
+    return await handler(request)
+
+
 def build_app(
-    options: EngineOptions, *, admin_token: AdminToken = None, limits: Limits | None = None
+    options: EngineOptions,
+    *,
+    admin_token: AdminToken = None,
+    limits: Limits | None = None,
+    api_key: AdminToken = None,
+    chat_template: str | None = None,
+    metrics_compat: MetricsCompat = "vllm",
 ) -> web.Application:
     """A server app with its own engine and metrics registry (used by the CLI, tests, benches)."""
     from batchpilot_server.engine import Engine  # torch: imported only where a model runs
 
-    metrics = ServerMetrics(model=options.served_name, mode=options.mode)
+    metrics = ServerMetrics(
+        model=options.served_name,
+        mode=options.mode,
+        compat=metrics_compat,
+        block_size=options.block_size,
+    )
     engine = Engine(options, metrics)
-    return create_app(engine, metrics=metrics, admin_token=admin_token, limits=limits or Limits())
+    return create_app(
+        engine,
+        metrics=metrics,
+        admin_token=admin_token,
+        limits=limits or Limits(),
+        api_key=api_key,
+        chat_template=chat_template,
+        defaults=generation_defaults(options.model),
+    )

@@ -152,12 +152,6 @@ def _prompt_kind(value: Any) -> str | None:
     return "<list>"
 
 
-def _object_kind(value: Any) -> str | None:
-    if isinstance(value, str):
-        return "<string>"
-    return "<object>" if isinstance(value, dict) else None
-
-
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 NonEmptyText = Annotated[Text, Field(min_length=1)]
 StopText = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
@@ -241,7 +235,7 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = Field(None, description="The prompt before the completion.")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top k per token.")
     best_of: int | None = Field(None, ge=1, le=MAX_N, description="Only equal to `n`.")
-    suffix: Text | None = Field(None, description="Only null or empty.")
+    suffix: Literal[""] | None = Field(None, description="Only null or empty: no insertion.")
 
 
 class TextPart(Lenient):
@@ -296,37 +290,13 @@ class Tool(Lenient):
     function: FunctionDefinition
 
 
-class NamedFunction(Lenient):
-    name: Text
-
-
-class NamedToolChoice(Lenient):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-ToolChoice = Annotated[
-    Annotated[Literal["none", "auto", "required"], Tag("<string>")]
-    | Annotated[NamedToolChoice, Tag("<object>")],
-    Discriminator(
-        _object_kind,
-        custom_error_type="invalid_type",
-        custom_error_message='must be "none", "auto", "required" or {"type": "function", ...}',
-    ),
-]
-FunctionChoice = Annotated[
-    Annotated[Literal["none", "auto"], Tag("<string>")] | Annotated[NamedFunction, Tag("<object>")],
-    Discriminator(
-        _object_kind,
-        custom_error_type="invalid_type",
-        custom_error_message='must be "none", "auto" or {"name": ...}',
-    ),
-]
+# "required" and a named tool need decoding constrained to a call: not yet supported
+ToolChoice = Literal["none", "auto"]
 
 
 class ResponseFormat(Lenient):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: Json | None = None
+    # json_object and json_schema need grammar-constrained decoding: not yet supported
+    type: Literal["text"]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -338,14 +308,18 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="With logprobs.")
     tools: list[Tool] | None = Field(None, description="Rendered by the chat template.")
-    tool_choice: ToolChoice | None = Field(None, description='"none" or "auto".')
+    tool_choice: ToolChoice | None = Field(
+        None, description='"none" or "auto" ("required" and a named tool: not supported).'
+    )
     parallel_tool_calls: bool | None = None
     functions: list[FunctionDefinition] | None = Field(None, description="Rendered as tools.")
-    function_call: FunctionChoice | None = Field(None, description='"none" or "auto".')
-    response_format: ResponseFormat | None = Field(None, description='Only {"type": "text"}.')
+    function_call: ToolChoice | None = Field(None, description='"none" or "auto".')
+    response_format: ResponseFormat | None = Field(
+        None, description='Only {"type": "text"}: json_object and json_schema not supported.'
+    )
     # accepted whatever their value: hints that change nothing this server computes
     metadata: dict[Text, Text] | None = None
-    store: bool | None = Field(None, description="Only false: nothing is stored.")
+    store: Literal[False] | None = Field(None, description="Only false: nothing is stored.")
     service_tier: Text | None = None
     prompt_cache_key: Text | None = None
     prompt_cache_retention: Text | None = None
@@ -354,11 +328,11 @@ class ChatCompletionRequest(SamplingFields):
     verbosity: Text | None = None
     safety_identifier: Text | None = None
     prediction: Json | None = Field(None, description="Accepted; speeds nothing up here.")
-    modalities: list[Text] | None = Field(None, description='Only ["text"].')
+    modalities: list[Literal["text"]] | None = Field(None, description='Only ["text"].')
     # features this server does not have: only null
-    audio: Json | None = Field(None, description="Only null.")
-    moderation: Json | None = Field(None, description="Only null.")
-    web_search_options: Json | None = Field(None, description="Only null.")
+    audio: None = Field(None, description="Only null: no audio output.")
+    moderation: None = Field(None, description="Only null: no moderation.")
+    web_search_options: None = Field(None, description="Only null: no web search.")
 
 
 class BatchingUpdate(TypedDict, total=False):

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from batchpilot_server.batching_config import brief
 from batchpilot_server.engine_api import SamplingParams
+from batchpilot_server.generation_defaults import MODEL_NEUTRAL, GenerationDefaults
 from batchpilot_server.protocol import (
     DEFAULT_MAX_TOKENS,
     MAX_SEED,
@@ -288,7 +289,8 @@ def _unknown_in(value: Any, path: str) -> list[str]:
 
 
 def _join(path: str, key: str) -> str:
-    key = printable(key)[:MAX_UNKNOWN_NAME]
+    # escaped: a name may hold a newline or a lone surrogate, and the log line is one line
+    key = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in key[:MAX_UNKNOWN_NAME])
     return f"{path}.{key}" if path else key
 
 
@@ -306,18 +308,6 @@ def log_unknown_fields(model: BaseModel, route: str) -> None:
 
 
 @dataclass(frozen=True)
-class GenerationDefaults:
-    """What a request that names no sampling value gets: the model's generation_config
-    (generation_defaults.py), else what changes nothing, at temperature 1 as vLLM."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-
-
-@dataclass(frozen=True)
 class Served:
     """What the server serves: the bounds every request is checked against."""
 
@@ -325,7 +315,7 @@ class Served:
     max_model_len: int
     tokenizer: Tokenizer
     limits: Limits
-    defaults: GenerationDefaults = GenerationDefaults()
+    defaults: GenerationDefaults = MODEL_NEUTRAL
 
 
 @dataclass(frozen=True)
@@ -388,8 +378,6 @@ def read_completion(body: Any, served: Served) -> GenerationRequest:
             "best_of",
             f"must equal n ({n}): choosing the best of several completions is not supported",
         )
-    if request.suffix:
-        raise unsupported("suffix", "is not supported (no text insertion); send null or ''")
     echo = bool(request.echo)
     prompts = _completion_prompts(request.prompt, served.tokenizer)
     _check_sequences(len(prompts), n, "prompt" if len(prompts) > 1 else "n")
@@ -452,7 +440,6 @@ def read_chat(body: Any, served: Served) -> GenerationRequest:
     request = validate(CHAT_REQUEST, body)
     log_unknown_fields(request, "/v1/chat/completions")
     _check_model(request.model, served.model_name)
-    _check_chat_features(request)
     tools = _template_tools(request.tools, request.functions)
     prompt_ids = render_chat_ids(served.tokenizer, request.messages, tools)
     n = request.n or 1
@@ -472,31 +459,6 @@ def read_chat(body: Any, served: Served) -> GenerationRequest:
     params = _sampling(request, served, max_tokens, logprobs=logprobs, prompt_logprobs=None)
     prompt = PromptInput(prompt_ids, "")
     return _generation(request, [prompt], params, n, echo=False, output=True)
-
-
-def _check_chat_features(request: ChatCompletionRequest) -> None:
-    """Refuse the declared fields whose value asks for what this server lacks."""
-    if request.response_format is not None and request.response_format.type != "text":
-        raise unsupported(
-            "response_format",
-            f"{request.response_format.type!r} is not supported yet; only {{'type': 'text'}}",
-        )
-    if request.tool_choice in ("required",) or not isinstance(request.tool_choice, str | None):
-        raise unsupported(
-            "tool_choice",
-            "can only be 'none' or 'auto': this server cannot force a tool call yet",
-        )
-    if not isinstance(request.function_call, str | None):
-        raise unsupported(
-            "function_call", "can only be 'none' or 'auto': this server cannot force a call"
-        )
-    if request.store:
-        raise unsupported("store", "must be false or null: this server stores no completions")
-    if request.modalities is not None and any(m != "text" for m in request.modalities):
-        raise unsupported("modalities", "can only be ['text']: this server answers in text")
-    for name in ("audio", "moderation", "web_search_options"):
-        if getattr(request, name) is not None:
-            raise unsupported(name, "is not supported by this server; send null or leave it out")
 
 
 def _template_tools(

@@ -75,6 +75,8 @@ class IncrementalDecoder(Protocol):
 
 
 class Tokenizer(Protocol):
+    chat_template: ChatTemplate  # --chat-template replaces it once the model is loaded
+
     @property
     def vocab_size(self) -> int: ...
     @property

@@ -337,7 +337,8 @@ async def test_a_temperature_too_small_to_divide_by_samples_greedily(
     text_of = (lambda a: a["choices"][0]["text"]) if path == COMPLETIONS else (
         lambda a: a["choices"][0]["message"]["content"])  # fmt: skip
     async with aiohttp.ClientSession() as session:
-        greedy = await send(session, server, path, json.dumps(body(max_tokens=8)).encode())
+        raw = json.dumps(body(max_tokens=8, temperature=0)).encode()
+        greedy = await send(session, server, path, raw)
         for temperature in (1e-6, 1e-38, 5e-324):
             raw = json.dumps(body(max_tokens=8, temperature=temperature, seed=1)).encode()
             status, answer = await send(session, server, path, raw)

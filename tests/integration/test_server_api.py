@@ -206,7 +206,7 @@ BAD_INPUTS: list[tuple[str, str, str, Any, int, str, str | None]] = [
     ("best_of unlike n", "POST", "/v1/completions", {"prompt": "a", "best_of": 3}, 400,
      "invalid_request_error", "unsupported"),
     ("suffix", "POST", "/v1/completions", {"prompt": "a", "suffix": "end"}, 400,
-     "invalid_request_error", "unsupported"),
+     "invalid_request_error", "invalid_value"),
     ("logprobs above the cap", "POST", "/v1/completions", {"prompt": "a", "logprobs": 21},
      400, "invalid_request_error", "invalid_value"),
     ("logit_bias not a token id", "POST", "/v1/completions",
