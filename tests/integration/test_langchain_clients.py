@@ -1,6 +1,6 @@
 """langchain-openai's `OpenAI` and `ChatOpenAI`, unmodified, against real servers: the tiny
 model (its ChatML template renders tools) and SmolLM2-135M given a tools-capable
-template with --chat-template (its own has no tools).
+template as --chat-template gives it (its own has no tools).
 
 Each client sends what it always sends (penalties of 0, `logit_bias`, `n`, lists of
 prompts, `stream_options`, `tools`, `parallel_tool_calls`, assistant turns with
@@ -11,7 +11,6 @@ parsed out of the text yet: a model's answer comes back as text.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import requests
@@ -20,7 +19,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI, OpenAI
 
-from tests.support.servers import serve_on_thread, spawn_server
+from tests.support.servers import serve_on_thread
 from tests.support.smollm2 import hf_directory
 
 pytestmark = pytest.mark.timeout(180)
@@ -78,14 +77,12 @@ def test_chat_client_answers_streams_and_takes_tool_turns(url: str) -> None:
     assert called.usage_metadata["input_tokens"] > bare.usage_metadata["input_tokens"] + 50
 
 
-def test_smollm2_with_a_tools_template_serves_bind_tools(tmp_path: Path) -> None:
-    template = tmp_path / "chatml-tools.jinja"
-    template.write_text(CHATML_TEMPLATE)
+def test_smollm2_with_a_tools_template_serves_bind_tools() -> None:
     model = hf_directory()  # loads faster than the GGUF file: no dequantizing
-    args = ["--model", str(model), "--chat-template", str(template)]
-    with spawn_server(tmp_path=tmp_path, extra_args=args) as server:
+    # the server's --chat-template, in-process: the tiny preset's ChatML with tools
+    with serve_on_thread(model=str(model), chat_template=CHATML_TEMPLATE, kv_cache_mb=32) as url:
         chat = ChatOpenAI(
-            base_url=f"{server.url}/v1",
+            base_url=f"{url}/v1",
             api_key="unused",
             model=model.name,
             max_tokens=8,
@@ -99,7 +96,7 @@ def test_smollm2_with_a_tools_template_serves_bind_tools(tmp_path: Path) -> None
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                            "required": ["city"]}}}]  # fmt: skip
         rendered = requests.post(
-            f"{server.url}/tokenize", json={"messages": messages, "tools": tools}, timeout=60
+            f"{url}/tokenize", json={"messages": messages, "tools": tools}, timeout=60
         ).json()
     assert isinstance(answer, AIMessage) and isinstance(answer.content, str)
     assert answer.usage_metadata is not None

@@ -184,6 +184,7 @@ async def serve_in_process(
     threads: int = 1,
     api_key: str | None = None,
     chat_template: str | None = None,
+    model: str = "tiny",
     **limits: float,
 ) -> AsyncIterator[InProcessServer]:
     """The real app and engine on a free port of this test's event loop.
@@ -192,6 +193,7 @@ async def serve_in_process(
     """
     options = EngineOptions(
         mode=mode,  # type: ignore[arg-type]
+        model=model,
         config=BatchingConfig(max_batch_size, batch_timeout_ms, max_queue_size),
         device="cpu",
         kv_cache_mb=kv_cache_mb,
