@@ -524,6 +524,8 @@ class Generation:
         # Frees the request's KV blocks when it ends early (stop string, error,
         # client gone); a no-op for a finished request.
         for task in self._pending:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: the request already ends with the first error
             task.cancel()
         for stream in self._streams:
             stream.cancel()

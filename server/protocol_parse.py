@@ -283,7 +283,8 @@ def unknown_fields(model: BaseModel, path: str = "") -> list[str]:
 def _unknown_in(value: Any, path: str) -> list[str]:
     if isinstance(value, BaseModel):
         return unknown_fields(value, path)
-    if isinstance(value, list):
+    if isinstance(value, list) and value and isinstance(value[0], BaseModel | list):
+        # (a prompt of token ids is a long list of plain integers: not walked)
         return [name for i, item in enumerate(value) for name in _unknown_in(item, f"{path}[{i}]")]
     return []
 
