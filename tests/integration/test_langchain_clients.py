@@ -98,6 +98,15 @@ def test_smollm2_with_a_tools_template_serves_bind_tools() -> None:
         rendered = requests.post(
             f"{url}/tokenize", json={"messages": messages, "tools": tools}, timeout=60
         ).json()
+        text = "Hello world, hi there"
+        spelled = requests.post(
+            f"{url}/tokenize",
+            json={"prompt": text, "add_special_tokens": False, "return_token_strs": True},
+            timeout=60,
+        ).json()
     assert isinstance(answer, AIMessage) and isinstance(answer.content, str)
     assert answer.usage_metadata is not None
     assert answer.usage_metadata["input_tokens"] == rendered["count"]
+    # byte-level tokens spell as their bytes: " world" with its space
+    assert "".join(spelled["token_strs"]) == text
+    assert " world" in spelled["token_strs"]
