@@ -36,10 +36,10 @@ class TokenFile:
         try:
             token = self._read()
         except TokenFileError as exc:
-            log.warning("%s file changed but %s; keeping the previous one", self.what, exc)
+            log.warning("%s file changed but %s; keeping the previous token", self.what, exc)
         else:
             if token != self._token:
-                log.info("%s file %s changed: using the new one", self.what, self.path)
+                log.info("%s file %s changed: using the new token", self.what, self.path)
             self._token = token
         self._stamp = stamp
         return self._token
