@@ -443,8 +443,7 @@ def read_chat(body: Any, served: Served) -> GenerationRequest:
     _check_model(request.model, served.model_name)
     tools = _template_tools(request.tools, request.functions)
     prompt_ids = render_chat_ids(served.tokenizer, request.messages, tools)
-    n = request.n or 1
-    _check_sequences(1, n, "n")
+    n = request.n or 1  # at most MAX_N, below MAX_SEQUENCES
     if request.max_completion_tokens is not None:
         max_tokens, field = request.max_completion_tokens, "max_completion_tokens"
     elif request.max_tokens is not None:
