@@ -30,7 +30,8 @@ from sections import replace_section
 ROOT = Path(__file__).resolve().parent.parent
 # appended, not prepended: the repository's `operator` folder would shadow the stdlib's
 sys.path.append(str(ROOT))
-from tests.support.openapi_fuzz import Fuzzer, Tally, serve_on_thread  # noqa: E402
+from tests.support.openapi_fuzz import Fuzzer, Tally  # noqa: E402
+from tests.support.servers import serve_on_thread  # noqa: E402
 
 DOC = ROOT / "docs" / "reliability.md"
 TOKEN = "fuzz-token"

@@ -1,4 +1,5 @@
-"""The admin token, read from its file again whenever the file changes.
+"""A secret read from its file again whenever the file changes: the admin token
+(--admin-token-file) and the API key (--api-key-file).
 
 Kubernetes updates a mounted Secret in place (an atomic swap of the files
 behind a symlink), so a token the operator replaces, for example after
@@ -19,9 +20,11 @@ class TokenFileError(ValueError):
 
 
 class TokenFile:
-    def __init__(self, path: Path) -> None:
-        """Reads the token now: a file unusable at start is the caller's error to report."""
+    def __init__(self, path: Path, what: str = "admin token") -> None:
+        """Reads the token now: a file unusable at start is the caller's error to report.
+        `what` names the secret in messages (never its value)."""
         self.path = path
+        self.what = what
         self._stamp = self._stat()
         self._token = self._read()
 
@@ -33,10 +36,10 @@ class TokenFile:
         try:
             token = self._read()
         except TokenFileError as exc:
-            log.warning("admin token file changed but %s; keeping the previous token", exc)
+            log.warning("%s file changed but %s; keeping the previous token", self.what, exc)
         else:
             if token != self._token:
-                log.info("admin token file %s changed: using the new token", self.path)
+                log.info("%s file %s changed: using the new token", self.what, self.path)
             self._token = token
         self._stamp = stamp
         return self._token
@@ -52,8 +55,8 @@ class TokenFile:
         try:
             token = self.path.read_text().strip()
         except OSError as exc:
-            message = f"cannot read admin token file {self.path}: {exc.strerror}"
+            message = f"cannot read {self.what} file {self.path}: {exc.strerror}"
             raise TokenFileError(message) from exc
         if not token:
-            raise TokenFileError(f"admin token file {self.path} is empty")
+            raise TokenFileError(f"{self.what} file {self.path} is empty")
         return token

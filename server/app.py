@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import json
 import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -23,13 +25,17 @@ from batchpilot_server.engine_api import (
     EngineOptions,
     EngineStats,
     EngineStoppedError,
-    FinishReason,
     PromptTooLongError,
     QueueFullError,
     SamplingParams,
     TokenEvent,
 )
-from batchpilot_server.metrics import CONTENT_TYPE, ServerMetrics
+from batchpilot_server.generation_defaults import (
+    MODEL_NEUTRAL,
+    GenerationDefaults,
+    generation_defaults,
+)
+from batchpilot_server.metrics import CONTENT_TYPE, MetricsCompat, ServerMetrics
 from batchpilot_server.openapi import openapi_document
 from batchpilot_server.protocol import (
     ApiError,
@@ -40,23 +46,39 @@ from batchpilot_server.protocol import (
     ChatCompletionChunk,
     ChatCompletionMessage,
     ChatDelta,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
-    GenerationRequest,
+    CompletionLogprobs,
+    DetokenizeResponse,
     Limits,
     ModelCard,
     ModelList,
-    Served,
-    StopMatcher,
+    TokenizeResponse,
     Usage,
-    decode_body,
+    VersionResponse,
     invalid,
+)
+from batchpilot_server.protocol_output import (
+    ChoiceDelta,
+    ChoiceOutput,
+    LogprobEntry,
+    TokenSpeller,
+    chat_logprobs,
+    completion_logprobs,
+)
+from batchpilot_server.protocol_parse import (
+    GenerationRequest,
+    Served,
+    decode_body,
     parse_json_body,
     read_batching_update,
     read_chat,
     read_completion,
+    read_detokenize,
+    read_tokenize,
 )
-from batchpilot_server.tokenizer import Tokenizer
+from batchpilot_server.tokenizer import ChatTemplate, Tokenizer
 from pydantic import BaseModel
 
 log = logging.getLogger("batchpilot.server")
@@ -128,6 +150,9 @@ class ServerState:
     metrics: ServerMetrics
     limits: Limits
     admin_token: Callable[[], str] | None  # the token in force now (TokenFile.current)
+    api_key: Callable[[], str] | None = None  # the OpenAI routes' bearer key; None: open
+    chat_template: str | None = None  # --chat-template: replaces the model's at start
+    defaults: GenerationDefaults = MODEL_NEUTRAL
     config_version: int = 1  # of the engine's config: increases with every accepted PUT
     ready: bool = False
     draining: bool = False
@@ -147,18 +172,28 @@ def create_app(
     metrics: ServerMetrics,
     admin_token: AdminToken,
     limits: Limits,
+    api_key: AdminToken = None,
+    chat_template: str | None = None,
+    defaults: GenerationDefaults = MODEL_NEUTRAL,
 ) -> web.Application:
-    """The HTTP app around a not yet started engine built with `metrics` as its observer."""
+    """The HTTP app around a not yet started engine built with `metrics` as its observer.
+
+    `api_key` (a key, or where to get the one in force): the OpenAI routes and
+    /tokenize, /detokenize then need `Authorization: Bearer <key>`; probes, /metrics,
+    /version and /openapi.json stay open, the admin API keeps its own token."""
     state = ServerState(
         engine=engine,
         metrics=metrics,
         limits=limits,
-        admin_token=(lambda: admin_token) if isinstance(admin_token, str) else admin_token,
+        admin_token=_current(admin_token),
+        api_key=_current(api_key),
+        chat_template=chat_template,
+        defaults=defaults,
     )
     metrics.set_config(engine.config)
     app = web.Application(
         client_max_size=limits.max_body_bytes,
-        middlewares=[error_middleware],
+        middlewares=[error_middleware, api_key_middleware],
         # aiohttp would unpack a compressed body in its parser, where one that is not what
         # its Content-Encoding says gets a plain-text 400 the app never sees: read_json does.
         handler_args={"auto_decompress": False},
@@ -167,6 +202,10 @@ def create_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
+    app.router.add_get("/health", health)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics_endpoint)
@@ -199,9 +238,17 @@ def end_in_flight(app: web.Application, reason: str) -> int:
     return state.inflight.count
 
 
+def _current(token: AdminToken) -> Callable[[], str] | None:
+    return (lambda: token) if isinstance(token, str) else token
+
+
 async def _start_engine(app: web.Application) -> None:
     state = app[STATE]
     await state.engine.start()
+    if state.chat_template is not None:
+        tokenizer = state.engine.tokenizer  # loaded by start
+        special = tokenizer.chat_template.special_tokens
+        tokenizer.chat_template = ChatTemplate(state.chat_template, special)
     state.ready = True
 
 
@@ -349,9 +396,7 @@ async def _generate(
             headers={"Retry-After": str(state.limits.retry_after_s)},
             outcome="rejected",
         )
-    engine = state.engine
-    served = Served(state.model_name, engine.max_model_len, engine.tokenizer, state.limits)
-    parsed = reader(await read_json(request), served)
+    parsed = reader(await read_json(request), _served(state))
     generation = Generation(state, parsed, arrival, answer_format.id_prefix)
     try:
         if parsed.stream:
@@ -363,8 +408,16 @@ async def _generate(
         generation.close()
 
 
+def _served(state: ServerState) -> Served:
+    engine = state.engine
+    return Served(
+        state.model_name, engine.max_model_len, engine.tokenizer, state.limits, state.defaults
+    )
+
+
 class Generation:
-    """One admitted request: turns engine token events into text deltas and records metrics."""
+    """One admitted request: its engine sequences (one per choice), their text deltas
+    merged in the order they come, and the request's metrics."""
 
     def __init__(
         self, state: ServerState, parsed: GenerationRequest, arrival: float, id_prefix: str
@@ -375,29 +428,38 @@ class Generation:
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = state.model_name
-        self.completion_tokens = 0
-        self.finish_reason: FinishReason | None = None
-        self._matcher = StopMatcher(parsed.stop)
-        # Decodes each new token once, instead of the whole completion per token.
-        self._decoder = state.engine.tokenizer.incremental_decoder()
-        self._decoded = ""
-        self._last_token_at = arrival
-        self._stream = self._submit()
-        state.metrics.prompt_tokens.inc(len(parsed.prompt_ids))
+        tokenizer = state.engine.tokenizer
+        self.speller = TokenSpeller(tokenizer)
+        self.outputs: list[ChoiceOutput] = []
+        self._streams: list[RequestStream] = []
+        self._last_token_at: dict[int, float] = {}
+        self._first_token = True
+        # the next event of each unfinished choice, awaited together
+        self._pending: dict[asyncio.Task[TokenEvent], int] = {}
+        try:
+            for index, prompt, params in parsed.sequences():
+                self.outputs.append(
+                    ChoiceOutput(
+                        index,
+                        tokenizer,
+                        self.speller,
+                        parsed.stop,
+                        echo_text=prompt.text if parsed.echo else None,
+                        prompt_ids=prompt.ids,
+                        logprobs=parsed.logprobs is not None,
+                        output=parsed.output,
+                    )
+                )
+                self._streams.append(self._submit(prompt.ids, params))
+                state.metrics.prompt_tokens.inc(len(prompt.ids))
+        except ApiError:
+            self.close()  # the choices admitted before a refused one end with it
+            raise
 
-    def _submit(self) -> RequestStream:
-        params = SamplingParams(
-            max_tokens=self.parsed.max_tokens,
-            temperature=self.parsed.temperature,
-            top_p=self.parsed.top_p,
-            seed=self.parsed.seed,
-            ignore_eos=self.parsed.ignore_eos,
-        )
+    def _submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         limits = self.state.limits
         try:
-            return self.state.engine.submit(
-                self.parsed.prompt_ids, params, deadline_s=limits.queue_timeout_s
-            )
+            return self.state.engine.submit(prompt_ids, params, deadline_s=limits.queue_timeout_s)
         except QueueFullError as exc:
             raise ApiError(
                 429,
@@ -407,32 +469,43 @@ class Generation:
                 code="queue_full",
                 headers={"Retry-After": str(limits.retry_after_s)},
             ) from exc
-        except PromptTooLongError as exc:  # protocol.py refuses it first; the engine guards
+        except PromptTooLongError as exc:  # protocol_parse refuses it first; the engine guards
             raise invalid(str(exc), code="context_length_exceeded", param="prompt") from exc
         except EngineStoppedError as exc:
             raise _engine_stopped(self.state, exc, "rejected") from exc
 
     @property
-    def prompt_tokens(self) -> int:
-        return len(self.parsed.prompt_ids)
-
-    @property
-    def text(self) -> str:
-        return self._matcher.text
+    def finished(self) -> bool:
+        return all(output.finish_reason is not None for output in self.outputs)
 
     def usage(self) -> Usage:
+        prompt = self.parsed.prompt_tokens
+        completion = sum(output.completion_tokens for output in self.outputs)
         return Usage(
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
         )
 
-    async def next_delta(self) -> str | None:
-        """The next piece of text (possibly empty) per token; None once finished."""
-        if self.finish_reason is not None:
+    async def next_delta(self) -> ChoiceDelta | None:
+        """The next delta of any choice, in the order their tokens come; None once all
+        finished."""
+        if len(self.outputs) == 1:  # no tasks for the common case
+            output = self.outputs[0]
+            if output.finish_reason is not None:
+                return None
+            return self._record(0, await self._next_event(0))
+        for index, output in enumerate(self.outputs):
+            if output.finish_reason is None and index not in self._pending.values():
+                self._pending[asyncio.ensure_future(self._next_event(index))] = index
+        if not self._pending:
             return None
+        done, _ = await asyncio.wait(self._pending, return_when=asyncio.FIRST_COMPLETED)
+        task = min(done, key=lambda t: self._pending[t])  # one at a time, lowest index first
+        index = self._pending.pop(task)
+        return self._record(index, task.result())
+
+    async def _next_event(self, index: int) -> TokenEvent:
         try:
-            event = await anext(self._stream)
+            return await anext(self._streams[index])
         except StopAsyncIteration:
             raise ApiError(
                 500, "the engine ended the request without a finish reason", type_="server_error"
@@ -449,35 +522,33 @@ class Generation:
             ) from exc
         except EngineStoppedError as exc:
             raise _engine_stopped(self.state, exc, "error") from exc
-        return self._record(event)
 
-    def _record(self, event: TokenEvent) -> str:
+    def _record(self, index: int, event: TokenEvent) -> ChoiceDelta:
         now = time.monotonic()
         metrics = self.state.metrics
-        if self.completion_tokens:
-            metrics.inter_token.observe(now - self._last_token_at)
-        else:
+        if self._first_token:
             metrics.ttft.observe(now - self.arrival)
-        self._last_token_at = now
-        self.completion_tokens += 1
+            self._first_token = False
+        elif index in self._last_token_at:
+            metrics.inter_token.observe(now - self._last_token_at[index])
+        self._last_token_at[index] = now
         metrics.generation_tokens.inc()
-        final = event.finish_reason is not None
-        self._decoded += self._decoder.decode([event.token_id], final=final)
-        delta = self._matcher.feed(self._decoded)
-        if self._matcher.stopped:
-            self.finish_reason = "stop"
-            self._stream.cancel()
-        elif final:
-            self.finish_reason = event.finish_reason
-            delta += self._matcher.flush()
-        if self.finish_reason is not None:
-            metrics.request_generation_tokens.observe(self.completion_tokens)
+        output = self.outputs[index]
+        delta = output.feed(event)
+        if output.finish_reason is not None:
+            self._streams[index].cancel()  # a stop string ends it before the engine does
+            metrics.request_generation_tokens.observe(output.completion_tokens)
         return delta
 
     def close(self) -> None:
         # Frees the request's KV blocks when it ends early (stop string, error,
         # client gone); a no-op for a finished request.
-        self._stream.cancel()
+        for task in self._pending:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: the request already ends with the first error
+            task.cancel()
+        for stream in self._streams:
+            stream.cancel()
 
 
 def _engine_stopped(state: ServerState, error: EngineStoppedError, outcome: str) -> ApiError:
@@ -504,11 +575,7 @@ class AnswerFormat(Protocol):
         ...
 
     def event(
-        self,
-        generation: Generation,
-        text: str,
-        finish_reason: FinishReason | None,
-        usage: Usage | None = None,
+        self, generation: Generation, delta: ChoiceDelta, usage: Usage | None = None
     ) -> BaseModel: ...
     def usage_event(self, generation: Generation) -> BaseModel:
         """stream_options.include_usage: the last event, with no choices."""
@@ -519,50 +586,95 @@ class CompletionFormat:
     id_prefix = "cmpl"
 
     def answer(self, generation: Generation) -> Completion:
-        return self.event(generation, generation.text, generation.finish_reason, generation.usage())
+        choices = [
+            CompletionChoice(
+                index=output.index,
+                text=output.text,
+                logprobs=self._logprobs(generation, output.entries, 0),
+                finish_reason=output.finish_reason,
+            )
+            for output in generation.outputs
+        ]
+        return Completion(**_identity(generation), choices=choices, usage=generation.usage())
 
     def opening(self, generation: Generation) -> list[BaseModel]:
         return []
 
     def event(
-        self,
-        generation: Generation,
-        text: str,
-        finish_reason: FinishReason | None,
-        usage: Usage | None = None,
+        self, generation: Generation, delta: ChoiceDelta, usage: Usage | None = None
     ) -> Completion:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
+        choice = CompletionChoice(
+            index=delta.index,
+            text=delta.text,
+            logprobs=self._logprobs(generation, delta.entries, delta.offset),
+            finish_reason=delta.finish_reason,
+        )
         return Completion(**_identity(generation), choices=[choice], usage=usage)
 
     def usage_event(self, generation: Generation) -> Completion:
         return Completion(**_identity(generation), choices=[], usage=generation.usage())
+
+    @staticmethod
+    def _logprobs(
+        generation: Generation, entries: list[LogprobEntry], offset: int
+    ) -> CompletionLogprobs | None:
+        k = generation.parsed.logprobs
+        if k is None:
+            return None
+        return completion_logprobs(entries, generation.speller, k, offset)
 
 
 class ChatFormat:
     id_prefix = "chatcmpl"
 
     def answer(self, generation: Generation) -> ChatCompletion:
-        message = ChatCompletionMessage(content=generation.text)
-        choice = ChatChoice(message=message, finish_reason=generation.finish_reason)
-        return ChatCompletion(**_identity(generation), choices=[choice], usage=generation.usage())
+        choices = [
+            ChatChoice(
+                index=output.index,
+                message=ChatCompletionMessage(content=output.text),
+                logprobs=self._logprobs(generation, output.entries),
+                finish_reason=output.finish_reason,
+            )
+            for output in generation.outputs
+        ]
+        return ChatCompletion(**_identity(generation), choices=choices, usage=generation.usage())
 
     def opening(self, generation: Generation) -> list[BaseModel]:
-        # As OpenAI: the first event names the role, the text follows.
-        choice = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""), finish_reason=None)
-        return [ChatCompletionChunk(**_identity(generation), choices=[choice])]
+        # As OpenAI: the first event of each choice names the role, the text follows.
+        return [
+            ChatCompletionChunk(
+                **_identity(generation),
+                choices=[
+                    ChatChunkChoice(
+                        index=output.index,
+                        delta=ChatDelta(role="assistant", content=""),
+                        finish_reason=None,
+                    )
+                ],
+            )
+            for output in generation.outputs
+        ]
 
     def event(
-        self,
-        generation: Generation,
-        text: str,
-        finish_reason: FinishReason | None,
-        usage: Usage | None = None,
+        self, generation: Generation, delta: ChoiceDelta, usage: Usage | None = None
     ) -> ChatCompletionChunk:
-        choice = ChatChunkChoice(delta=ChatDelta(content=text), finish_reason=finish_reason)
+        choice = ChatChunkChoice(
+            index=delta.index,
+            delta=ChatDelta(content=delta.text),
+            logprobs=self._logprobs(generation, delta.entries),
+            finish_reason=delta.finish_reason,
+        )
         return ChatCompletionChunk(**_identity(generation), choices=[choice], usage=usage)
 
     def usage_event(self, generation: Generation) -> ChatCompletionChunk:
         return ChatCompletionChunk(**_identity(generation), choices=[], usage=generation.usage())
+
+    @staticmethod
+    def _logprobs(generation: Generation, entries: list[LogprobEntry]) -> ChatLogprobs | None:
+        k = generation.parsed.logprobs
+        if k is None:
+            return None
+        return chat_logprobs(entries, generation.speller, k)
 
 
 COMPLETION_FORMAT = CompletionFormat()
@@ -583,18 +695,23 @@ async def _stream(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
-    # Most events differ only in their text: serialize the rest once.
-    placeholder = answer_format.event(generation, "\x00", None).model_dump_json().encode()
-    head, tail = placeholder.split(b'"\\u0000"')
+    # Most events differ only in their text: serialize the rest once per choice.
+    frames: dict[int, tuple[bytes, bytes]] = {}
     try:
         for event in answer_format.opening(generation):
             await _send_event(response, event)
         while delta is not None:
-            if generation.finish_reason is None:
-                await response.write(b"data: " + head + json.dumps(delta).encode() + tail + b"\n\n")
+            if delta.finish_reason is not None:
+                usage = generation.usage() if generation.finished else None
+                await _send_event(response, answer_format.event(generation, delta, usage))
+            elif delta.entries or generation.parsed.logprobs is not None:
+                await _send_event(response, answer_format.event(generation, delta))
             else:
-                finish, usage = generation.finish_reason, generation.usage()
-                await _send_event(response, answer_format.event(generation, delta, finish, usage))
+                head, tail = frames.get(delta.index) or _text_frame(
+                    answer_format, generation, delta.index, frames
+                )
+                text = json.dumps(delta.text).encode()
+                await response.write(b"data: " + head + text + tail + b"\n\n")
             delta = await generation.next_delta()
     except ApiError as err:
         # Headers are gone: the error travels as an event and the request counts as failed.
@@ -610,6 +727,19 @@ async def _stream(
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+def _text_frame(
+    answer_format: AnswerFormat,
+    generation: Generation,
+    index: int,
+    frames: dict[int, tuple[bytes, bytes]],
+) -> tuple[bytes, bytes]:
+    """A text event of choice `index` split around its text, to be filled per token."""
+    placeholder = answer_format.event(generation, ChoiceDelta(index, "\x00"))
+    head, tail = placeholder.model_dump_json().encode().split(b'"\\u0000"')
+    frames[index] = (head, tail)
+    return head, tail
 
 
 class _StreamEnded(Exception):
@@ -631,6 +761,49 @@ async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     card = ModelCard(id=state.model_name, max_model_len=state.engine.max_model_len)
     return _json_answer(ModelList(data=[card]))
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    served = _served(state)
+    tokenized = read_tokenize(await read_json(request), served)
+    strs = None
+    if tokenized.token_strs:
+        speller = TokenSpeller(served.tokenizer)
+        strs = [speller.text(token_id) for token_id in tokenized.ids]
+    answer = TokenizeResponse(
+        count=len(tokenized.ids),
+        max_model_len=served.max_model_len,
+        tokens=tokenized.ids,
+        token_strs=strs,
+    )
+    return _json_answer(answer)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    served = _served(request.app[STATE])
+    ids = read_detokenize(await read_json(request), served)
+    return _json_answer(DetokenizeResponse(prompt=served.tokenizer.decode(ids)))
+
+
+async def version(request: web.Request) -> web.Response:
+    return _json_answer(VersionResponse(version=package_version()))
+
+
+@cache
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("batchpilot")
+    except importlib.metadata.PackageNotFoundError:  # run from a tree, not installed
+        return "unknown"
+
+
+async def health(request: web.Request) -> web.Response:
+    """vLLM's, TGI's and llama.cpp's probe: 200 once the model serves, else 503."""
+    state = request.app[STATE]
+    if state.ready and not state.engine.failure:
+        return web.Response(status=200)
+    return await readyz(request)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -696,9 +869,8 @@ def _authorize(request: web.Request, current_token: Callable[[], str] | None) ->
             type_="permission_error",
             code="admin_disabled",
         )
-    header = request.headers.get("Authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not given.strip():
+    given = _bearer(request)
+    if given is None:
         raise ApiError(
             401,
             "missing admin token: send 'Authorization: Bearer <token>'",
@@ -706,20 +878,83 @@ def _authorize(request: web.Request, current_token: Callable[[], str] | None) ->
             code="missing_token",
             headers={"WWW-Authenticate": 'Bearer realm="batchpilot-admin"'},
         )
-    # Header bytes that are not ASCII reach here as surrogate escapes: compare bytes.
-    given_bytes = given.strip().encode("utf-8", "surrogateescape")
-    if not hmac.compare_digest(given_bytes, current_token().encode("utf-8", "surrogateescape")):
+    if not _same(given, current_token()):
         raise ApiError(
             403, "the admin token is not valid", type_="permission_error", code="invalid_token"
         )
 
 
+def _bearer(request: web.Request) -> bytes | None:
+    """The bearer credential of the request, as bytes; None when it sends none."""
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return None
+    # Header bytes that are not ASCII reach here as surrogate escapes: compare bytes.
+    return given.strip().encode("utf-8", "surrogateescape")
+
+
+def _same(given: bytes, expected: str) -> bool:
+    """Constant time, so that the answer's timing tells nothing of the secret."""
+    return hmac.compare_digest(given, expected.encode("utf-8", "surrogateescape"))
+
+
+# routes behind --api-key: what OpenAI clients call (vLLM guards the same ones)
+KEYED_PREFIXES = ("/v1/",)
+KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
+@web.middleware
+async def api_key_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    current_key = request.app[STATE].api_key
+    path = request.path
+    if current_key is not None and (path.startswith(KEYED_PREFIXES) or path in KEYED_PATHS):
+        given = _bearer(request)
+        # OpenAI's answer to a missing or wrong key: 401, never the key itself
+        if given is None:
+            raise ApiError(
+                401,
+                "this server needs an API key: send 'Authorization: Bearer <key>'",
+                type_="authentication_error",
+                code="missing_api_key",
+                headers={"WWW-Authenticate": 'Bearer realm="batchpilot"'},
+            )
+        if not _same(given, current_key()):
+            raise ApiError(
+                401,
+                "the API key is not valid",
+                type_="authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": 'Bearer realm="batchpilot"'},
+            )
+    return await handler(request)
+
+
 def build_app(
-    options: EngineOptions, *, admin_token: AdminToken = None, limits: Limits | None = None
+    options: EngineOptions,
+    *,
+    admin_token: AdminToken = None,
+    limits: Limits | None = None,
+    api_key: AdminToken = None,
+    chat_template: str | None = None,
+    metrics_compat: MetricsCompat = "vllm",
 ) -> web.Application:
     """A server app with its own engine and metrics registry (used by the CLI, tests, benches)."""
     from batchpilot_server.engine import Engine  # torch: imported only where a model runs
 
-    metrics = ServerMetrics(model=options.served_name, mode=options.mode)
+    metrics = ServerMetrics(
+        model=options.served_name,
+        mode=options.mode,
+        compat=metrics_compat,
+        block_size=options.block_size,
+    )
     engine = Engine(options, metrics)
-    return create_app(engine, metrics=metrics, admin_token=admin_token, limits=limits or Limits())
+    return create_app(
+        engine,
+        metrics=metrics,
+        admin_token=admin_token,
+        limits=limits or Limits(),
+        api_key=api_key,
+        chat_template=chat_template,
+        defaults=generation_defaults(options.model),
+    )

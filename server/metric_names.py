@@ -25,6 +25,18 @@ BATCH_SLOT_STEPS_TOTAL = "batchpilot_batch_slot_steps_total"
 CONFIG_MAX_BATCH_SIZE = "batchpilot_config_max_batch_size"
 CONFIG_BATCH_TIMEOUT = "batchpilot_config_batch_timeout_seconds"
 
+# vLLM's names for the same quantities (--metrics-compat vllm), label model_name
+VLLM_REQUESTS_RUNNING = "vllm:num_requests_running"
+VLLM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"  # 0..1 despite the name, as vLLM's
+VLLM_TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
+VLLM_INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
+VLLM_E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
+VLLM_REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
+VLLM_PROMPT_TOKENS_TOTAL = "vllm:prompt_tokens_total"
+VLLM_GENERATION_TOKENS_TOTAL = "vllm:generation_tokens_total"
+VLLM_CACHE_CONFIG_INFO = "vllm:cache_config_info"
+
 OUTCOMES = ("ok", "rejected", "timeout", "error")
 SLOT_STATES = ("active", "finished", "padding")
 # Every series carries these labels; Prometheus adds `policy`, `namespace`, `pod`.
@@ -33,14 +45,65 @@ COMMON_LABELS = ("model", "mode")
 # Shared histogram buckets for the latency histograms, in seconds: fine enough
 # around typical SLOs (50 ms .. 2 s) that a p99 read from them is within ~10%.
 LATENCY_BUCKETS = (
-    0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5,
-    0.6, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.25,
+    0.3,
+    0.4,
+    0.5,
+    0.6,
+    0.75,
+    1.0,
+    1.25,
+    1.5,
+    2.0,
+    2.5,
+    3.0,
+    4.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
 )
 
 # Output lengths of 1..8192 tokens, each bucket at most 1.5x the one below: equal
 # lengths above one token then read a p90/p50 of at most 1.27 (one bucket, interpolated), while the
 # narrowest spread of docs/batching.md's map (uniform 16..112) reads about 1.6.
 GENERATION_TOKEN_BUCKETS = (
-    1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
-    1536, 2048, 3072, 4096, 6144, 8192,
+    1,
+    2,
+    3,
+    4,
+    6,
+    8,
+    12,
+    16,
+    24,
+    32,
+    48,
+    64,
+    96,
+    128,
+    192,
+    256,
+    384,
+    512,
+    768,
+    1024,
+    1536,
+    2048,
+    3072,
+    4096,
+    6144,
+    8192,
 )

@@ -11,22 +11,56 @@ admission).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from batchpilot_server import metric_names as names
 from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.engine_api import EngineStats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+# --metrics-compat: "vllm" also exports vLLM's names for the same quantities
+# (VllmMetrics), so that vLLM dashboards, KEDA triggers and the Gateway API Inference
+# Extension's endpoint picker read batchpilot pods unchanged; "none": ours only.
+MetricsCompat = Literal["vllm", "none"]
+METRICS_COMPATS: tuple[MetricsCompat, ...] = ("vllm", "none")
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 # A model step on this hardware takes ~1..100 ms: finer than request latency.
 STEP_BUCKETS = (
-    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
-    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0,
+    0.0005,
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
 )
 
 
 class ServerMetrics:
-    def __init__(self, *, model: str, mode: Mode, registry: CollectorRegistry | None = None):
+    def __init__(
+        self,
+        *,
+        model: str,
+        mode: Mode,
+        registry: CollectorRegistry | None = None,
+        compat: MetricsCompat = "vllm",
+        block_size: int = 16,
+    ):
         self.model = model
         self.mode = mode
         self.registry = registry or CollectorRegistry()
@@ -100,12 +134,18 @@ class ServerMetrics:
             "Seconds the engine thread spent on steps (scheduling, forwards, sampling, "
             "handing tokens out), its waits for work left out.",
         )
-        self.config_max_batch_size = gauge(
-            names.CONFIG_MAX_BATCH_SIZE, "max_batch_size in force."
-        )
+        self.config_max_batch_size = gauge(names.CONFIG_MAX_BATCH_SIZE, "max_batch_size in force.")
         self.config_batch_timeout = gauge(
             names.CONFIG_BATCH_TIMEOUT, "Batch timeout in force, in seconds."
         )
+        self.vllm = VllmMetrics(model, self.registry, block_size) if compat == "vllm" else None
+        if self.vllm is not None:  # each observation reaches both names
+            self.request_duration = Both(self.request_duration, self.vllm.e2e)
+            self.ttft = Both(self.ttft, self.vllm.ttft)
+            self.inter_token = Both(self.inter_token, self.vllm.inter_token)
+            self.queue_wait = Both(self.queue_wait, self.vllm.queue_time)
+            self.prompt_tokens = Both(self.prompt_tokens, self.vllm.prompt_tokens)
+            self.generation_tokens = Both(self.generation_tokens, self.vllm.generation_tokens)
 
     # --- EngineObserver: called from the engine's thread -------------------
 
@@ -147,4 +187,76 @@ class ServerMetrics:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
         self.kv_usage.set(stats.kv_usage_ratio)
+        if self.vllm is not None:
+            self.vllm.read(stats)
         return generate_latest(self.registry)
+
+
+class Both:
+    """One observation recorded under two names (ours and vLLM's)."""
+
+    def __init__(self, ours: Histogram | Counter, theirs: Histogram | Counter) -> None:
+        self._metrics = (ours, theirs)
+
+    def observe(self, value: float) -> None:
+        for metric in self._metrics:
+            metric.observe(value)  # type: ignore[union-attr]
+
+    def inc(self, amount: float = 1) -> None:
+        for metric in self._metrics:
+            metric.inc(amount)  # type: ignore[union-attr]
+
+
+class VllmMetrics:
+    """vLLM's names (vllm/v1/metrics/loggers.py) with its label `model_name`."""
+
+    def __init__(self, model: str, registry: CollectorRegistry, block_size: int) -> None:
+        label = {"model_name": model}
+        self._block_size = block_size
+
+        def histogram(name: str, doc: str) -> Histogram:
+            metric = Histogram(
+                name, doc, ["model_name"], buckets=names.LATENCY_BUCKETS, registry=registry
+            )
+            return metric.labels(**label)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["model_name"], registry=registry).labels(**label)
+
+        def counter(name: str, doc: str) -> Counter:
+            base = name.removesuffix("_total")
+            return Counter(base, doc, ["model_name"], registry=registry).labels(**label)
+
+        self.running = gauge(names.VLLM_REQUESTS_RUNNING, "Sequences being generated.")
+        self.waiting = gauge(names.VLLM_REQUESTS_WAITING, "Requests waiting to be scheduled.")
+        self.kv_usage = gauge(names.VLLM_KV_CACHE_USAGE, "KV-cache usage, 0 to 1.")
+        self.ttft = histogram(names.VLLM_TIME_TO_FIRST_TOKEN, "Arrival to first token.")
+        self.inter_token = histogram(
+            names.VLLM_INTER_TOKEN_LATENCY, "Time between tokens of one request."
+        )
+        self.e2e = histogram(names.VLLM_E2E_REQUEST_LATENCY, "Arrival to last byte.")
+        self.queue_time = histogram(names.VLLM_REQUEST_QUEUE_TIME, "Arrival to first scheduled.")
+        self.prompt_tokens = counter(names.VLLM_PROMPT_TOKENS_TOTAL, "Prompt tokens admitted.")
+        self.generation_tokens = counter(names.VLLM_GENERATION_TOKENS_TOTAL, "Tokens generated.")
+        # vLLM's info gauge: value 1, the cache's configuration in its labels
+        self._cache_config = Gauge(
+            names.VLLM_CACHE_CONFIG_INFO,
+            "Information of the KV cache's configuration.",
+            ["model_name", "block_size", "num_gpu_blocks"],
+            registry=registry,
+        )
+        self._model = model
+        self._blocks: int | None = None
+
+    def read(self, stats: EngineStats) -> None:
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_usage.set(stats.kv_usage_ratio)
+        if self._blocks != stats.kv_blocks_total:  # known once the engine sized its pool
+            self._cache_config.clear()
+            self._blocks = stats.kv_blocks_total
+            self._cache_config.labels(
+                model_name=self._model,
+                block_size=str(self._block_size),
+                num_gpu_blocks=str(stats.kv_blocks_total),
+            ).set(1)

@@ -13,15 +13,20 @@ from batchpilot_server.protocol import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
 )
 from pydantic import TypeAdapter
 
 ERROR_DESCRIPTIONS = {
     400: "Invalid request: malformed JSON or body encoding, a wrong type, a value out of range, "
     "text that is not valid Unicode, or a conversation the chat template refuses.",
-    401: "Missing admin bearer token.",
+    401: "Missing admin bearer token, or (with --api-key) a missing or wrong API key.",
     403: "Wrong admin token, or the admin API is disabled (no --admin-token-file).",
     404: "Unknown route or model.",
     405: "Method not allowed on this route.",
@@ -37,12 +42,16 @@ RETRY_AFTER = {
         "schema": {"type": "integer"},
     }
 }
-GENERATION_ERRORS = (400, 404, 405, 413, 429, 500, 503, 504)
+GENERATION_ERRORS = (400, 401, 404, 405, 413, 429, 500, 503, 504)
+TOKENIZER_ERRORS = (400, 401, 404, 405, 413)
 
 # Requests are documented as they are validated, answers as they are written.
-REQUESTS: tuple[type, ...] = (CompletionRequest, ChatCompletionRequest, BatchingUpdate)
+REQUESTS: tuple[type, ...] = (
+    CompletionRequest, ChatCompletionRequest, BatchingUpdate, TokenizeRequest, DetokenizeRequest,
+)  # fmt: skip
 ANSWERS: tuple[type, ...] = (
     Completion, ChatCompletion, ChatCompletionChunk, ErrorResponse, BatchingState, ModelList,
+    TokenizeResponse, DetokenizeResponse, VersionResponse,
 )  # fmt: skip
 
 
@@ -83,6 +92,19 @@ def _get(summary: str, ok: dict[str, Any], *errors: int) -> dict[str, Any]:
 
 def _plain(description: str) -> dict[str, Any]:
     return {"description": description, "content": {"text/plain": {"schema": {"type": "string"}}}}
+
+
+def _post(summary: str, request: str, answer: str, *errors: int) -> dict[str, Any]:
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": _ref(request)}},
+            },
+            "responses": {"200": _json(_ref(answer), "The answer."), **_errors(*errors)},
+        }
+    }
 
 
 def _generation(summary: str, *, request: str, answer: str, chunk: str) -> dict[str, Any]:
@@ -150,7 +172,30 @@ def openapi_document() -> dict[str, Any]:
                 answer="ChatCompletion",
                 chunk="ChatCompletionChunk",
             ),
-            "/v1/models": _get("The served model.", _json(_ref("ModelList"), "Model list.")),
+            "/v1/models": _get("The served model.", _json(_ref("ModelList"), "Model list."), 401),
+            "/tokenize": _post(
+                "Token ids of a prompt, or of chat messages as the template renders them "
+                "(vLLM's shape).",
+                "TokenizeRequest",
+                "TokenizeResponse",
+                *TOKENIZER_ERRORS,
+            ),
+            "/detokenize": _post(
+                "The text of token ids (vLLM's shape).",
+                "DetokenizeRequest",
+                "DetokenizeResponse",
+                *TOKENIZER_ERRORS,
+            ),
+            "/version": _get("The server's version.", _json(_ref("VersionResponse"), "Version.")),
+            "/health": {
+                "get": {
+                    "summary": "vLLM's, TGI's and llama.cpp's probe: 200 once serving.",
+                    "responses": {
+                        "200": {"description": "Serving; an empty body."},
+                        "503": _json(status, "Not serving: starting, draining or failed."),
+                    },
+                }
+            },
             "/healthz": {
                 "get": {
                     "summary": "Liveness: fails once the engine thread has died.",

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
@@ -16,8 +18,10 @@ from batchpilot_server.attention_kernel_build import KernelUnavailableError
 from batchpilot_server.batching_config import MODES, BatchingConfig, ConfigError
 from batchpilot_server.connections import ConnectionGuard, ConnectionLimits
 from batchpilot_server.engine_api import ATTENTION_BACKENDS, DTYPES, EXECUTIONS, EngineOptions
+from batchpilot_server.metrics import METRICS_COMPATS
 from batchpilot_server.model_presets import PRESET_NAMES
 from batchpilot_server.protocol import Limits
+from batchpilot_server.tokenizer import ChatTemplate, ChatTemplateError
 
 log = logging.getLogger("batchpilot.serve")
 
@@ -101,6 +105,32 @@ def parser() -> argparse.ArgumentParser:
         "--admin-token-file",
         type=Path,
         help="enables PUT /admin/batching; read again whenever the file changes",
+    )
+    keys = p.add_mutually_exclusive_group()
+    keys.add_argument(
+        "--api-key",
+        help=f"the OpenAI routes (/v1/*, /tokenize, /detokenize) then need 'Authorization: "
+        f"Bearer KEY'; probes and /metrics stay open (default: ${API_KEY_ENV}, else none). "
+        "A flag shows in the process list: prefer --api-key-file",
+    )
+    keys.add_argument(
+        "--api-key-file",
+        type=Path,
+        help="as --api-key, the key read from this file (again whenever it changes)",
+    )
+    p.add_argument(
+        "--chat-template",
+        type=Path,
+        metavar="FILE",
+        help="a jinja2 chat template that replaces the model's (a model without one can then chat)",
+    )
+    p.add_argument(
+        "--metrics-compat",
+        default="vllm",
+        choices=METRICS_COMPATS,
+        help="vllm: /metrics also exports vLLM's names (vllm:num_requests_waiting, ...) "
+        "with label model_name, for vLLM dashboards, KEDA triggers and the Gateway API "
+        "Inference Extension's endpoint picker; none: batchpilot's names only (default: vllm)",
     )
     p.add_argument(
         "--config-file",
@@ -200,6 +230,35 @@ def admin_token(path: Path | None) -> TokenFile | None:
         raise UsageError(str(exc)) from exc
 
 
+API_KEY_ENV = "BATCHPILOT_API_KEY"
+
+
+def api_key(args: argparse.Namespace) -> str | TokenFile | None:
+    """--api-key, --api-key-file, else $BATCHPILOT_API_KEY; None: the API is open."""
+    if args.api_key_file is not None:
+        try:
+            return TokenFile(args.api_key_file, what="API key")
+        except TokenFileError as exc:
+            raise UsageError(str(exc)) from exc
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+        raise UsageError(f"{source} is empty; give a key or leave it unset")
+    return key.strip() if key is not None else None
+
+
+def chat_template(path: Path | None) -> str | None:
+    """--chat-template's text, compiled once now so that a broken file fails at start."""
+    if path is None:
+        return None
+    try:
+        return ChatTemplate.from_file(path, {}).source
+    except OSError as exc:
+        raise UsageError(f"--chat-template {path}: {exc.strerror}") from exc
+    except (ChatTemplateError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--chat-template {path}: {exc}") from exc
+
+
 def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOptions:
     if args.kv_cache_mb is not None and args.kv_cache_mb <= 0:
         raise UsageError(f"--kv-cache-mb must be positive, got {args.kv_cache_mb:g}")
@@ -248,14 +307,29 @@ def check_model_reference(model: str) -> None:
     )
 
 
+@dataclass(frozen=True)
+class Secrets:
+    admin_token: TokenFile | None
+    api_key: str | TokenFile | None
+
+
 async def serve(
     args: argparse.Namespace,
     options: EngineOptions,
-    token: TokenFile | None,
+    secrets: Secrets,
     connections: ConnectionLimits,
+    template: str | None,
 ) -> int:
     limits = Limits(queue_timeout_s=args.queue_timeout_s)
-    app = build_app(options, admin_token=None if token is None else token.current, limits=limits)
+    token, key = secrets.admin_token, secrets.api_key
+    app = build_app(
+        options,
+        admin_token=None if token is None else token.current,
+        limits=limits,
+        api_key=key.current if isinstance(key, TokenFile) else key,
+        chat_template=template,
+        metrics_compat=args.metrics_compat,
+    )
     guard = ConnectionGuard(connections)
     app.middlewares.append(guard.middleware)
     runner = web.AppRunner(
@@ -320,13 +394,14 @@ def main(argv: list[str]) -> int:
         if args.shutdown_grace_s < 0 or args.queue_timeout_s <= 0:
             raise UsageError("--shutdown-grace-s must be >= 0 and --queue-timeout-s > 0")
         options = engine_options(args, batching_config(args))
-        token = admin_token(args.admin_token_file)
+        secrets = Secrets(admin_token(args.admin_token_file), api_key(args))
         connections = connection_limits(args)
+        template = chat_template(args.chat_template)
     except UsageError as exc:
         print(f"batchpilot serve: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(serve(args, options, token, connections))
+        return asyncio.run(serve(args, options, secrets, connections, template))
     except OSError as exc:  # e.g. the port is taken
         print(f"batchpilot serve: error: {exc}", file=sys.stderr)
         return 1

@@ -30,12 +30,39 @@ from tokenizers import Tokenizer as Pipeline
 
 BYTE_VOCAB = 256
 
-# ChatML, for models without a template of their own (the tiny preset)
+# ChatML, for models without a template of their own (the tiny preset), with tools in
+# the Hermes format that Qwen2.5's template writes: the tools' JSON schemas in the
+# system turn, calls as <tool_call>{json}</tool_call>, results as <tool_response>
 CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions. Function signatures are within "
+    "<tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each call, return a JSON object with the function name and "
+    'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": '
+    '<function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message['content'] %}{{- message['content'] + '\\n' }}{%- endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{{- '<tool_call>\\n{\\\"name\\\": ' + call['function']['name'] | tojson + "
+    "', \\\"arguments\\\": ' + call['function']['arguments'] | tojson + '}\\n</tool_call>' }}"
+    "{%- if not loop.last %}{{- '\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' and tools %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 
@@ -48,6 +75,8 @@ class IncrementalDecoder(Protocol):
 
 
 class Tokenizer(Protocol):
+    chat_template: ChatTemplate  # --chat-template replaces it once the model is loaded
+
     @property
     def vocab_size(self) -> int: ...
     @property
@@ -57,9 +86,17 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes, as logprobs spell it (a special token: its text)."""
+        ...
+
     def incremental_decoder(self) -> IncrementalDecoder: ...
     def render_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str: ...
 
 
@@ -70,19 +107,42 @@ class ChatTemplate:
         self.source = source
         self.special_tokens = dict(special_tokens)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         if self.source is None:
-            raise ChatTemplateError("this model has no chat template; use /v1/completions")
+            raise ChatTemplateError(
+                "this model has no chat template; use /v1/completions, or start the server "
+                "with --chat-template FILE"
+            )
         try:
             return _compiled(self.source).render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tools,
                 documents=None,
                 **self.special_tokens,
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused the conversation: {exc}") from exc
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            # a template meeting what it did not expect (a null content joined to text)
+            raise ChatTemplateError(
+                f"the chat template cannot render this conversation: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    @classmethod
+    def from_file(cls, path: Path, special_tokens: Mapping[str, str]) -> ChatTemplate:
+        """--chat-template: a jinja2 file that must compile (checked now, not per request)."""
+        source = path.read_text(encoding="utf-8")
+        try:
+            _compiled(source)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"{path}: not a valid jinja2 template: {exc}") from exc
+        return cls(source, special_tokens)
 
 
 @lru_cache(maxsize=8)
@@ -136,14 +196,21 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return _byte_string(ids).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if 0 <= token_id < BYTE_VOCAB else b""
+
     def incremental_decoder(self) -> ByteDecoder:
         """For streaming: holds back a multi-byte character until it is complete."""
         return ByteDecoder()
 
     def render_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        return self.chat_template.render(messages, add_generation_prompt)
+        return self.chat_template.render(messages, add_generation_prompt, tools)
 
 
 class ByteDecoder:
@@ -235,13 +302,29 @@ class TextTokenizer:
         # special tokens (<|im_end|>, BOS) are markup, not text, as in vLLM's output
         return self.pipeline.decode(ids, skip_special_tokens=True)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        token = self.pipeline.id_to_token(token_id)
+        if token is None:
+            return b""
+        if isinstance(self.pipeline.decoder, decoders.ByteLevel):
+            # GPT-2's printable spelling back to the bytes (a special token: its text)
+            spelling = _byte_spelling()
+            if all(char in spelling for char in token):
+                return bytes(spelling[char] for char in token)
+            return token.encode("utf-8")
+        return self.pipeline.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
     def incremental_decoder(self) -> WindowDecoder:
         return WindowDecoder(self.decode)
 
     def render_chat(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        return self.chat_template.render(messages, add_generation_prompt)
+        return self.chat_template.render(messages, add_generation_prompt, tools)
 
 
 class WindowDecoder:
@@ -404,6 +487,11 @@ def _byte_alphabet() -> dict[int, str]:
             spelling[byte] = chr(256 + extra)
             extra += 1
     return spelling
+
+
+@lru_cache(maxsize=1)
+def _byte_spelling() -> dict[str, int]:
+    return {char: byte for byte, char in _byte_alphabet().items()}
 
 
 def _default_template(value: Any) -> str | None:

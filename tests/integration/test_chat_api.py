@@ -24,9 +24,7 @@ CONVERSATION: list[dict[str, Any]] = [
 ]
 
 
-async def chat(
-    session: aiohttp.ClientSession, url: str, **body: Any
-) -> tuple[int, dict[str, Any]]:
+async def chat(session: aiohttp.ClientSession, url: str, **body: Any) -> tuple[int, dict[str, Any]]:
     async with session.post(f"{url}/v1/chat/completions", json=body) as response:
         return response.status, await response.json()
 
@@ -43,12 +41,17 @@ async def test_openai_client_chats_streaming_and_not() -> None:
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         try:
             plain = await client.chat.completions.create(
-                model="tiny", messages=CONVERSATION, max_tokens=12, extra_body={"ignore_eos": True}
+                model="tiny",
+                messages=CONVERSATION,
+                max_tokens=12,
+                temperature=0,
+                extra_body={"ignore_eos": True},
             )
             stream = await client.chat.completions.create(
                 model="tiny",
                 messages=CONVERSATION,
                 max_completion_tokens=12,
+                temperature=0,
                 stream=True,
                 stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True},
@@ -82,10 +85,15 @@ async def test_chat_generates_from_the_rendered_prompt_as_completions_would() ->
     async with serve_in_process() as server, aiohttp.ClientSession() as session:
         ids = prompt_ids(server, CONVERSATION)
         status, answer = await chat(
-            session, server.url, messages=CONVERSATION, max_tokens=16, ignore_eos=True
+            session,
+            server.url,
+            messages=CONVERSATION,
+            max_tokens=16,
+            ignore_eos=True,
+            temperature=0,
         )
         _, reference, _ = await complete(
-            session, server.url, prompt=ids, max_tokens=16, ignore_eos=True
+            session, server.url, prompt=ids, max_tokens=16, ignore_eos=True, temperature=0
         )
     assert status == 200
     assert answer["choices"][0]["message"]["content"] == reference["choices"][0]["text"]
@@ -98,7 +106,9 @@ async def test_text_parts_are_read_as_their_texts_joined_by_newlines() -> None:
     as_text = [*CONVERSATION[:-1], {"role": "user", "content": "How are\nyou?"}]
     async with serve_in_process() as server, aiohttp.ClientSession() as session:
         answers = [
-            await chat(session, server.url, messages=m, max_tokens=8, ignore_eos=True)
+            await chat(
+                session, server.url, messages=m, max_tokens=8, ignore_eos=True, temperature=0
+            )
             for m in (as_parts, as_text)
         ]
     assert answers[0] == (200, {**answers[1][1], "id": answers[0][1]["id"],
@@ -136,7 +146,7 @@ async def test_max_completion_tokens_wins_and_the_default_fills_what_the_server_
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_stop_strings_end_a_chat_answer(stream: bool) -> None:
-    body = {"messages": CONVERSATION, "max_tokens": 24, "ignore_eos": True}
+    body = {"messages": CONVERSATION, "max_tokens": 24, "ignore_eos": True, "temperature": 0}
     async with serve_in_process() as server, aiohttp.ClientSession() as session:
         _, free = await chat(session, server.url, **body)
         text = free["choices"][0]["message"]["content"]
@@ -195,10 +205,29 @@ BAD_CHATS: list[tuple[str, Any, int, str, str | None]] = [
      "messages[0].content[0].type"),
     ("part without text", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
      400, "missing_field", "messages[0].content[0].text"),
-    ("unknown message field", {"messages": [{"role": "user", "content": "a", "tool_calls": []}]},
-     400, "unknown_field", "messages[0].tool_calls"),
-    ("unknown field", {"messages": USER, "max_token": 3}, 400, "unknown_field", "max_token"),
-    ("n above 1", {"messages": USER, "n": 2}, 400, "unsupported", "n"),
+    ("null content of a user", {"messages": [{"role": "user", "content": None}]}, 400,
+     "missing_field", "messages[0].content"),
+    ("tool call without id", {"messages": [{"role": "assistant", "content": None,
+     "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     400, "missing_field", "messages[0].tool_calls[0].id"),
+    ("n above the cap", {"messages": USER, "n": 17}, 400, "invalid_value", "n"),
+    ("response_format json", {"messages": USER, "response_format": {"type": "json_object"}},
+     400, "invalid_value", "response_format.type"),
+    ("tool_choice required", {"messages": USER, "tool_choice": "required"}, 400,
+     "invalid_value", "tool_choice"),
+    ("tool_choice named", {"messages": USER, "tool_choice": {"type": "function",
+     "function": {"name": "f"}}}, 400, "invalid_value", "tool_choice"),
+    ("custom tool", {"messages": USER, "tools": [{"type": "custom", "custom": {"name": "f"}}]},
+     400, "invalid_value", "tools[0].type"),
+    ("top_logprobs without logprobs", {"messages": USER, "top_logprobs": 2}, 400,
+     "invalid_value", "top_logprobs"),
+    ("top_logprobs above the cap", {"messages": USER, "logprobs": True, "top_logprobs": 21},
+     400, "invalid_value", "top_logprobs"),
+    ("audio", {"messages": USER, "audio": {"voice": "alloy", "format": "mp3"}}, 400,
+     "invalid_type", "audio"),
+    ("store true", {"messages": USER, "store": True}, 400, "invalid_value", "store"),
+    ("audio modality", {"messages": USER, "modalities": ["text", "audio"]}, 400,
+     "invalid_value", "modalities[1]"),
     ("max_completion_tokens zero", {"messages": USER, "max_completion_tokens": 0}, 400,
      "invalid_value", "max_completion_tokens"),
     ("max_tokens over context", {"messages": USER, "max_tokens": 10**6}, 400,

@@ -20,7 +20,8 @@ from batchpilot_server.engine_api import EngineOptions, SamplingParams, TokenEve
 from batchpilot_server.kv_cache import KVCache, bytes_per_block
 from batchpilot_server.model_runner import ModelRunner
 from batchpilot_server.models import build_model, get_spec
-from batchpilot_server.protocol import Limits, Served, read_chat
+from batchpilot_server.protocol import Limits
+from batchpilot_server.protocol_parse import Served, read_chat
 from batchpilot_server.sequence import Sequence
 from batchpilot_server.serve import batching_config, engine_options, parser
 from batchpilot_server.serve import main as serve_main

@@ -103,10 +103,21 @@ HUGE_INTEGERS: list[tuple[str, dict[str, Any], str]] = [
     (COMPLETIONS, completion(), "n"),
     (COMPLETIONS, completion(), "temperature"),
     (COMPLETIONS, completion(), "top_p"),
+    (COMPLETIONS, completion(), "logprobs"),
+    (COMPLETIONS, completion(), "best_of"),
+    (COMPLETIONS, completion(), "min_tokens"),
+    (COMPLETIONS, completion(), "min_p"),
+    (COMPLETIONS, completion(), "repetition_penalty"),
+    (COMPLETIONS, completion(), "frequency_penalty"),
+    (COMPLETIONS, completion(stop_token_ids=[1]), "stop_token_ids[0]"),
+    (COMPLETIONS, completion(logit_bias={"5": 1}), "logit_bias.5"),
     (CHAT, chat(), "max_tokens"),
     (CHAT, chat(), "max_completion_tokens"),
     (CHAT, chat(), "seed"),
     (CHAT, chat(), "temperature"),
+    (CHAT, chat(logprobs=True), "top_logprobs"),
+    (CHAT, chat(), "n"),
+    (CHAT, chat(), "presence_penalty"),
     (ADMIN, {"max_batch_size": 4}, "max_batch_size"),
     (ADMIN, {"batch_timeout_ms": 4}, "batch_timeout_ms"),
     (ADMIN, {"max_queue_size": 4}, "max_queue_size"),
@@ -337,7 +348,8 @@ async def test_a_temperature_too_small_to_divide_by_samples_greedily(
     text_of = (lambda a: a["choices"][0]["text"]) if path == COMPLETIONS else (
         lambda a: a["choices"][0]["message"]["content"])  # fmt: skip
     async with aiohttp.ClientSession() as session:
-        greedy = await send(session, server, path, json.dumps(body(max_tokens=8)).encode())
+        raw = json.dumps(body(max_tokens=8, temperature=0)).encode()
+        greedy = await send(session, server, path, raw)
         for temperature in (1e-6, 1e-38, 5e-324):
             raw = json.dumps(body(max_tokens=8, temperature=temperature, seed=1)).encode()
             status, answer = await send(session, server, path, raw)

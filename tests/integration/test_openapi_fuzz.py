@@ -16,7 +16,8 @@ import pytest
 from batchpilot_server.openapi import openapi_document
 from schemathesis import GenerationMode
 
-from tests.support.openapi_fuzz import Fuzzer, serve_on_thread
+from tests.support.openapi_fuzz import Fuzzer
+from tests.support.servers import serve_on_thread
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -26,12 +26,17 @@ async def test_openai_client_completes_streaming_and_not() -> None:
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
         try:
             plain = await client.completions.create(
-                model="tiny", prompt="Hello", max_tokens=12, extra_body={"ignore_eos": True}
+                model="tiny",
+                prompt="Hello",
+                max_tokens=12,
+                temperature=0,
+                extra_body={"ignore_eos": True},
             )
             stream = await client.completions.create(
                 model="tiny",
                 prompt="Hello",
                 max_tokens=12,
+                temperature=0,
                 stream=True,
                 extra_body={"ignore_eos": True},
             )
@@ -104,15 +109,23 @@ async def test_64_concurrent_requests_complete_with_their_token_counts(mode: str
 async def test_stop_string_truncates_and_streams_the_same_text() -> None:
     async with serve_in_process() as server, aiohttp.ClientSession() as session:
         _, free, _ = await complete(
-            session, server.url, prompt="abc", max_tokens=24, ignore_eos=True
+            session, server.url, prompt="abc", max_tokens=24, ignore_eos=True, temperature=0
         )
         text = free["choices"][0]["text"]
         stop = text[5:7]  # some piece the greedy output is known to contain
         expected = text[: text.find(stop)]
         _, stopped, _ = await complete(
-            session, server.url, prompt="abc", max_tokens=24, ignore_eos=True, stop=[stop]
+            session,
+            server.url,
+            prompt="abc",
+            max_tokens=24,
+            ignore_eos=True,
+            stop=[stop],
+            temperature=0,
         )
-        body = {"prompt": "abc", "max_tokens": 24, "ignore_eos": True, "stop": stop}
+        body = {
+            "prompt": "abc", "max_tokens": 24, "ignore_eos": True, "stop": stop, "temperature": 0
+        }  # fmt: skip
         async with session.post(
             f"{server.url}/v1/completions", json={**body, "stream": True}
         ) as response:
@@ -158,8 +171,12 @@ BAD_INPUTS: list[tuple[str, str, str, Any, int, str, str | None]] = [
      "invalid_request_error", "invalid_token_id"),
     ("negative token id", "POST", "/v1/completions", {"prompt": [-1]}, 400,
      "invalid_request_error", "invalid_token_id"),
-    ("batched prompts", "POST", "/v1/completions", {"prompt": ["a", "b"]}, 400,
-     "invalid_request_error", "unsupported"),
+    ("a prompt in a batch empty", "POST", "/v1/completions", {"prompt": ["a", ""]}, 400,
+     "invalid_request_error", "invalid_value"),
+    ("prompts mixed", "POST", "/v1/completions", {"prompt": ["a", [1]]}, 400,
+     "invalid_request_error", "invalid_type"),
+    ("too many sequences", "POST", "/v1/completions", {"prompt": ["a"] * 5, "n": 16}, 400,
+     "invalid_request_error", "invalid_value"),
     ("max_tokens negative", "POST", "/v1/completions", {"prompt": "a", "max_tokens": -5}, 400,
      "invalid_request_error", "invalid_value"),
     ("max_tokens zero", "POST", "/v1/completions", {"prompt": "a", "max_tokens": 0}, 400,
@@ -184,10 +201,32 @@ BAD_INPUTS: list[tuple[str, str, str, Any, int, str, str | None]] = [
      "invalid_request_error", "invalid_type"),
     ("ignore_eos not bool", "POST", "/v1/completions", {"prompt": "a", "ignore_eos": 1}, 400,
      "invalid_request_error", "invalid_type"),
-    ("n above 1", "POST", "/v1/completions", {"prompt": "a", "n": 2}, 400,
+    ("n above the cap", "POST", "/v1/completions", {"prompt": "a", "n": 17}, 400,
+     "invalid_request_error", "invalid_value"),
+    ("best_of unlike n", "POST", "/v1/completions", {"prompt": "a", "best_of": 3}, 400,
      "invalid_request_error", "unsupported"),
-    ("unknown field", "POST", "/v1/completions", {"prompt": "a", "max_token": 3}, 400,
-     "invalid_request_error", "unknown_field"),
+    ("suffix", "POST", "/v1/completions", {"prompt": "a", "suffix": "end"}, 400,
+     "invalid_request_error", "invalid_value"),
+    ("logprobs above the cap", "POST", "/v1/completions", {"prompt": "a", "logprobs": 21},
+     400, "invalid_request_error", "invalid_value"),
+    ("logit_bias not a token id", "POST", "/v1/completions",
+     {"prompt": "a", "logit_bias": {"x": 1}}, 400, "invalid_request_error", "invalid_token_id"),
+    ("logit_bias out of range", "POST", "/v1/completions",
+     {"prompt": "a", "logit_bias": {"5": 101}}, 400, "invalid_request_error", "invalid_value"),
+    ("top_k below -1", "POST", "/v1/completions", {"prompt": "a", "top_k": -2}, 400,
+     "invalid_request_error", "invalid_value"),
+    ("min_p above 1", "POST", "/v1/completions", {"prompt": "a", "min_p": 1.5}, 400,
+     "invalid_request_error", "invalid_value"),
+    ("repetition_penalty zero", "POST", "/v1/completions",
+     {"prompt": "a", "repetition_penalty": 0}, 400, "invalid_request_error", "invalid_value"),
+    ("presence_penalty above 2", "POST", "/v1/completions",
+     {"prompt": "a", "presence_penalty": 2.5}, 400, "invalid_request_error", "invalid_value"),
+    ("min_tokens above max_tokens", "POST", "/v1/completions",
+     {"prompt": "a", "max_tokens": 2, "min_tokens": 3}, 400, "invalid_request_error",
+     "invalid_value"),
+    ("stop_token_ids unknown", "POST", "/v1/completions",
+     {"prompt": "a", "stop_token_ids": [99999]}, 400, "invalid_request_error",
+     "invalid_token_id"),
     ("unknown model", "POST", "/v1/completions", {"prompt": "a", "model": "gpt-9"}, 404,
      "not_found_error", "model_not_found"),
     ("prompt over context", "POST", "/v1/completions", {"prompt": _huge_prompt_ids(100_000)},
@@ -238,9 +277,7 @@ async def test_server_limits_on_prompt_and_max_tokens() -> None:
         "prompt has 9 tokens; this server accepts at most 8"
     )
     assert many_tokens[0] == 400
-    assert many_tokens[1]["error"]["message"] == (
-        "max_tokens is 5; this server allows at most 4"
-    )
+    assert many_tokens[1]["error"]["message"] == ("max_tokens is 5; this server allows at most 4")
     assert within[0] == 200
     assert default[0] == 200 and default[1]["usage"]["completion_tokens"] == 4
 

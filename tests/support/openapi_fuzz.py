@@ -17,14 +17,9 @@ bench/fuzz.py (many).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-import threading
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import requests
 import schemathesis
@@ -42,10 +37,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.support.servers import serve_in_process
-
 ERROR_KEYS = {"message", "type", "code", "param"}
-START_DEADLINE_S = 60.0
 REQUEST_TIMEOUT_S = 60.0
 
 
@@ -172,28 +164,3 @@ class Fuzzer:
     def healthy(self) -> bool:
         response = self.session.get(f"{self.base_url}/healthz", timeout=REQUEST_TIMEOUT_S)
         return response.status_code == 200 and response.json() == {"status": "ok"}
-
-
-@contextlib.contextmanager
-def serve_on_thread(**options: Any) -> Iterator[str]:
-    """`serve_in_process(**options)` on an event loop of its own thread, so that a
-    synchronous client (schemathesis, hypothesis) can drive it. Yields its URL."""
-    started = threading.Event()
-    state: dict[str, Any] = {}
-
-    async def run() -> None:
-        async with serve_in_process(**options) as server:
-            state["url"], state["stop"] = server.url, asyncio.Event()
-            state["loop"] = asyncio.get_running_loop()
-            started.set()
-            await state["stop"].wait()
-
-    thread = threading.Thread(target=asyncio.run, args=(run(),), name="fuzzed-server")
-    thread.start()
-    if not started.wait(START_DEADLINE_S):
-        raise TimeoutError(f"the server did not start in {START_DEADLINE_S:g} s")
-    try:
-        yield state["url"]
-    finally:
-        state["loop"].call_soon_threadsafe(state["stop"].set)
-        thread.join(START_DEADLINE_S)

@@ -1,13 +1,14 @@
 """Real servers for tests: `batchpilot serve` subprocesses, or the same app in-process.
 
-    with spawn_server(tmp_path=tmp_path, mode="dynamic") as server:
-        ... HTTP to server.url; server.token is the admin token
-    async with serve_in_process(mode="dynamic") as server:   # faster: no process start
-        ... HTTP to server.url; server.app is the aiohttp app
+with spawn_server(tmp_path=tmp_path, mode="dynamic") as server:
+    ... HTTP to server.url; server.token is the admin token
+async with serve_in_process(mode="dynamic") as server:   # faster: no process start
+    ... HTTP to server.url; server.app is the aiohttp app
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -15,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -180,6 +182,9 @@ async def serve_in_process(
     kv_cache_mb: float = 16,
     admin_token: str | None = "test-token",
     threads: int = 1,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    model: str = "tiny",
     **limits: float,
 ) -> AsyncIterator[InProcessServer]:
     """The real app and engine on a free port of this test's event loop.
@@ -188,19 +193,51 @@ async def serve_in_process(
     """
     options = EngineOptions(
         mode=mode,  # type: ignore[arg-type]
+        model=model,
         config=BatchingConfig(max_batch_size, batch_timeout_ms, max_queue_size),
         device="cpu",
         kv_cache_mb=kv_cache_mb,
         threads=threads,
     )
     limits_ = dataclasses.replace(Limits(), **limits)
-    app = build_app(options, admin_token=admin_token, limits=limits_)
+    app = build_app(
+        options,
+        admin_token=admin_token,
+        limits=limits_,
+        api_key=api_key,
+        chat_template=chat_template,
+    )
     server = TestServer(app, host="127.0.0.1")  # binds a free port itself
     await server.start_server()
     try:
         yield InProcessServer(str(server.make_url("")).rstrip("/"), admin_token, app)
     finally:
         await server.close()
+
+
+@contextlib.contextmanager
+def serve_on_thread(**options: Any) -> Iterator[str]:
+    """`serve_in_process(**options)` on an event loop of its own thread, so that a
+    synchronous client (schemathesis, hypothesis) can drive it. Yields its URL."""
+    started = threading.Event()
+    state: dict[str, Any] = {}
+
+    async def run() -> None:
+        async with serve_in_process(**options) as server:
+            state["url"], state["stop"] = server.url, asyncio.Event()
+            state["loop"] = asyncio.get_running_loop()
+            started.set()
+            await state["stop"].wait()
+
+    thread = threading.Thread(target=asyncio.run, args=(run(),), name="server-on-thread")
+    thread.start()
+    if not started.wait(START_DEADLINE_S):
+        raise TimeoutError(f"the server did not start in {START_DEADLINE_S:g} s")
+    try:
+        yield state["url"]
+    finally:
+        state["loop"].call_soon_threadsafe(state["stop"].set)
+        thread.join(START_DEADLINE_S)
 
 
 # --- HTTP helpers ------------------------------------------------------------
