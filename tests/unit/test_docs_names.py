@@ -169,3 +169,29 @@ def test_a_made_up_field_is_caught() -> None:
         "batching.maxBatchSize.initial",
         "batching.maxBatchSize.min",
     ]
+
+
+LINK = re.compile(r"\]\(([^)#\s]*)(#[^)\s]*)?\)")
+HEADING = re.compile(r"^#+ (.*)$", re.MULTILINE)
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lowercased, punctuation dropped, spaces to -."""
+    return {
+        re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        for heading in HEADING.findall(page.read_text())
+    }
+
+
+def test_every_relative_link_and_anchor_resolves() -> None:
+    broken = []
+    for page, text in pages_text():
+        for target, anchor in LINK.findall(text):
+            if target.startswith(("http://", "https://")):
+                continue
+            path = page.parent / target if target else page
+            if not path.exists():
+                broken.append((page.name, target))
+            elif anchor and path.suffix == ".md" and anchor[1:] not in anchors(path):
+                broken.append((page.name, target + anchor))
+    assert broken == []
