@@ -4,6 +4,9 @@
 #     --build-arg TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" .
 # The CUDA wheels carry their own CUDA runtime; the node supplies the driver
 # (NVIDIA container toolkit / device plugin), so the slim base serves both.
+# Never built where this repository was made (no Docker engine there); what the build
+# stage COPYs is what tests/integration/test_install.py installs into a fresh virtualenv.
+# The manifests name the image once: manifests/base/kustomization.yaml (`make kind-load`).
 ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim AS build

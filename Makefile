@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMETHEUS_BIN ?= /usr/bin/prometheus
 
-.PHONY: setup prometheus test test-fast lint bench demo e2e-kind clean
+.PHONY: setup prometheus test test-fast lint docs bench demo kind-load e2e-kind clean
 
 setup: $(STAMP) prometheus
 
@@ -44,6 +44,11 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# The generated reference pages (docs/crd-reference.md, docs/cli.md, docs/metrics.md),
+# from the CRD, the argparse parsers and the metric names; tests/unit checks they are current.
+docs: $(STAMP)
+	$(BIN)/python -m batchpilot_tools.docs_gen
+
 bench: setup
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/serve.py
@@ -54,6 +59,14 @@ bench: setup
 
 demo: setup
 	$(BIN)/batchpilot demo
+
+# The image the manifests name (manifests/base/kustomization.yaml), built and loaded
+# into a kind cluster of yours: `make kind-load KIND_CLUSTER=name`.
+IMAGE ?= batchpilot:0.1.0
+KIND_CLUSTER ?= kind
+kind-load:
+	docker build -t $(IMAGE) .
+	kind load docker-image $(IMAGE) --name $(KIND_CLUSTER)
 
 e2e-kind: $(STAMP)
 	bash tests/e2e/run-kind.sh

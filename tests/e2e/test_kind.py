@@ -63,7 +63,8 @@ def policy() -> dict[str, Any]:
     spec = body["spec"]
     spec.pop("autoscale")  # one fixed pod: a kind node has room for little more
     spec["replicas"] = 1
-    spec["server"]["image"] = os.environ.get("BATCHPILOT_IMAGE", spec["server"]["image"])
+    if "BATCHPILOT_IMAGE" in os.environ:  # else the CRD's default, set by manifests/base
+        spec["server"]["image"] = os.environ["BATCHPILOT_IMAGE"]
     spec["server"]["resources"] = {"requests": {"cpu": "500m", "memory": "512Mi"}}
     spec["autotune"].update({"intervalSeconds": 5, "windowSeconds": 10})
     return body

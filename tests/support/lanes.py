@@ -30,6 +30,9 @@ BESIDE_THE_SERVERS = frozenset({
     "test_kubectl_scale_writes_through_the_scale_subresource_and_the_operator_follows",
     "test_autotune_operator.py::"
     "test_unreachable_prometheus_sets_metrics_available_false_and_holds",
+    # Minutes of pip installing into a fresh virtualenv, then one server and the shortest
+    # demo: it times nothing, so it waits beside the main lane rather than in it.
+    "test_install.py",
 })  # fmt: skip
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import yaml
 
@@ -23,7 +24,37 @@ def render(directory: Path) -> list[dict[str, Any]]:
 
 
 def render_manifests() -> list[dict[str, Any]]:
+    """`kubectl apply -k manifests/`: the operator with the bundled monitoring component."""
     return render(ROOT / "manifests")
+
+
+# What a user applies with `kubectl apply -k`: each renders the whole operator.
+ENTRY_POINTS = {
+    "with-monitoring": ROOT / "manifests",
+    "base": ROOT / "manifests" / "base",
+    "kube-prometheus-stack": ROOT / "manifests" / "kube-prometheus-stack",
+}
+
+
+def service_url_target(docs: list[dict[str, Any]], url: str) -> tuple[dict[str, Any], int] | None:
+    """The Service and port that an in-cluster URL (http://NAME.NAMESPACE[.svc...]:PORT) reaches
+    among `docs`, or None."""
+    parsed = urlparse(url)
+    host, port = parsed.hostname or "", parsed.port
+    name, _, rest = host.partition(".")
+    namespace, _, domain = rest.partition(".")
+    if domain not in ("", "svc", "svc.cluster.local"):
+        return None
+    for doc in docs:
+        meta = doc["metadata"]
+        if doc["kind"] != "Service" or meta["name"] != name:
+            continue
+        if namespace and meta.get("namespace") != namespace:
+            continue
+        ports = [p["port"] for p in doc["spec"]["ports"]]
+        if port in ports:
+            return doc, port
+    return None
 
 
 def operator_object(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:

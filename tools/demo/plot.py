@@ -13,7 +13,7 @@ LOG_SCALE_BEYOND = 5.0  # p99 axis in log scale once a p99 passes this many SLOs
 
 
 def write_plot(recording: Recording, path: Path) -> None:
-    # matplotlib is a dev dependency: imported only when a run has something to plot.
+    # imported only when a run has something to plot: the other commands never load it
     import matplotlib
 
     matplotlib.use("Agg")

@@ -52,8 +52,10 @@ def start_server(
     (the config of record: what a pod reads from its policy's ConfigMap)."""
     port = free_port()
     log_path = workdir / f"{name}.log"
+    # -P: `-m` would put the working directory first on sys.path, and run from a clone's
+    # root (after `pip install .`) its `operator/` folder would shadow the standard library's.
     command = [
-        sys.executable, "-m", "batchpilot_server.cli", "serve",
+        sys.executable, "-P", "-m", "batchpilot_server.cli", "serve",
         "--model", model, "--mode", "continuous", "--device", "cpu",
         "--host", "127.0.0.1", "--port", str(port),
         "--max-batch-size", str(INITIAL.max_batch_size),
