@@ -89,12 +89,33 @@ def parser() -> argparse.ArgumentParser:
         help="static mode's safety valve: a partial batch fires once its oldest request "
         "waited this long (default: off, a batch waits until it is full)",
     )
-    p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
-    p.add_argument("--batch-timeout-ms", type=float, default=defaults.batch_timeout_ms)
-    p.add_argument("--max-queue-size", type=int, default=defaults.max_queue_size)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=defaults.max_batch_size,
+        help="most sequences in one batch or step (live: PUT /admin/batching)",
+    )
+    p.add_argument(
+        "--batch-timeout-ms",
+        type=float,
+        default=defaults.batch_timeout_ms,
+        help="dynamic: how long a partial batch waits for more; continuous: how long an "
+        "idle engine waits before its first step (live)",
+    )
+    p.add_argument(
+        "--max-queue-size",
+        type=int,
+        default=defaults.max_queue_size,
+        help="waiting requests beyond which new ones get 429 (live)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where the model runs (auto: cuda when available)",
+    )
     p.add_argument(
         "--kv-cache-mb",
         type=float,
@@ -154,7 +175,12 @@ def parser() -> argparse.ArgumentParser:
         "inter-token latency for running requests, later first token for long prompts "
         f"(default: {EngineOptions.prefill_token_budget})",
     )
-    p.add_argument("--seed", type=int, default=0, help="model weights seed")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds a preset's random weights (tiny), not sampling: a request's `seed` does that",
+    )
     p.add_argument(
         "--queue-timeout-s",
         type=float,

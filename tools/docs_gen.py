@@ -299,7 +299,7 @@ def names_in(module: Any) -> list[str]:
     return [
         value
         for key, value in vars(module).items()
-        if key.isupper() and isinstance(value, str) and value.startswith("batchpilot_")
+        if key.isupper() and isinstance(value, str) and value.startswith(("batchpilot_", "vllm:"))
     ]
 
 
