@@ -20,8 +20,26 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 # A model step on this hardware takes ~1..100 ms: finer than request latency.
 STEP_BUCKETS = (
-    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
-    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0,
+    0.0005,
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
 )
 
 
@@ -95,14 +113,19 @@ class ServerMetrics:
         self.prompt_tokens = counter(names.PROMPT_TOKENS_TOTAL, "Prompt tokens admitted.")
         self.generation_tokens = counter(names.GENERATION_TOKENS_TOTAL, "Tokens generated.")
         self.preemptions = counter(names.PREEMPTIONS_TOTAL, "Sequences evicted for KV space.")
+        self.prefix_cache_queries = counter(
+            names.PREFIX_CACHE_QUERIES_TOTAL,
+            "Tokens of admitted sequences looked up in the prefix cache.",
+        )
+        self.prefix_cache_hits = counter(
+            names.PREFIX_CACHE_HITS_TOTAL, "Tokens found in the prefix cache (not computed again)."
+        )
         self.engine_busy = counter(
             names.ENGINE_BUSY_SECONDS_TOTAL,
             "Seconds the engine thread spent on steps (scheduling, forwards, sampling, "
             "handing tokens out), its waits for work left out.",
         )
-        self.config_max_batch_size = gauge(
-            names.CONFIG_MAX_BATCH_SIZE, "max_batch_size in force."
-        )
+        self.config_max_batch_size = gauge(names.CONFIG_MAX_BATCH_SIZE, "max_batch_size in force.")
         self.config_batch_timeout = gauge(
             names.CONFIG_BATCH_TIMEOUT, "Batch timeout in force, in seconds."
         )
@@ -127,6 +150,10 @@ class ServerMetrics:
 
     def on_preemption(self) -> None:
         self.preemptions.inc()
+
+    def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.prefix_cache_queries.inc(queried_tokens)
+        self.prefix_cache_hits.inc(hit_tokens)
 
     def on_slot_steps(self, active: int, finished: int, padding: int) -> None:
         for state, count in zip(names.SLOT_STATES, (active, finished, padding), strict=True):

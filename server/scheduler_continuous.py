@@ -8,7 +8,8 @@ budget computes a chunk of it now and the rest in later steps, so one long
 prompt never stalls the running sequences for longer than a budget's worth of
 tokens; only its last chunk yields a token. When blocks run out mid-decode the
 newest running sequence is preempted: its blocks are freed and it is recomputed
-later from its tokens so far, its prefill starting again from the first token.
+later from its tokens so far, its prefill starting again from the first token (or,
+with prefix caching, from the end of its blocks the cache still holds).
 `batch_timeout_ms` is how long an idle engine waits for more arrivals before its
 first step. A finished sequence leaves, and its response completes, at once.
 """
@@ -56,8 +57,9 @@ class ContinuousScheduler(QueueScheduler):
         while budget and self.waiting and len(self.running) < self.config.max_batch_size:
             head = self.waiting[0]
             # blocks for the whole prompt (and its first token) now: later chunks
-            # never wait for blocks, and the usage ratio counts the prompt at once
-            if not self.pool.grow(head.block_table, head.num_tokens + 1):
+            # never wait for blocks, and the usage ratio counts the prompt at once;
+            # a cached prefix is shared, and its tokens are not computed again
+            if not self._take_blocks(head, head.num_tokens + 1):
                 break
             head.status = Status.RUNNING
             self.running.append(self.waiting.popleft())
@@ -97,8 +99,10 @@ class ContinuousScheduler(QueueScheduler):
         return preempted
 
     def _preempt(self, seq: Sequence) -> None:
-        self.pool.release(seq.block_table)
-        seq.num_computed = 0  # its K/V are gone: recomputed from the first token
+        self._release(seq)
+        # its K/V are given up: recomputed from the first token, or from as far as
+        # the prefix cache still holds them when it is admitted again
+        seq.num_computed = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)  # victims go newest first: the oldest ends up in front
 
@@ -124,7 +128,10 @@ class ContinuousScheduler(QueueScheduler):
             self._leave(seq)
         return released
 
+    def _holding(self) -> list[Sequence]:
+        return self.running
+
     def _leave(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.pool.release(seq.block_table)
+        self._release(seq)
         seq.status = Status.FINISHED
