@@ -20,8 +20,8 @@ GENERATION_TOKENS_TOTAL = "batchpilot_generation_tokens_total"
 # Output tokens per finished request: the length spread `batching.mode: auto` reads.
 REQUEST_GENERATION_TOKENS = "batchpilot_request_generation_tokens"
 PREEMPTIONS_TOTAL = "batchpilot_preemptions_total"
-# Prompt tokens of admitted sequences looked up in the prefix cache, and those found there
-# (not computed again); hits / queries is the cache's hit rate.
+# Tokens of admitted sequences looked up in the prefix cache, and those found there (not
+# computed again); hits / queries is the cache's hit rate.
 PREFIX_CACHE_QUERIES_TOTAL = "batchpilot_prefix_cache_queries_total"
 PREFIX_CACHE_HITS_TOTAL = "batchpilot_prefix_cache_hits_total"
 # label state: token positions of executed batches by what they were for (scheduler.SlotSteps)
@@ -37,65 +37,14 @@ COMMON_LABELS = ("model", "mode")
 # Shared histogram buckets for the latency histograms, in seconds: fine enough
 # around typical SLOs (50 ms .. 2 s) that a p99 read from them is within ~10%.
 LATENCY_BUCKETS = (
-    0.005,
-    0.01,
-    0.02,
-    0.03,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.25,
-    0.3,
-    0.4,
-    0.5,
-    0.6,
-    0.75,
-    1.0,
-    1.25,
-    1.5,
-    2.0,
-    2.5,
-    3.0,
-    4.0,
-    5.0,
-    7.5,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    60.0,
+    0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5,
+    0.6, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0,
 )
 
 # Output lengths of 1..8192 tokens, each bucket at most 1.5x the one below: equal
 # lengths above one token then read a p90/p50 of at most 1.27 (one bucket, interpolated), while the
 # narrowest spread of docs/batching.md's map (uniform 16..112) reads about 1.6.
 GENERATION_TOKEN_BUCKETS = (
-    1,
-    2,
-    3,
-    4,
-    6,
-    8,
-    12,
-    16,
-    24,
-    32,
-    48,
-    64,
-    96,
-    128,
-    192,
-    256,
-    384,
-    512,
-    768,
-    1024,
-    1536,
-    2048,
-    3072,
-    4096,
-    6144,
-    8192,
+    1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
+    1536, 2048, 3072, 4096, 6144, 8192,
 )

@@ -20,26 +20,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024)
 # A model step on this hardware takes ~1..100 ms: finer than request latency.
 STEP_BUCKETS = (
-    0.0005,
-    0.001,
-    0.002,
-    0.003,
-    0.005,
-    0.0075,
-    0.01,
-    0.015,
-    0.02,
-    0.03,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.5,
-    1.0,
-    2.0,
-    5.0,
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0,
 )
 
 
@@ -125,7 +107,9 @@ class ServerMetrics:
             "Seconds the engine thread spent on steps (scheduling, forwards, sampling, "
             "handing tokens out), its waits for work left out.",
         )
-        self.config_max_batch_size = gauge(names.CONFIG_MAX_BATCH_SIZE, "max_batch_size in force.")
+        self.config_max_batch_size = gauge(
+            names.CONFIG_MAX_BATCH_SIZE, "max_batch_size in force."
+        )
         self.config_batch_timeout = gauge(
             names.CONFIG_BATCH_TIMEOUT, "Batch timeout in force, in seconds."
         )
