@@ -9,7 +9,10 @@ prompt never stalls the running sequences for longer than a budget's worth of
 tokens; only its last chunk yields a token. When blocks run out mid-decode the
 newest running sequence is preempted: its blocks are freed and it is recomputed
 later from its tokens so far, its prefill starting again from the first token (or,
-with prefix caching, from the end of its blocks the cache still holds).
+with prefix caching, from the end of its blocks the cache still holds). With
+prefix caching, a waiting sequence starts past the prefix the cache holds, and one
+whose next blocks a running sequence is computing (two requests with one system
+prompt arriving together) waits until they are published and shares them.
 `batch_timeout_ms` is how long an idle engine waits for more arrivals before its
 first step. A finished sequence leaves, and its response completes, at once.
 """
@@ -56,6 +59,8 @@ class ContinuousScheduler(QueueScheduler):
                 budget -= chunks[-1][1]
         while budget and self.waiting and len(self.running) < self.config.max_batch_size:
             head = self.waiting[0]
+            if self._prefix_in_flight(head):
+                break  # its next blocks are being computed: shared a step or a chunk later
             # blocks for the whole prompt (and its first token) now: later chunks
             # never wait for blocks, and the usage ratio counts the prompt at once;
             # a cached prefix is shared, and its tokens are not computed again
@@ -73,6 +78,20 @@ class ContinuousScheduler(QueueScheduler):
         )
         plan.batch_size = plan.size
         return plan
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """Whether a running sequence is computing the next block `seq` could share (both
+        arrived with the same prompt start, as siblings or a shared system prompt do).
+        Waiting for it to be published costs `seq` a step; computing it again costs the
+        step the whole prefix."""
+        if not self.pool.prefix_caching:
+            return False
+        cached = len(self._cached_prefix(seq))
+        wanted = seq.block_hashes[: (seq.num_tokens - 1) // self.pool.block_size]
+        if cached == len(wanted):
+            return False
+        name = wanted[cached]
+        return any(name in other.block_hashes[other.num_cached_blocks :] for other in self.running)
 
     def _due(self, now: float) -> bool:
         return (

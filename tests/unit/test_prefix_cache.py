@@ -269,6 +269,22 @@ def test_blocks_are_published_once_computed_not_before() -> None:
     assert second.num_computed == 0 and plan.chunks == [16]
 
 
+def test_a_request_waits_for_the_prefix_another_is_computing_then_shares_it() -> None:
+    scheduler = cached_continuous()
+    first, second = seq(0, PROMPT), seq(1, PROMPT[:32] + [5] * 4)
+    scheduler.add(first)
+    scheduler.add(second)
+    plan, _ = run(scheduler, 1.0)
+    assert plan.prefill == [first]  # the second's first block is in flight
+    plan, _ = run(scheduler, 1.01)
+    assert plan.prefill == [second] and plan.chunks == [4] and plan.cache_hit == 32
+    # without the cache both compute their prompt at once
+    scheduler = ContinuousScheduler(BlockPool(64, BLOCK), CONFIG, frozenset({EOS}), 2048)
+    scheduler.add(seq(0, PROMPT))
+    scheduler.add(seq(1, PROMPT[:32] + [5] * 4))
+    assert len(run(scheduler, 1.0)[0].prefill) == 2
+
+
 def test_a_preempted_sequence_is_recomputed_from_its_cached_prefix() -> None:
     # 6 blocks: both hold 3 at 48 tokens; the older's 4th block preempts the younger,
     # whose tail block the older then takes, its first two staying cached
