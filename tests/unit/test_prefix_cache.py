@@ -205,7 +205,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert all(len(set(table)) == len(table) for _, table in self.tables.values())
 
 
-PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+PoolMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
 test_pool_state_machine = PoolMachine.TestCase
 
 
