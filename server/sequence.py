@@ -31,7 +31,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # the prefix cache's names of the full blocks of token_ids, as far as computed
     # (block_pool.extend_block_hashes): tokens only append, so they stay valid
-    block_hashes: list[BlockHash] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
     # leading blocks of block_table the prefix cache knows: shared from it, or published
     num_cached_blocks: int = 0
     # tokens whose K/V the cache holds: a chunked prefill advances it chunk by chunk,
