@@ -323,7 +323,7 @@ class QueueScheduler(ABC):
             return False
         seq.num_cached_blocks = len(cached)
         seq.num_computed = len(cached) * self.pool.block_size
-        if self.pool.prefix_caching:
+        if self._looks_up(seq):
             self.cache_queried += seq.num_tokens
             self.cache_hit += seq.num_computed
         return True
@@ -332,12 +332,18 @@ class QueueScheduler(ABC):
         """The cached blocks `seq` may share. Whole blocks short of its last token: that
         one is always computed, for the logits its next token is sampled from, and
         into a block of its own (a shared block is never written)."""
-        if not self.pool.prefix_caching:
+        if not self._looks_up(seq):
             return []
         size = self.pool.block_size
         usable = (seq.num_tokens - 1) // size
         extend_block_hashes(seq.block_hashes, seq.token_ids, size, usable * size)
         return self.pool.cached_prefix(seq.block_hashes[:usable])
+
+    def _looks_up(self, seq: Sequence) -> bool:
+        """Whether `seq` may start past a cached prefix: not when it asks for its prompt's
+        log-probabilities, which need every prompt position computed (it still
+        publishes what it computes)."""
+        return self.pool.prefix_caching and seq.params.prompt_logprobs is None
 
     def _publish(self, seq: Sequence) -> None:
         """Name the full blocks whose K/V `seq` computed: later sequences may share them."""

@@ -244,6 +244,15 @@ def test_a_later_request_computes_only_past_the_cached_prefix() -> None:
     assert later.block_table[:2] == [0, 1]  # the first request's blocks, shared
 
 
+def test_a_request_for_prompt_logprobs_computes_its_whole_prompt() -> None:
+    scheduler = cached_continuous()
+    now = serve(scheduler, seq(0, PROMPT))
+    params = SamplingParams(max_tokens=3, ignore_eos=True, prompt_logprobs=0)
+    scheduler.add(Sequence("r1", list(PROMPT), params, 0.0, None, None))
+    plan, _ = run(scheduler, now)
+    assert plan.chunks == [40] and (plan.cache_queried, plan.cache_hit) == (0, 0)
+
+
 def test_a_prompt_all_cached_still_computes_its_last_block() -> None:
     scheduler = cached_continuous()
     now = serve(scheduler, seq(0, PROMPT))
