@@ -274,7 +274,18 @@ class Engine:
             free, _ = torch.cuda.mem_get_info()
             budget = free * options.gpu_memory_fraction
         cache = KVCache.sized(self._spec, budget, options.block_size, self._device, self._kv_dtype)
-        return cache, ModelRunner(model, cache, options.attention, threads)
+        runner = ModelRunner(model, cache, options.attention, threads)
+        cache.pool.prefix_caching = options.prefix_caching and self._may_share_blocks(runner)
+        return cache, runner
+
+    @staticmethod
+    def _may_share_blocks(runner: ModelRunner) -> bool:
+        """Whether decode attention reads blocks that several sequences share: the
+        native kernel does; the torch path scores each pool block for one owner."""
+        if runner.attention == "native":
+            return True
+        log.warning("prefix caching is off: the torch decode attention cannot share blocks")
+        return False
 
     @property
     def _kv_dtype(self) -> torch.dtype:
@@ -450,6 +461,8 @@ class Engine:
             observer.on_batch(plan.batch_size)
         slots = plan.slot_steps()
         observer.on_slot_steps(slots.active, slots.finished, slots.padding)
+        if plan.cache_queried:
+            observer.on_prefix_cache(plan.cache_queried, plan.cache_hit)
         rows: list[Sequence] = []
         tokens: list[int] = []
         logprobs: list[float] = []

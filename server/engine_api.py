@@ -152,6 +152,9 @@ class EngineOptions:
     # static mode: a partial batch fires once its oldest request waited this long
     # (None: never; only a full batch fires)
     max_wait_ms: float | None = None
+    # automatic prefix caching: a request reuses the K/V of the longest prefix of its
+    # tokens that earlier requests computed (block_pool)
+    prefix_caching: bool = True
 
     @property
     def served_name(self) -> str:
@@ -184,6 +187,7 @@ class EngineObserver(Protocol):
     def on_hostage(self, seconds: float) -> None: ...
     def on_preemption(self) -> None: ...
     def on_slot_steps(self, active: int, finished: int, padding: int) -> None: ...
+    def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None: ...
 
 
 class NullObserver:
@@ -208,4 +212,7 @@ class NullObserver:
         pass
 
     def on_slot_steps(self, active: int, finished: int, padding: int) -> None:
+        pass
+
+    def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
         pass

@@ -30,8 +30,9 @@ class KVCache:
         block_size: int,
         device: str,
         dtype: torch.dtype = torch.float32,
+        prefix_caching: bool = False,
     ) -> None:
-        self.pool = BlockPool(num_blocks, block_size)
+        self.pool = BlockPool(num_blocks, block_size, prefix_caching)
         shape = (spec.n_layers, num_blocks, spec.n_kv_heads, block_size, spec.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -44,6 +45,7 @@ class KVCache:
         block_size: int,
         device: str,
         dtype: torch.dtype = torch.float32,
+        prefix_caching: bool = False,
     ) -> KVCache:
         """As many blocks as fit in `budget_bytes`."""
         num_blocks = int(budget_bytes // bytes_per_block(spec, block_size, dtype))
@@ -52,7 +54,7 @@ class KVCache:
                 f"KV budget of {budget_bytes / 2**20:.3g} MiB is smaller than one block "
                 f"({bytes_per_block(spec, block_size, dtype) / 2**20:.3g} MiB)"
             )
-        return cls(spec, num_blocks, block_size, device, dtype)
+        return cls(spec, num_blocks, block_size, device, dtype, prefix_caching)
 
     @property
     def block_size(self) -> int:

@@ -20,6 +20,10 @@ GENERATION_TOKENS_TOTAL = "batchpilot_generation_tokens_total"
 # Output tokens per finished request: the length spread `batching.mode: auto` reads.
 REQUEST_GENERATION_TOKENS = "batchpilot_request_generation_tokens"
 PREEMPTIONS_TOTAL = "batchpilot_preemptions_total"
+# Tokens of admitted sequences looked up in the prefix cache, and those found there (not
+# computed again); hits / queries is the cache's hit rate.
+PREFIX_CACHE_QUERIES_TOTAL = "batchpilot_prefix_cache_queries_total"
+PREFIX_CACHE_HITS_TOTAL = "batchpilot_prefix_cache_hits_total"
 # label state: token positions of executed batches by what they were for (scheduler.SlotSteps)
 BATCH_SLOT_STEPS_TOTAL = "batchpilot_batch_slot_steps_total"
 CONFIG_MAX_BATCH_SIZE = "batchpilot_config_max_batch_size"

@@ -129,6 +129,13 @@ class ServerMetrics:
         self.prompt_tokens = counter(names.PROMPT_TOKENS_TOTAL, "Prompt tokens admitted.")
         self.generation_tokens = counter(names.GENERATION_TOKENS_TOTAL, "Tokens generated.")
         self.preemptions = counter(names.PREEMPTIONS_TOTAL, "Sequences evicted for KV space.")
+        self.prefix_cache_queries = counter(
+            names.PREFIX_CACHE_QUERIES_TOTAL,
+            "Tokens of admitted sequences looked up in the prefix cache.",
+        )
+        self.prefix_cache_hits = counter(
+            names.PREFIX_CACHE_HITS_TOTAL, "Tokens found in the prefix cache (not computed again)."
+        )
         self.engine_busy = counter(
             names.ENGINE_BUSY_SECONDS_TOTAL,
             "Seconds the engine thread spent on steps (scheduling, forwards, sampling, "
@@ -167,6 +174,10 @@ class ServerMetrics:
 
     def on_preemption(self) -> None:
         self.preemptions.inc()
+
+    def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        self.prefix_cache_queries.inc(queried_tokens)
+        self.prefix_cache_hits.inc(hit_tokens)
 
     def on_slot_steps(self, active: int, finished: int, padding: int) -> None:
         for state, count in zip(names.SLOT_STATES, (active, finished, padding), strict=True):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from batchpilot_server.batching_config import BatchingConfig
-from batchpilot_server.block_pool import BlockPool
+from batchpilot_server.block_pool import BlockPool, extend_block_hashes
 from batchpilot_server.engine_api import (
     DeadlineExceededError,
     EngineError,
@@ -77,6 +77,10 @@ class StepPlan:
     # rectangular; ragged execution computes nothing for them (`held` counts them)
     pad: list[Sequence] = field(default_factory=list)
     held: int = 0
+    # prefix caching, over the sequences admitted with this step: tokens looked up in
+    # the cache, and how many of them it held (computed no more)
+    cache_queried: int = 0
+    cache_hit: int = 0
 
     @property
     def size(self) -> int:
@@ -168,10 +172,11 @@ class Scheduler(Protocol):
 
 class QueueScheduler(ABC):
     """The part both policies share: the waiting queue and what happens to requests in
-    it (admission, cancellation, deadlines, shutdown), counters, and turning sampled
-    tokens into events. A policy plans steps (`_plan`), and decides when finished
-    sequences' responses complete (`_finish`) and what a cancelled running sequence
-    leaves (`_drop`)."""
+    it (admission, cancellation, deadlines, shutdown), counters, turning sampled
+    tokens into events, and the blocks a sequence takes and gives back (with the
+    prefix cache: `_take_blocks`, `_release`). A policy plans steps (`_plan`), and
+    decides when finished sequences' responses complete (`_finish`) and what a
+    cancelled running sequence leaves (`_drop`)."""
 
     def __init__(self, pool: BlockPool, config: BatchingConfig, eos_ids: frozenset[int]) -> None:
         self.pool = pool
@@ -183,6 +188,8 @@ class QueueScheduler(ABC):
         self._drain = False
         self.steps = 0
         self.preemptions = 0
+        self.cache_queried = 0  # tokens of admitted sequences looked up in the prefix cache
+        self.cache_hit = 0  # of them, found computed there
 
     @property
     def config(self) -> BatchingConfig:
@@ -228,8 +235,13 @@ class QueueScheduler(ABC):
         ended += self._expire_deadlines(now)
         if self._stopping and not self._drain:
             ended += self._refuse_unscheduled()
+        # the last step's K/V are in the cache now: its full blocks may be hits already
+        for seq in self._holding():
+            self._publish(seq)
+        queried, hit = self.cache_queried, self.cache_hit
         plan = self._plan(now, flush=self._stopping)
         plan.ended = ended
+        plan.cache_queried, plan.cache_hit = self.cache_queried - queried, self.cache_hit - hit
         if plan.size:
             self.steps += 1
             self.preemptions += len(plan.preempted)
@@ -300,7 +312,62 @@ class QueueScheduler(ABC):
         seq.status = Status.FINISHED
         return Output(seq, error)
 
+    # ---- blocks and the prefix cache -------------------------------------------
+
+    def _take_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for `num_tokens` of `seq`, which holds none: the longest cached prefix
+        of its tokens shared, fresh blocks for the rest; it computes from there. False,
+        nothing taken, when the pool cannot hold it."""
+        cached = self._cached_prefix(seq)
+        if not self.pool.grow_sharing(seq.block_table, cached, num_tokens):
+            return False
+        seq.num_cached_blocks = len(cached)
+        seq.num_computed = len(cached) * self.pool.block_size
+        if self._looks_up(seq):
+            self.cache_queried += seq.num_tokens
+            self.cache_hit += seq.num_computed
+        return True
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq` may share. Whole blocks short of its last token: that
+        one is always computed, for the logits its next token is sampled from, and
+        into a block of its own (a shared block is never written)."""
+        if not self._looks_up(seq):
+            return []
+        size = self.pool.block_size
+        usable = (seq.num_tokens - 1) // size
+        extend_block_hashes(seq.block_hashes, seq.token_ids, size, usable * size)
+        return self.pool.cached_prefix(seq.block_hashes[:usable])
+
+    def _looks_up(self, seq: Sequence) -> bool:
+        """Whether `seq` may start past a cached prefix: not when it asks for its prompt's
+        log-probabilities, which need every prompt position computed (it still
+        publishes what it computes)."""
+        return self.pool.prefix_caching and seq.params.prompt_logprobs is None
+
+    def _publish(self, seq: Sequence) -> None:
+        """Name the full blocks whose K/V `seq` computed: later sequences may share them."""
+        if not self.pool.prefix_caching:
+            return
+        size = self.pool.block_size
+        full = min(seq.num_computed // size, len(seq.block_table))
+        extend_block_hashes(seq.block_hashes, seq.token_ids, size, full * size)
+        for index in range(seq.num_cached_blocks, full):
+            self.pool.publish(seq.block_table[index], seq.block_hashes[index])
+        seq.num_cached_blocks = max(seq.num_cached_blocks, full)
+
+    def _release(self, seq: Sequence) -> None:
+        """Give `seq`'s blocks back; what it computed stays cached for later sequences
+        (and for itself, should it be recomputed after a preemption)."""
+        self._publish(seq)
+        self.pool.release(seq.block_table)
+        seq.num_cached_blocks = 0
+
     # ---- the policy's part ---------------------------------------------------
+
+    @abstractmethod
+    def _holding(self) -> list[Sequence]:
+        """The sequences that hold blocks now."""
 
     @abstractmethod
     def _plan(self, now: float, flush: bool) -> StepPlan:

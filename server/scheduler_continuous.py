@@ -8,7 +8,11 @@ budget computes a chunk of it now and the rest in later steps, so one long
 prompt never stalls the running sequences for longer than a budget's worth of
 tokens; only its last chunk yields a token. When blocks run out mid-decode the
 newest running sequence is preempted: its blocks are freed and it is recomputed
-later from its tokens so far, its prefill starting again from the first token.
+later from its tokens so far, its prefill starting again from the first token (or,
+with prefix caching, from the end of its blocks the cache still holds). With
+prefix caching, a waiting sequence starts past the prefix the cache holds, and one
+whose next blocks a running sequence is computing (two requests with one system
+prompt arriving together) waits until they are published and shares them.
 `batch_timeout_ms` is how long an idle engine waits for more arrivals before its
 first step. A finished sequence leaves, and its response completes, at once.
 """
@@ -55,9 +59,12 @@ class ContinuousScheduler(QueueScheduler):
                 budget -= chunks[-1][1]
         while budget and self.waiting and len(self.running) < self.config.max_batch_size:
             head = self.waiting[0]
+            if self._prefix_in_flight(head):
+                break  # its next blocks are being computed: shared a step or a chunk later
             # blocks for the whole prompt (and its first token) now: later chunks
-            # never wait for blocks, and the usage ratio counts the prompt at once
-            if not self.pool.grow(head.block_table, head.num_tokens + 1):
+            # never wait for blocks, and the usage ratio counts the prompt at once;
+            # a cached prefix is shared, and its tokens are not computed again
+            if not self._take_blocks(head, head.num_tokens + 1):
                 break
             head.status = Status.RUNNING
             self.running.append(self.waiting.popleft())
@@ -71,6 +78,20 @@ class ContinuousScheduler(QueueScheduler):
         )
         plan.batch_size = plan.size
         return plan
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """Whether a running sequence is computing the next block `seq` could share (both
+        arrived with the same prompt start, as siblings or a shared system prompt do).
+        Waiting for it to be published costs `seq` a step; computing it again costs the
+        step the whole prefix."""
+        if not self.pool.prefix_caching:
+            return False
+        cached = len(self._cached_prefix(seq))
+        wanted = seq.block_hashes[: (seq.num_tokens - 1) // self.pool.block_size]
+        if cached == len(wanted):
+            return False
+        name = wanted[cached]
+        return any(name in other.block_hashes[other.num_cached_blocks :] for other in self.running)
 
     def _due(self, now: float) -> bool:
         return (
@@ -97,8 +118,10 @@ class ContinuousScheduler(QueueScheduler):
         return preempted
 
     def _preempt(self, seq: Sequence) -> None:
-        self.pool.release(seq.block_table)
-        seq.num_computed = 0  # its K/V are gone: recomputed from the first token
+        self._release(seq)
+        # its K/V are given up: recomputed from the first token, or from as far as
+        # the prefix cache still holds them when it is admitted again
+        seq.num_computed = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)  # victims go newest first: the oldest ends up in front
 
@@ -124,7 +147,10 @@ class ContinuousScheduler(QueueScheduler):
             self._leave(seq)
         return released
 
+    def _holding(self) -> list[Sequence]:
+        return self.running
+
     def _leave(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.pool.release(seq.block_table)
+        self._release(seq)
         seq.status = Status.FINISHED

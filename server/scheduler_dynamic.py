@@ -55,7 +55,7 @@ class DynamicScheduler(QueueScheduler):
         batch: list[Sequence] = []
         while self.waiting and len(batch) < self.config.max_batch_size:
             head = self.waiting[0]
-            if not self.pool.grow(head.block_table, head.max_total_tokens):
+            if not self._take_blocks(head, head.max_total_tokens):
                 break  # cut: the rest waits for the next batch
             batch.append(self.waiting.popleft())
             head.status = Status.RUNNING
@@ -94,7 +94,7 @@ class DynamicScheduler(QueueScheduler):
         """A cancelled member's blocks return at once; it may end the batch."""
         self.batch.remove(seq)
         self.held.pop(seq, None)
-        self.pool.release(seq.block_table)
+        self._release(seq)
         return self._end_if_done(now)
 
     def _end_if_done(self, now: float) -> list[Output]:
@@ -103,7 +103,7 @@ class DynamicScheduler(QueueScheduler):
         released, self.batch = self.batch, []
         outputs = []
         for seq in released:
-            self.pool.release(seq.block_table)
+            self._release(seq)
             seq.status = Status.FINISHED
             # every final event of a batch carries the step that ended it
             event = replace(self.held.pop(seq), step=self.steps)
@@ -113,8 +113,11 @@ class DynamicScheduler(QueueScheduler):
     def _release_running(self) -> list[Sequence]:
         released, self.batch, self.held = self.batch, [], {}
         for seq in released:
-            self.pool.release(seq.block_table)
+            self._release(seq)
         return released
+
+    def _holding(self) -> list[Sequence]:
+        return self.batch
 
 
 class StaticScheduler(DynamicScheduler):

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from batchpilot_server.block_pool import BlockHash
 from batchpilot_server.engine_api import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
@@ -28,6 +29,11 @@ class Sequence:
     generator: torch.Generator | None  # None: greedy
     token_ids: list[int] = field(init=False)
     block_table: list[int] = field(default_factory=list)
+    # the prefix cache's names of the full blocks of token_ids, as far as computed
+    # (block_pool.extend_block_hashes): tokens only append, so they stay valid
+    block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
+    # leading blocks of block_table the prefix cache knows: shared from it, or published
+    num_cached_blocks: int = 0
     # tokens whose K/V the cache holds: a chunked prefill advances it chunk by chunk,
     # each decode by one; preemption frees the blocks and sets it back to 0
     num_computed: int = 0

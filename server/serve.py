@@ -176,6 +176,14 @@ def parser() -> argparse.ArgumentParser:
         f"(default: {EngineOptions.prefill_token_budget})",
     )
     p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="compute every prompt in full instead of reusing the K/V of the longest "
+        "prefix earlier requests computed (prefix caching needs the native decode "
+        "attention; it is off with --attention torch)",
+    )
+    p.add_argument(
         "--seed",
         type=int,
         default=0,
@@ -318,6 +326,7 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
         attention=args.attention,
         dynamic_execution=args.dynamic_execution,
         max_wait_ms=args.max_wait_ms,
+        prefix_caching=args.prefix_caching,
     )
 
 

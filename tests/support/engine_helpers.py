@@ -44,6 +44,8 @@ class RecordingObserver:
     batches: list[int] = field(default_factory=list)
     hostage: list[float] = field(default_factory=list)
     preemptions: int = 0
+    cache_queried: int = 0
+    cache_hit: int = 0
     slot_steps: dict[str, int] = field(
         default_factory=lambda: {"active": 0, "finished": 0, "padding": 0}
     )
@@ -78,6 +80,11 @@ class RecordingObserver:
             for state, count in (("active", active), ("finished", finished), ("padding", padding)):
                 self.slot_steps[state] += count
 
+    def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        with self.lock:
+            self.cache_queried += queried_tokens
+            self.cache_hit += hit_tokens
+
 
 async def started(
     mode: Mode,
@@ -87,6 +94,8 @@ async def started(
     attention: AttentionBackend = "auto",
     dynamic_execution: Execution = "ragged",
     max_wait_ms: float | None = None,
+    prefix_caching: bool = True,
+    model: str = "tiny",
     **config: float,
 ) -> Engine:
     defaults = {"max_batch_size": 8, "batch_timeout_ms": 20.0, "max_queue_size": 256}
@@ -100,6 +109,8 @@ async def started(
         attention=attention,
         dynamic_execution=dynamic_execution,
         max_wait_ms=max_wait_ms,
+        prefix_caching=prefix_caching,
+        model=model,
     )
     engine = Engine(options, observer)
     await engine.start()
