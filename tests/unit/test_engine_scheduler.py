@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
-from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.block_pool import BlockPool
 from batchpilot_server.engine_api import (
     DeadlineExceededError,
@@ -21,14 +20,12 @@ from batchpilot_server.engine_api import (
     SamplingParams,
     TokenEvent,
 )
-from batchpilot_server.scheduler import Output, QueueScheduler, StepPlan
+from batchpilot_server.scheduler import Output, QueueScheduler
 from batchpilot_server.scheduler_continuous import ContinuousScheduler
 from batchpilot_server.scheduler_dynamic import DynamicScheduler, StaticScheduler
 from batchpilot_server.sequence import Sequence
 
-BLOCK = 16
-EOS = 99
-CONFIG = BatchingConfig(max_batch_size=4, batch_timeout_ms=10, max_queue_size=8)
+from tests.support.scheduler_steps import BLOCK, CONFIG, EOS, run
 
 
 def request(n: int, arrival: float, max_tokens: int, deadline: float | None = None) -> Sequence:
@@ -44,15 +41,6 @@ def continuous(blocks: int = 64, budget: int = 2048) -> ContinuousScheduler:
     return ContinuousScheduler(BlockPool(blocks, BLOCK), CONFIG, frozenset({EOS}), budget)
 
 
-def run(scheduler: QueueScheduler, now: float) -> tuple[StepPlan, list[Output]]:
-    """One step at virtual time `now`: what the model runner would compute, token 7."""
-    plan = scheduler.schedule(now)
-    for seq, chunk in zip(plan.prefill, plan.chunks or [None] * len(plan.prefill), strict=True):
-        seq.num_computed = seq.num_tokens if chunk is None else seq.num_computed + chunk
-    for seq in plan.decode:
-        seq.num_computed = seq.num_tokens
-    rows = [seq for seq in [*plan.prefill, *plan.decode] if seq.ready_to_sample]
-    return plan, scheduler.postprocess(rows, [7] * len(rows), [0.0] * len(rows), now)
 
 
 def test_the_schedulers_import_without_torch() -> None:

@@ -21,7 +21,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from tests.unit.test_engine_scheduler import BLOCK, CONFIG, EOS, run
+from tests.support.scheduler_steps import BLOCK, CONFIG, EOS, run
 
 SIZE = 4  # block size of the pool tests: short token lists span several blocks
 
