@@ -75,35 +75,37 @@ class Sampler:
         rows = [row for row, seq in enumerate(seqs) if seq.always_processed or seq.holds_stops]
         if rows:
             index = torch.tensor(rows, device=logits.device)
-            chosen.index_copy_(0, index, self._processed(logits.index_select(0, index), rows, seqs))
+            subset = [seqs[row] for row in rows]
+            chosen.index_copy_(0, index, self._processed(logits.index_select(0, index), subset))
         picked = logprobs.gather(1, chosen[:, None])[:, 0]
         return Sampled(chosen.tolist(), picked.tolist(), step_top_logprobs(logprobs, seqs))
 
-    def _processed(
-        self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]
-    ) -> torch.Tensor:
+    def _processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Tokens of the rows (a copy of their logits) that take more than an argmax."""
-        subset = [seqs[row] for row in rows]
-        self._hold_stops(logits, subset)
-        add_logit_bias(logits, [seq.params for seq in subset])
-        penalized = [row for row, seq in enumerate(subset) if seq.penalized]
-        slots = None
+        self.process(logits, seqs)
+        chosen = self.choose(logits, seqs)
+        self.penalties.record(seqs, chosen)
+        return chosen
+
+    def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Steps 1-3 of the module docstring on `logits` [len(seqs), vocab], in place."""
+        self._hold_stops(logits, seqs)
+        add_logit_bias(logits, [seq.params for seq in seqs])
+        penalized = [row for row, seq in enumerate(seqs) if seq.penalized]
         if penalized:
-            slots = self.penalties.slots([subset[row] for row in penalized])
-            penalize_rows(
-                logits, penalized, slots, self.penalties, [subset[r].params for r in penalized]
-            )
+            subset = [seqs[row] for row in penalized]
+            self.penalties.apply(logits, penalized, subset)
+
+    @staticmethod
+    def choose(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Step 4: the argmax of a greedy row, a draw for a sampled one."""
         chosen = logits.argmax(dim=-1)
-        sampled = [row for row, seq in enumerate(subset) if seq.sampled]
+        sampled = [row for row, seq in enumerate(seqs) if seq.sampled]
         if sampled:
             index = torch.tensor(sampled, device=logits.device)
-            probs = sampling_probs(
-                logits.index_select(0, index), [subset[r].params for r in sampled]
-            )
-            generators = [subset[row].generator for row in sampled]
+            probs = sampling_probs(logits.index_select(0, index), [seqs[r].params for r in sampled])
+            generators = [seqs[row].generator for row in sampled]
             chosen.index_copy_(0, index, draw(probs, generators))  # type: ignore[arg-type]
-        if slots is not None:
-            self.penalties.record(slots, chosen[penalized])
         return chosen
 
     def _hold_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
@@ -133,31 +135,6 @@ def add_logit_bias(logits: torch.Tensor, params: Rows[SamplingParams]) -> None:
             torch.tensor(values, dtype=logits.dtype, device=device),
             accumulate=True,  # a token listed twice gets both (the API refuses duplicates)
         )
-
-
-def penalize_rows(
-    logits: torch.Tensor,
-    rows: list[int],
-    slots: torch.Tensor,
-    state: PenaltyState,
-    params: Rows[SamplingParams],
-) -> None:
-    """The penalties of `rows` of `logits` (their counts at `slots` of `state`), in place."""
-    device = logits.device
-    weights = torch.tensor(
-        [(p.repetition_penalty, p.frequency_penalty, p.presence_penalty) for p in params],
-        dtype=logits.dtype,
-        device=device,
-    ).T
-    every = len(rows) == logits.shape[0]
-    index = None if every else torch.tensor(rows, device=device)
-    part = logits if index is None else logits.index_select(0, index)
-    counts, seen = state.counts.index_select(0, slots), state.seen.index_select(0, slots)
-    penalized = apply_penalties(part, counts, seen, *weights)
-    if index is None:
-        logits.copy_(penalized)
-    else:
-        logits.index_copy_(0, index, penalized)
 
 
 def apply_penalties(
@@ -262,8 +239,33 @@ class PenaltyState:
                 self._assign(seq)
         return torch.tensor([seq.penalty_slot for seq in seqs], device=self.counts.device)
 
-    def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Each row's sampled token counted."""
+    def apply(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+        """The penalties of `seqs`, rows `rows` of `logits`, in place."""
+        device = logits.device
+        weights = torch.tensor(
+            [
+                (s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty)
+                for s in seqs
+            ],
+            dtype=logits.dtype,
+            device=device,
+        ).T
+        slots = self.slots(seqs)
+        counts, seen = self.counts.index_select(0, slots), self.seen.index_select(0, slots)
+        if len(rows) == logits.shape[0]:
+            logits.copy_(apply_penalties(logits, counts, seen, *weights))
+        else:
+            index = torch.tensor(rows, device=device)
+            part = logits.index_select(0, index)
+            logits.index_copy_(0, index, apply_penalties(part, counts, seen, *weights))
+
+    def record(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+        """The tokens just sampled for `seqs` (one per row) counted, for the penalized ones."""
+        rows = [row for row, seq in enumerate(seqs) if seq.penalized]
+        if not rows:
+            return
+        slots = self.slots([seqs[row] for row in rows])
+        tokens = tokens[rows]
         self.counts.index_put_(
             (slots, tokens), torch.ones_like(tokens, dtype=self.counts.dtype), accumulate=True
         )
@@ -276,11 +278,9 @@ class PenaltyState:
         self.counts[slot] = 0.0
         self.seen[slot] = False
         self.seen[slot, torch.tensor(seq.token_ids, device=device)] = True
-        if seq.num_output:  # preempted and recomputed before ever sampling here
-            output = torch.tensor(seq.token_ids[seq.num_prompt :], device=device)
-            self.counts[slot].index_add_(
-                0, output, torch.ones_like(output, dtype=self.counts.dtype)
-            )
+        # the output so far (none when a sequence first samples in the engine)
+        output = torch.tensor(seq.token_ids[seq.num_prompt :], dtype=torch.int64, device=device)
+        self.counts[slot].index_add_(0, output, torch.ones_like(output, dtype=self.counts.dtype))
 
     def _free_slot(self) -> int:
         for slot, owner in enumerate(self.owners):
