@@ -258,7 +258,8 @@ def candidates(scaled: torch.Tensor, table: torch.Tensor, knobs: Knobs) -> Candi
     rows' knobs: the CANDIDATES most probable tokens, more where a cut lies deeper."""
     vocab = scaled.shape[-1]
     every = torch.softmax(scaled, dim=-1)
-    width = min(vocab, max(CANDIDATES, knobs.widest_k))
+    # one past the largest top_k: a row cut there settles at once
+    width = min(vocab, max(CANDIDATES, knobs.widest_k + 1))
     while True:
         probs, ids = every.topk(width, dim=-1)
         threshold = cut_threshold(probs, table, knobs)
@@ -308,7 +309,10 @@ def draw(found: Candidates, uniform: torch.Tensor) -> torch.Tensor:
     # a row with a cut: u x its kept mass, which lies strictly below that mass; an
     # uncut row: u x the whole vocabulary's, past the candidates' for some draws
     target = uniform[:, None] * torch.where(uncut[:, None], 1.0, inside)
-    position = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
+    # at most the last kept candidate (the kept ones come first): u x mass may round
+    # up to the mass itself, and an uncut row's draw past them is taken below
+    last_kept = found.keep.sum(dim=-1, keepdim=True) - 1
+    position = torch.minimum(torch.searchsorted(cdf, target, right=True), last_kept)
     chosen = found.ids.gather(1, position)[:, 0]
     beyond = (target[:, 0] >= inside[:, 0]) & uncut
     if bool(beyond.any()):
