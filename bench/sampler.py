@@ -139,10 +139,12 @@ def render(results: dict[str, dict[str, Any]], plan: Plan, threads: int) -> str:
         "## Sampler cost (bench/sampler.py)",
         "",
         f"One decode step at batch {BATCH} (prompts of {PROMPT} tokens, the paged forward "
-        f"and the sampler), CPU, {threads} torch thread(s); median of {plan.steps} steps per "
-        "set, the sets' steps alternating. `processed`: every row with temperature 0.8, "
-        "top_k 50, top_p 0.95, min_p 0.05, repetition 1.1, frequency and presence 0.3, "
-        "three logit_bias entries and min_tokens holding EOS back. Target: within "
+        f"and the sampler), CPU, {threads} torch thread(s), in this thread's CPU time (the "
+        "shared machine's load moves it less than wall time); median of "
+        f"{plan.steps} steps per set, the sets' steps alternating. `processed`: every row "
+        "with temperature 0.8, top_k 50, top_p 0.95, min_p 0.05, repetition 1.1, "
+        "frequency and presence 0.3, three logit_bias entries and min_tokens holding EOS "
+        "back. Target: within "
         f"{TARGET:.0%} of the greedy step.",
         "",
         "| model | rows | step ms | sampler ms | vs greedy step |",
