@@ -17,7 +17,13 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from batchpilot_operator.spec import DEFAULT_MODE, ModelReference, PolicySpec, ServerSpec
+from batchpilot_operator.spec import (
+    DEFAULT_MODE,
+    ApiKeySecret,
+    ModelReference,
+    PolicySpec,
+    ServerSpec,
+)
 from batchpilot_server.batching_config import MODES, BatchingConfig, Mode
 
 GROUP = "batchpilot.io"
@@ -37,6 +43,10 @@ MODE_KEY = "mode"
 TOKEN_KEY = "token"
 CONFIG_DIR = "/etc/batchpilot/batching"
 TOKEN_DIR = "/etc/batchpilot/admin"
+# server.apiKeySecret's key is mounted here as API_KEY_FILE, whatever its key is named
+API_KEY_DIR = "/etc/batchpilot/api-key"
+API_KEY_FILE = "api-key"
+API_KEY_VOLUME = "api-key"
 # A model reference's volume (or its subPath) is mounted here, read-only.
 MODEL_DIR = "/models"
 MODEL_VOLUME = "model"
@@ -256,6 +266,8 @@ def _model_flags(server: ServerSpec) -> list[str]:
         flags += ["--max-model-len", str(server.max_model_len)]
     if server.served_model_name is not None:
         flags += ["--served-model-name", server.served_model_name]
+    if server.api_key_secret is not None:
+        flags += ["--api-key-file", f"{API_KEY_DIR}/{API_KEY_FILE}"]
     return flags
 
 
@@ -288,6 +300,29 @@ def _model_volume(server: ServerSpec) -> tuple[list[dict[str, Any]], list[dict[s
     return [volume], [mount]
 
 
+def _api_key_volume(
+    secret: ApiKeySecret | None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, volume mounts) that bring the API key's Secret key in, read-only.
+
+    The kubelet reads the Secret, not the operator: its value never passes through
+    the operator's memory, logs or the policy's status. A Secret (or key) that does
+    not exist holds the pod in ContainerCreating, which `kubectl describe pod` names.
+    """
+    if secret is None:
+        return [], []
+    volume = {
+        "name": API_KEY_VOLUME,
+        "secret": {
+            "secretName": secret.name,
+            "items": [{"key": secret.key, "path": API_KEY_FILE}],
+            "defaultMode": 0o440,
+        },
+    }
+    mount = {"name": API_KEY_VOLUME, "mountPath": API_KEY_DIR, "readOnly": True}
+    return [volume], [mount]
+
+
 def _resources(spec: PolicySpec) -> dict[str, Any]:
     # Quantities as strings, the form the API server answers with: an integer here
     # would read as drift ("2" != 2) and be patched on every reconcile.
@@ -307,6 +342,7 @@ def _quantity(amount: Any) -> Any:
 
 def _pod_spec(name: str, spec: PolicySpec, mode: Mode) -> dict[str, Any]:
     model_volumes, model_mounts = _model_volume(spec.server)
+    key_volumes, key_mounts = _api_key_volume(spec.server.api_key_secret)
     container: dict[str, Any] = {
         "name": "server",
         "image": spec.server.image,
@@ -339,6 +375,7 @@ def _pod_spec(name: str, spec: PolicySpec, mode: Mode) -> dict[str, Any]:
             {"name": "admin-token", "mountPath": TOKEN_DIR, "readOnly": True},
             {"name": "tmp", "mountPath": "/tmp"},
             *model_mounts,
+            *key_mounts,
         ],
     }
     pod: dict[str, Any] = {
@@ -359,6 +396,7 @@ def _pod_spec(name: str, spec: PolicySpec, mode: Mode) -> dict[str, Any]:
             },
             {"name": "tmp", "emptyDir": {}},
             *model_volumes,
+            *key_volumes,
         ],
     }
     if spec.server.gpus > 0:

@@ -13,6 +13,7 @@ or CEL rules). Any JSON value gives a spec or a SpecError, whatever its size.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
@@ -51,6 +52,10 @@ PRESET_STARTUP_TIMEOUT_S = 60
 REFERENCE_STARTUP_TIMEOUT_S = 600
 MAX_STARTUP_TIMEOUT_S = 7200
 MODEL_REFERENCE_KEYS = ("persistentVolumeClaim", "path", "subPath")
+# server.apiKeySecret: the key of the Secret's data when the policy names none, and
+# what a Secret data key may be (Kubernetes' own rule for it)
+DEFAULT_API_KEY_KEY = "api-key"
+SECRET_KEY_PATTERN = re.compile(r"[-._a-zA-Z0-9]+")
 
 
 class SpecError(ValueError):
@@ -73,6 +78,14 @@ class ModelReference:
 
 
 @dataclass(frozen=True)
+class ApiKeySecret:
+    """The Secret key that holds the server's API key; the operator never reads its value."""
+
+    name: str
+    key: str = DEFAULT_API_KEY_KEY
+
+
+@dataclass(frozen=True)
 class ServerSpec:
     image: str
     model: str | ModelReference  # a preset name, or weights in a volume
@@ -84,6 +97,7 @@ class ServerSpec:
     max_model_len: int | None = None
     served_model_name: str | None = None
     startup_timeout_seconds: int = PRESET_STARTUP_TIMEOUT_S
+    api_key_secret: ApiKeySecret | None = None  # None: the OpenAI routes are open
 
 
 @dataclass(frozen=True)
@@ -174,7 +188,34 @@ def _server(raw: Mapping[str, Any]) -> ServerSpec:
             raw, "startupTimeoutSeconds", default_timeout, "server.startupTimeoutSeconds",
             10, MAX_STARTUP_TIMEOUT_S,
         ),
+        api_key_secret=_api_key_secret(raw.get("apiKeySecret")),
     )
+
+
+def _api_key_secret(value: Any) -> ApiKeySecret | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise SpecError(
+            "InvalidSpec",
+            f"server.apiKeySecret must be {{name, key}}, got {_shown(value)}",
+        )
+    unknown = sorted(set(value) - {"name", "key"})
+    if unknown:
+        raise SpecError(
+            "InvalidSpec", f"server.apiKeySecret has unknown field(s) {', '.join(unknown)}"
+        )
+    name = _optional_name(value, "name", "server.apiKeySecret.name")
+    if name is None:
+        raise SpecError("InvalidSpec", "server.apiKeySecret needs name: a Secret's name")
+    key = _str(value, "key", DEFAULT_API_KEY_KEY, "server.apiKeySecret.key")
+    if not SECRET_KEY_PATTERN.fullmatch(key) or len(key) > MAX_NAME_LENGTH:
+        raise SpecError(
+            "InvalidSpec",
+            f"server.apiKeySecret.key must be a Secret data key (letters, digits, '-', '_', "
+            f"'.'; at most {MAX_NAME_LENGTH}), got {_shown(key)}",
+        )
+    return ApiKeySecret(name=name, key=key)
 
 
 def _model(value: Any) -> str | ModelReference:

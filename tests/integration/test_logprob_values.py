@@ -20,12 +20,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.support.servers import serve_on_thread
-from tests.support.smollm2 import LOGIT_TOLERANCE
+from tests.support.smollm2 import LOGPROB_TOLERANCE
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_torch_thread")]
 
-# a log-probability is a logit minus the log-sum-exp of all: twice the logits' tolerance
-LOGPROB_TOLERANCE = 2 * LOGIT_TOLERANCE
 PROMPT = "The capital of France is"
 K = 5
 NEW_TOKENS = 3

@@ -31,6 +31,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # margin is for BLAS kernels that sum in another order on other CPUs: logits reach
 # ~40 and float32 keeps ~7 digits, so reordering moves them by ~1e-5 per layer.
 LOGIT_TOLERANCE = 1e-3
+# a log-probability is a logit minus the log-sum-exp of all: twice the logits' tolerance
+LOGPROB_TOLERANCE = 2 * LOGIT_TOLERANCE
 
 
 @cache

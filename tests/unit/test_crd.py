@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 import yaml
 from batchpilot_operator.replica_rule import ReplicaBounds, ReplicaState, ScaleChange
-from batchpilot_operator.spec import MAX_REPLICAS, MAX_STABILIZATION_S, SpecError, parse_spec
+from batchpilot_operator.spec import (
+    DEFAULT_API_KEY_KEY,
+    MAX_REPLICAS,
+    MAX_STABILIZATION_S,
+    SpecError,
+    parse_spec,
+)
 
 from tests.support import ROOT
 from tests.support.crd import CEL, CRD, SCHEMA, VERSION, refusals, to_cel, with_defaults
@@ -67,6 +73,14 @@ def test_crd_defaults_are_the_operators_defaults() -> None:
     autoscaled = with_defaults(SCHEMA, {"spec": {"autoscale": {}}})["spec"]
     assert parse_spec(autoscaled) == parse_spec({"autoscale": {}})
     assert parse_spec(autoscaled).autoscale == ReplicaBounds()
+
+
+def test_the_api_key_secret_key_defaults_as_in_the_operator() -> None:
+    obj = policy(server={"apiKeySecret": {"name": "llm-key"}})
+    assert refusals(obj) == []
+    defaulted = with_defaults(SCHEMA, obj)["spec"]
+    assert defaulted["server"]["apiKeySecret"]["key"] == DEFAULT_API_KEY_KEY
+    assert parse_spec(defaulted) == parse_spec(obj["spec"])
 
 
 def test_replica_limits_are_the_operators() -> None:
@@ -151,6 +165,17 @@ INVALID = [
     ),
     ("zero model length", {"server": {"maxModelLen": 0}}, "less than the minimum"),
     ("instant startup timeout", {"server": {"startupTimeoutSeconds": 1}}, "less than the minimum"),
+    (
+        "API key Secret without a name",
+        {"server": {"apiKeySecret": {"key": "k"}}},
+        "'name' is a required property",
+    ),
+    ("API key Secret as a bare name", {"server": {"apiKeySecret": "llm-key"}}, "not of type"),
+    (
+        "API key in a key no Secret can have",
+        {"server": {"apiKeySecret": {"name": "s", "key": "a/b"}}},
+        "does not match",
+    ),
     (
         "reference without claim",
         {"server": {"model": {"persistentVolumeClaim": {}, "path": "m"}}},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from batchpilot_operator import builders
@@ -13,6 +14,8 @@ from batchpilot_operator.spec import (
     parse_spec,
 )
 from batchpilot_server.batching_config import FIELDS, BatchingConfig
+from batchpilot_server.serve import api_key
+from batchpilot_server.serve import parser as serve_parser
 
 from tests.support.policies import policy_object
 
@@ -93,6 +96,34 @@ def test_a_preset_mounts_no_model_and_sets_no_model_flags() -> None:
     without_sub_path = pod_template(server={"model": {**MODEL_REFERENCE, "subPath": None}})
     mounts = without_sub_path["spec"]["containers"][0]["volumeMounts"]
     assert not any("subPath" in m for m in mounts)
+
+
+def test_an_api_key_secret_is_mounted_read_only_and_given_as_the_key_file(tmp_path: Path) -> None:
+    pod = pod_template(server={"apiKeySecret": {"name": "llm-key", "key": "openai"}})["spec"]
+    (container,) = pod["containers"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == builders.API_KEY_VOLUME]
+    assert volume["secret"]["secretName"] == "llm-key"
+    assert volume["secret"]["items"] == [{"key": "openai", "path": builders.API_KEY_FILE}]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == builders.API_KEY_VOLUME]
+    assert mount["readOnly"] and "subPath" not in mount  # a subPath mount misses rotations
+    # the server reads its key from the mounted file (and its flags parse as the server's)
+    args = serve_parser().parse_args(container["args"][1:])
+    assert str(args.api_key_file) == f"{mount['mountPath']}/{builders.API_KEY_FILE}"
+    assert args.api_key is None
+    # the same server, given that file, guards its OpenAI routes with the Secret's value
+    key_file = tmp_path / builders.API_KEY_FILE
+    key_file.write_text("s3cret\n")
+    args.api_key_file = key_file
+    assert api_key(args).current() == "s3cret"  # type: ignore[union-attr]
+
+
+def test_the_api_key_secret_key_defaults_and_no_secret_means_no_key_flag() -> None:
+    pod = pod_template(server={"apiKeySecret": {"name": "llm-key"}})["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == builders.API_KEY_VOLUME]
+    assert volume["secret"]["items"] == [{"key": "api-key", "path": builders.API_KEY_FILE}]
+    open_pod = pod_template(server={"model": "tiny"})["spec"]
+    assert "--api-key-file" not in open_pod["containers"][0]["args"]
+    assert not [v for v in open_pod["volumes"] if v["name"] == builders.API_KEY_VOLUME]
 
 
 def startup_budget_s(container: dict[str, Any]) -> int:

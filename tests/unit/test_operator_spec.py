@@ -11,6 +11,7 @@ from batchpilot_operator.spec import (
     MAX_STABILIZATION_S,
     PRESET_STARTUP_TIMEOUT_S,
     REFERENCE_STARTUP_TIMEOUT_S,
+    ApiKeySecret,
     ModelReference,
     SpecError,
     parse_spec,
@@ -51,6 +52,14 @@ def test_a_model_reference_names_the_claim_and_the_path_inside_it() -> None:
     assert (spec.server.dtype, spec.server.max_model_len, spec.server.served_model_name) == (
         "bfloat16", 4096, "smol",
     )
+
+
+def test_an_api_key_secret_names_a_secret_and_its_key() -> None:
+    assert parse_spec({}).server.api_key_secret is None  # the OpenAI routes stay open
+    named = parse_spec({"server": {"apiKeySecret": {"name": "llm-key"}}}).server.api_key_secret
+    assert named == ApiKeySecret("llm-key", "api-key")
+    keyed = parse_spec({"server": {"apiKeySecret": {"name": "llm-key", "key": "openai.key"}}})
+    assert keyed.server.api_key_secret == ApiKeySecret("llm-key", "openai.key")
 
 
 def test_a_reference_waits_longer_for_its_model_to_load() -> None:
@@ -123,6 +132,22 @@ def test_an_unknown_preset_names_the_known_ones() -> None:
         ({"server": {"maxModelLen": 0}}, "InvalidSpec", "server.maxModelLen must be between"),
         ({"server": {"servedModelName": ""}}, "InvalidSpec", "1 to 253 characters"),
         ({"server": {"startupTimeoutSeconds": 1}}, "InvalidSpec", "between 10 and 7200"),
+        (
+            {"server": {"apiKeySecret": "llm-key"}},
+            "InvalidSpec",
+            "server.apiKeySecret must be {name, key}, got 'llm-key'",
+        ),
+        ({"server": {"apiKeySecret": {"key": "k"}}}, "InvalidSpec", "apiKeySecret needs name"),
+        (
+            {"server": {"apiKeySecret": {"name": "s", "value": "x"}}},
+            "InvalidSpec",
+            "unknown field(s) value",
+        ),
+        (
+            {"server": {"apiKeySecret": {"name": "s", "key": "a/b"}}},
+            "InvalidSpec",
+            "server.apiKeySecret.key must be a Secret data key",
+        ),
         (
             {"autoscale": {"minReplicas": 5, "maxReplicas": 3}},
             "InvalidAutoscale", "minReplicas (5) exceeds autoscale.maxReplicas (3)",
