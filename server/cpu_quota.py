@@ -51,7 +51,7 @@ def available_cpus(root: Path = CGROUP_ROOT) -> int:
 def default_threads(root: Path = CGROUP_ROOT) -> int:
     """torch intra-op threads for the engine: every CPU the container may use.
 
-    The HTTP event loop takes little CPU beside a decode step (it wakes once per
-    step to hand tokens out), and a thread fewer slows the matmuls by a whole
-    core's share: measured in docs/benchmarks.md ("Threads")."""
+    The HTTP event loop wakes about once per step to hand tokens out (the engine
+    batches its wake-ups), so it takes a small share beside the matmuls, which a
+    thread fewer would slow by a whole core's share (docs/benchmarks.md, "Threads")."""
     return available_cpus(root)
