@@ -35,7 +35,8 @@ FinishReason = Literal["stop", "length"]
 # where it applies and builds, else torch); see attention_kernel
 AttentionBackend = Literal["auto", "native", "torch"]
 ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = ("auto", "native", "torch")
-# the weights' dtype; auto: float32 on the CPU, bfloat16 (else float16) on a GPU
+# the weights' dtype; auto: bfloat16 on a GPU (else float16), and on a CPU with native
+# bfloat16 for a real checkpoint; else float32 (weights.resolve_dtype)
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[DTypeName, ...] = ("auto", "float32", "bfloat16", "float16")
 # weight-only quantization of every projection and the LM head (per-channel int8

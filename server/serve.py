@@ -57,7 +57,9 @@ def parser() -> argparse.ArgumentParser:
         "--dtype",
         default="auto",
         choices=DTYPES,
-        help="weights' dtype; auto: float32 on the CPU, bfloat16 on a GPU (default: auto)",
+        help="weights' dtype; auto: bfloat16 on a GPU, and on a CPU with native bfloat16 "
+        "(AVX512-BF16/AMX) for a checkpoint (within the quality bound of "
+        "docs/benchmarks.md), else float32 (default: auto)",
     )
     p.add_argument(
         "--quantization",
