@@ -259,7 +259,7 @@ def verdict(by_dtype: dict[str, Any]) -> dict[str, bool]:
 async def run(ref: ModelRef, plan: Plan, dtypes: list[str], threads: int) -> dict[str, Any]:
     torch.set_num_threads(threads)
     transformers.utils.logging.disable_progress_bar()
-    resolved = list(dict.fromkeys(resolve_dtype(name, "cpu") for name in dtypes))
+    resolved = list(dict.fromkeys(resolve_dtype(name, "cpu", source=ref.source) for name in dtypes))
     by_dtype = {}
     for dtype in resolved:
         by_dtype[dtype_name(dtype)] = await compare(ref, dtype, plan, threads)
@@ -269,7 +269,7 @@ async def run(ref: ModelRef, plan: Plan, dtypes: list[str], threads: int) -> dic
             "model": ref.title,
             "threads": threads,
             "device": "cpu",
-            "auto_dtype": dtype_name(resolve_dtype("auto", "cpu")),
+            "auto_dtype": dtype_name(resolve_dtype("auto", "cpu", source=ref.source)),
             "prompt_tokens": PROMPT_TOKENS,
             "decode_tokens": plan.decode_tokens,
             "rounds": plan.rounds,

@@ -88,7 +88,7 @@ class ContiguousKV:
 
 
 def model_dtype(model: Decoder) -> torch.dtype:
-    return model.lm_head.weight.dtype
+    return model.dtype
 
 
 @torch.inference_mode()

@@ -267,6 +267,7 @@ class Engine:
             options.model,
             device=self._device,
             dtype=options.dtype,
+            quantization=options.quantization,
             seed=options.seed,
             max_model_len=options.max_model_len,
         )
@@ -292,7 +293,7 @@ class Engine:
     @property
     def _kv_dtype(self) -> torch.dtype:
         # float32 on the CPU whatever the weights (the native kernel reads float32)
-        return self._model.model.lm_head.weight.dtype if self._device == "cuda" else torch.float32
+        return self._model.dtype if self._device == "cuda" else torch.float32
 
     def _context_length(self, cache: KVCache) -> int:
         """The model's context, or fewer tokens if the whole pool holds fewer: a longer

@@ -35,9 +35,14 @@ FinishReason = Literal["stop", "length"]
 # where it applies and builds, else torch); see attention_kernel
 AttentionBackend = Literal["auto", "native", "torch"]
 ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = ("auto", "native", "torch")
-# the weights' dtype; auto: float32 on the CPU, bfloat16 (else float16) on a GPU
+# the weights' dtype; auto: bfloat16 on a GPU (else float16), and on a CPU with native
+# bfloat16 for a real checkpoint; else float32 (weights.resolve_dtype)
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[DTypeName, ...] = ("auto", "float32", "bfloat16", "float16")
+# weight-only quantization of every projection and the LM head (per-channel int8
+# scales; activations in the model's dtype); see linear_kernels
+Quantization = Literal["none", "int8"]
+QUANTIZATIONS: tuple[Quantization, ...] = ("none", "int8")
 # how a static or dynamic batch runs: ragged (a finished member stops computing and
 # holds its slot until the batch ends) or padded (it keeps decoding, its outputs
 # discarded, as classic padded batchers run)
@@ -146,6 +151,7 @@ class EngineOptions:
     # instead of kv_cache_mb (None: kv_cache_mb on every device)
     gpu_memory_fraction: float | None = None
     dtype: DTypeName = "auto"
+    quantization: Quantization = "none"
     max_model_len: int | None = None  # None: the model's context
     served_model_name: str | None = None  # None: see `served_name`
     dynamic_execution: Execution = "ragged"  # static and dynamic modes

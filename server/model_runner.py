@@ -168,7 +168,7 @@ class ModelRunner:
         """`threads`: how many threads decode attention may use (the native kernel's)."""
         self.model = model
         self.cache = cache
-        self.device = model.lm_head.weight.device
+        self.device = model.device
         self.kernel = native_kernel_for(attention, cache, threads)
 
     def close(self) -> None:

@@ -285,6 +285,15 @@ class Decoder(nn.Module):
         model.rope_sin = sin.to(device=device, dtype=dtype)
         return model.eval().requires_grad_(False)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (int8 weights compute in it too)."""
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
     def tie_weights(self) -> None:
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -305,7 +314,7 @@ class Decoder(nn.Module):
 
     def full_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Reference: logits [tokens, vocab] of one sequence recomputed from scratch."""
-        device = self.lm_head.weight.device
+        device = self.device
         ids = torch.tensor([token_ids], device=device)
         positions = torch.arange(len(token_ids), device=device)[None]
         return self.logits(self.hidden(ids, positions, CausalAttention()))[0]

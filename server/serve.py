@@ -17,7 +17,14 @@ from batchpilot_server.app import begin_drain, build_app, end_in_flight, wait_dr
 from batchpilot_server.attention_kernel_build import KernelUnavailableError
 from batchpilot_server.batching_config import MODES, BatchingConfig, ConfigError
 from batchpilot_server.connections import ConnectionGuard, ConnectionLimits
-from batchpilot_server.engine_api import ATTENTION_BACKENDS, DTYPES, EXECUTIONS, EngineOptions
+from batchpilot_server.cpu_quota import default_threads
+from batchpilot_server.engine_api import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    EXECUTIONS,
+    QUANTIZATIONS,
+    EngineOptions,
+)
 from batchpilot_server.metrics import METRICS_COMPATS
 from batchpilot_server.model_presets import PRESET_NAMES
 from batchpilot_server.protocol import Limits
@@ -54,7 +61,17 @@ def parser() -> argparse.ArgumentParser:
         "--dtype",
         default="auto",
         choices=DTYPES,
-        help="weights' dtype; auto: float32 on the CPU, bfloat16 on a GPU (default: auto)",
+        help="weights' dtype; auto: bfloat16 on a GPU, and on a CPU with native bfloat16 "
+        "(AVX512-BF16/AMX) for a checkpoint (within the quality bound of "
+        "docs/benchmarks.md), else float32 (default: auto)",
+    )
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="int8: weight-only int8 with a scale per output channel for every projection "
+        "and the LM head, on the CPU; with --dtype auto the activations are bfloat16 "
+        "(default: none)",
     )
     p.add_argument(
         "--max-model-len",
@@ -158,7 +175,13 @@ def parser() -> argparse.ArgumentParser:
         type=Path,
         help="JSON batching config; its values win over the batching flags",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: the CPUs the container may use: its cgroup "
+        "CPU quota, capped by its CPU affinity)",
+    )
     p.add_argument(
         "--attention",
         default="auto",
@@ -314,13 +337,14 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
         config=config,
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         served_model_name=args.served_model_name,
         device=args.device,
         kv_cache_mb=args.kv_cache_mb or EngineOptions.kv_cache_mb,
         # Only a GPU uses it, and only when no explicit size was given.
         gpu_memory_fraction=None if args.kv_cache_mb else GPU_MEMORY_FRACTION,
-        threads=args.threads,
+        threads=default_threads() if args.threads is None else args.threads,
         seed=args.seed,
         prefill_token_budget=args.prefill_token_budget,
         attention=args.attention,

@@ -19,11 +19,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from batchpilot_server.engine_api import DTYPES, DTypeName
+from batchpilot_server.engine_api import DTYPES, QUANTIZATIONS, DTypeName, Quantization
 from batchpilot_server.gguf_checkpoint import GGUFCheckpoint
+from batchpilot_server.linear_kernels import swap_linear_kernels
 from batchpilot_server.model_presets import PRESET_NAMES
 from batchpilot_server.models import (
     Decoder,
@@ -39,6 +40,8 @@ from safetensors import SafetensorError, safe_open
 
 log = logging.getLogger(__name__)
 
+KernelChoice = Literal["fast", "plain"]
+
 
 class ModelLoadError(ValueError):
     """The model reference or its files cannot be loaded; the message says which and why."""
@@ -52,7 +55,7 @@ class LoadedModel:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.lm_head.weight.dtype
+        return self.model.dtype
 
 
 def load_model(
@@ -60,12 +63,35 @@ def load_model(
     *,
     device: str,
     dtype: DTypeName = "auto",
+    quantization: Quantization = "none",
     seed: int = 0,
     max_model_len: int | None = None,
+    kernels: KernelChoice = "fast",
 ) -> LoadedModel:
     """`source`: a preset name, a model directory or a .gguf file. `seed` draws a
-    preset's random weights; `max_model_len` caps the context (None: the model's)."""
-    torch_dtype = resolve_dtype(dtype, device)
+    preset's random weights; `max_model_len` caps the context (None: the model's).
+    `kernels`: "fast" swaps every projection for its fastest kernel (linear_kernels:
+    prepacked oneDNN weights on the CPU, or int8); "plain" keeps nn.Linear (the
+    reference the fast kernels are tested and benchmarked against; no int8)."""
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+        )
+    if quantization == "int8" and device != "cpu":
+        raise ModelLoadError("quantization int8 runs on the CPU only; use --dtype bfloat16")
+    if quantization == "int8" and kernels == "plain":
+        raise ModelLoadError("quantization int8 needs its own kernel (kernels='fast')")
+    torch_dtype = resolve_dtype(dtype, device, quantization, source)
+    loaded = _load(source, device, torch_dtype, seed, max_model_len)
+    if kernels == "fast":
+        with _stage(f"lay out the projections for their kernels ({quantization})"):
+            swap_linear_kernels(loaded.model, quantization)
+    return loaded
+
+
+def _load(
+    source: str, device: str, torch_dtype: torch.dtype, seed: int, max_model_len: int | None
+) -> LoadedModel:
     path = Path(source)
     if source in PRESET_NAMES:
         spec = _capped(get_spec(source), max_model_len)
@@ -81,19 +107,29 @@ def load_model(
     )
 
 
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    """`auto`: float32 on the CPU, bfloat16 on a GPU that has it (else float16).
+def resolve_dtype(
+    dtype: str, device: str, quantization: Quantization = "none", source: str | None = None
+) -> torch.dtype:
+    """`auto`: bfloat16 on a GPU that has it (else float16). On the CPU: bfloat16
+    where the CPU has native bfloat16 dot products (AVX512-BF16 or AMX) and the
+    weights are a real checkpoint; else float32.
 
-    On the CPU bfloat16 weights decode 1.3-1.45x faster (they halve the bytes a
-    memory-bound step reads) but change greedy output against float32 within 64
-    tokens on 3 prompts of 4 (README "Models"); float32 is the choice that gives
-    the same tokens as the float32 reference, bfloat16 is one flag away."""
+    bfloat16 is the fastest CPU mode within weight_quality.BOUND (docs/benchmarks.md,
+    "Quality per weight mode": SmolLM2-135M, mean KL 0.002 nats, 97% top-1 against
+    float32) and decodes about 2x faster than float32 at batch 1. A preset's random
+    weights have no quality to measure and the tests compare them with float32
+    references, so presets stay float32; int8 weights compute in bfloat16 where the
+    CPU has it. `--dtype float32` gives the same tokens as transformers' float32."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if dtype != "auto":
         return getattr(torch, dtype)
     if device == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    checkpoint = source is not None and source not in PRESET_NAMES
+    if native_bf16 and (checkpoint or quantization == "int8"):
+        return torch.bfloat16
     return torch.float32
 
 

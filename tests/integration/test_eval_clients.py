@@ -91,7 +91,9 @@ def accuracy(scores: list[list[float]], items: list[dict[str, Any]]) -> float:
 
 @pytest.fixture(scope="module")
 def smollm2_url(smollm2_gguf: Path) -> Iterator[str]:
-    with serve_on_thread(model=str(smollm2_gguf), kv_cache_mb=32, api_key=API_KEY) as url:
+    with serve_on_thread(
+        model=str(smollm2_gguf), kv_cache_mb=32, api_key=API_KEY, dtype="float32"
+    ) as url:
         yield url
 
 

@@ -51,7 +51,7 @@ def reference(smollm2_dir: Path) -> Scored:
 
 @pytest.fixture(scope="module")
 def url(smollm2_dir: Path) -> Iterator[str]:
-    with serve_on_thread(model=str(smollm2_dir), kv_cache_mb=32) as url:
+    with serve_on_thread(model=str(smollm2_dir), kv_cache_mb=32, dtype="float32") as url:
         yield url
 
 

@@ -206,7 +206,7 @@ class AttentionProbe:
             return torch.randn(shape, generator=generator).to(dtype)
 
         self.q, self.k, self.v = draw(spec.n_heads), draw(spec.n_kv_heads), draw(spec.n_kv_heads)
-        self.lm_head = torch.nn.Linear(1, 1)  # ModelRunner reads the model's device from it
+        self.device = torch.device("cpu")  # ModelRunner reads the model's device
         self.last = torch.empty(0)
 
     def hidden(

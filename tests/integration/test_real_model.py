@@ -177,6 +177,7 @@ async def greedy_outputs(
         mode=mode,
         config=BatchingConfig(max_batch_size=max_batch_size, batch_timeout_ms=50),
         model=source,
+        dtype="float32",  # auto is bfloat16 on a CPU that has it
         device="cpu",
         threads=1,
         kv_cache_mb=64,
@@ -200,7 +201,12 @@ async def test_generation_stops_at_the_models_end_of_turn(
     answer = reference.greedy[-1]
     end = next(i for i, token in enumerate(answer) if token in loaded.tokenizer.eos_ids)
     options = EngineOptions(
-        mode="continuous", config=BatchingConfig(), model=source, device="cpu", threads=1
+        mode="continuous",
+        config=BatchingConfig(),
+        model=source,
+        dtype="float32",
+        device="cpu",
+        threads=1,
     )
     engine = Engine(options)
     await engine.start()

@@ -55,6 +55,7 @@ async def engine(smollm2_dir: Path) -> AsyncIterator[Engine]:
         config=BatchingConfig(max_batch_size=8, batch_timeout_ms=20),
         model=str(smollm2_dir),
         device="cpu",
+        dtype="float32",  # compared with transformers in float32
         threads=1,
         prefill_token_budget=PREFILL_BUDGET,
     )

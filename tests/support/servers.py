@@ -185,6 +185,7 @@ async def serve_in_process(
     api_key: str | None = None,
     chat_template: str | None = None,
     model: str = "tiny",
+    dtype: str = "auto",
     **limits: float,
 ) -> AsyncIterator[InProcessServer]:
     """The real app and engine on a free port of this test's event loop.
@@ -198,6 +199,7 @@ async def serve_in_process(
         device="cpu",
         kv_cache_mb=kv_cache_mb,
         threads=threads,
+        dtype=dtype,  # type: ignore[arg-type]
     )
     limits_ = dataclasses.replace(Limits(), **limits)
     app = build_app(

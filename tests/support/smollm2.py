@@ -26,11 +26,12 @@ from safetensors.torch import save_file
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-# max |our logits - transformers' logits| over the prompts of the logits test: measured
-# 0.0 on this machine (same ops in the same order, float32), from both sources. The
-# margin is for BLAS kernels that sum in another order on other CPUs: logits reach
-# ~40 and float32 keeps ~7 digits, so reordering moves them by ~1e-5 per layer.
-LOGIT_TOLERANCE = 1e-3
+# max |our logits - transformers' logits| over the prompts of the logits test: 0.0
+# through plain nn.Linear (same ops in the same order, float32), 2.3e-3 through the
+# engine's oneDNN-prepacked float32 kernels, which sum each dot product in blocked
+# order (linear_kernels.py). Logits reach ~40 and float32 keeps ~7 digits: reordering
+# moves them by ~1e-4 per layer over 30 layers; greedy tokens stay equal.
+LOGIT_TOLERANCE = 5e-3
 # a log-probability is a logit minus the log-sum-exp of all: twice the logits' tolerance
 LOGPROB_TOLERANCE = 2 * LOGIT_TOLERANCE
 

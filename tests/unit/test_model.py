@@ -84,7 +84,7 @@ def test_each_architecture_matches_transformers(architecture: str, tmp_path: Pat
     reference.save_pretrained(tmp_path, max_shard_size=shard)
     assert (tmp_path / "model.safetensors.index.json").exists() == (architecture == "qwen3")
     Pipeline(WordLevel({"a": 0}, unk_token="a")).save(str(tmp_path / "tokenizer.json"))
-    loaded = load_model(str(tmp_path), device="cpu")
+    loaded = load_model(str(tmp_path), device="cpu", dtype="float32")
     ids = torch.randint(0, SMALL["vocab_size"], (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         ours = loaded.model.full_logits(ids[0].tolist())

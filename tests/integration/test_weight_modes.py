@@ -1,0 +1,86 @@
+"""The engine's fast kernels (linear_kernels: oneDNN-prepacked weights, int8) against
+the plain nn.Linear path, on SmolLM2-135M: float32 gives the same logits within
+FAST_TOLERANCE and the same greedy tokens; bfloat16 stays within the quality bound
+`--dtype auto` relies on (weight_quality.BOUND) and int8 within its regression guard
+(INT8_BOUND) on a short real text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from batchpilot_server.engine_api import DTypeName, Quantization
+from batchpilot_server.weight_quality import BOUND, INT8_BOUND, compare
+from batchpilot_server.weights import LoadedModel, ModelLoadError, load_model, resolve_dtype
+
+from tests.support.smollm2 import LOGIT_TOLERANCE, load_float32
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TEXT = Path(__file__).resolve().parents[2] / "bench" / "data" / "public_domain.txt"
+TEXT_TOKENS = 256
+GREEDY_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2_dir: Path) -> LoadedModel:
+    return load_model(str(smollm2_dir), device="cpu", dtype="float32", kernels="plain")
+
+
+@pytest.fixture(scope="module")
+def text_ids(plain: LoadedModel) -> list[int]:
+    tokenizer = plain.tokenizer
+    ids = tokenizer.encode(TEXT.read_text(encoding="utf-8"), add_special_tokens=False)
+    return [tokenizer.bos_id or 0, *ids[: TEXT_TOKENS - 1]]
+
+
+@torch.inference_mode()
+def greedy(loaded: LoadedModel, prompt: list[int], tokens: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(tokens):
+        ids.append(int(loaded.model.full_logits(ids)[-1].argmax()))
+    return ids[len(prompt) :]
+
+
+@torch.inference_mode()
+def test_float32_kernels_match_plain_linear(
+    smollm2_dir: Path, plain: LoadedModel, text_ids: list[int]
+) -> None:
+    fast = load_float32(str(smollm2_dir))  # what the engine loads: the fast kernels
+    assert type(fast.model.lm_head) is not type(plain.model.lm_head)  # not the same path
+    difference = (fast.model.full_logits(text_ids) - plain.model.full_logits(text_ids)).abs()
+    assert difference.max().item() <= LOGIT_TOLERANCE
+    prompt = text_ids[:32]
+    assert greedy(fast, prompt, GREEDY_TOKENS) == greedy(plain, prompt, GREEDY_TOKENS)
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", "none"), ("bfloat16", "int8")])
+@torch.inference_mode()
+def test_16_and_8_bit_weights_stay_within_the_quality_bound(
+    smollm2_dir: Path,
+    plain: LoadedModel,
+    text_ids: list[int],
+    dtype: DTypeName,
+    quantization: Quantization,
+) -> None:
+    mode = load_model(str(smollm2_dir), device="cpu", dtype=dtype, quantization=quantization)
+    reference = torch.log_softmax(plain.model.full_logits(text_ids), -1)[:-1]
+    ours = torch.log_softmax(mode.model.full_logits(text_ids).float(), -1)[:-1]
+    quality = compare(reference, ours, torch.tensor(text_ids[1:]))
+    bound = INT8_BOUND if quantization == "int8" else BOUND
+    assert quality.within_bound(bound), f"{dtype}/{quantization}: {quality}"
+
+
+def test_auto_dtype_is_bfloat16_for_checkpoints_only(smollm2_dir: Path) -> None:
+    expected = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    assert resolve_dtype("auto", "cpu", source=str(smollm2_dir)) == expected
+    assert resolve_dtype("auto", "cpu", source="tiny") == torch.float32
+    assert resolve_dtype("float32", "cpu", source=str(smollm2_dir)) == torch.float32
+
+
+def test_int8_refusals_say_why() -> None:
+    with pytest.raises(ModelLoadError, match="quantization must be one of none, int8"):
+        load_model("tiny", device="cpu", quantization="int4")  # type: ignore[arg-type]
+    with pytest.raises(ModelLoadError, match="int8 runs on the CPU only"):
+        load_model("tiny", device="cuda", quantization="int8")
