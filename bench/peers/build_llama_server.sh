@@ -41,9 +41,11 @@ fi
 if [ ! -x "$BUILD/bin/llama-server" ] || [ ! -x "$BUILD/bin/llama-quantize" ]; then
   cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$BUILD.cmake.log"
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$BUILD.cmake.log" 2>&1 \
+    || { tail -n 30 "$BUILD.cmake.log" >&2; echo "cmake failed: $BUILD.cmake.log" >&2; exit 1; }
   nice -n 19 cmake --build "$BUILD" --target llama-server llama-quantize -j"$JOBS" \
-    >"$BUILD.build.log"
+    >"$BUILD.build.log" 2>&1 \
+    || { grep -m5 -A5 "error:" "$BUILD.build.log" >&2; echo "build failed: $BUILD.build.log" >&2; exit 1; }
 fi
 ln -sf "$BUILD/bin/llama-server" "$CACHE/bin/llama-server"
 ln -sf "$BUILD/bin/llama-quantize" "$CACHE/bin/llama-quantize"
