@@ -72,6 +72,7 @@ PROMPT_LEN = LengthDist("fixed", 32)  # characters of random letters (the load g
 PROMPT = "The history of the old city by the river begins"
 READY_TIMEOUT_S = 900.0  # vLLM compiles its model at start: 9 minutes on two busy cores
 IDLE_TIMEOUT_S = 90.0
+MIN_ARRIVALS = 10  # expected requests per rate point at least
 
 
 @dataclass(frozen=True)
@@ -179,26 +180,35 @@ def running(peer: Peer, log_dir: Path) -> Iterator[str]:
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url + peer.ready_path, proc, log_path)
+        wait_ready(url, peer.ready_path, proc, log_path)
         yield url
     finally:
         stop_group(proc)
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+def wait_ready(url: str, ready_path: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    """Until `ready_path` answers 200 and so does a one-token completion: llama-server's
+    /health can answer before its model is loaded, and its completions fail until it is."""
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while time.monotonic() < deadline:
+    body = json.dumps({"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 1}).encode()
+    probes = [
+        urllib.request.Request(url + ready_path),
+        urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"}),
+    ]
+    while probes and time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = log_path.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"exited with {proc.returncode} before ready:\n{tail}")
         try:
-            with urllib.request.urlopen(url, timeout=2) as response:
+            with urllib.request.urlopen(probes[0], timeout=30) as response:
                 if response.status == 200:
-                    return
+                    probes.pop(0)
+                    continue
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"{url} not ready after {READY_TIMEOUT_S:g}s (log: {log_path})")
+    if probes:
+        raise TimeoutError(f"{url} not ready after {READY_TIMEOUT_S:g}s (log: {log_path})")
 
 
 def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
@@ -217,6 +227,13 @@ def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
 
 
 # ---------------------------------------------------------------- one streamed request
+
+
+def new_session() -> aiohttp.ClientSession:
+    """A new connection per request, for every server alike: llama-server closes a
+    connection after a streamed answer while announcing keep-alive, so a request sent
+    on it right after fails."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
 
 
 @dataclass
@@ -271,7 +288,7 @@ async def stream_completion(
 
 async def batch1(url: str, rounds: int) -> tuple[float, list[float]]:
     """Best of `rounds` single requests' decode tokens/s."""
-    async with aiohttp.ClientSession() as session:
+    async with new_session() as session:
         await stream_completion(session, url, PROMPT, 8)  # warm-up
         rates = [
             (await stream_completion(session, url, PROMPT, DECODE_TOKENS)).decode_tokens_per_s()
@@ -287,8 +304,7 @@ class BatchRun:
 
 
 async def batch32(url: str) -> BatchRun:
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with new_session() as session:
         start = time.monotonic()
         streams = await asyncio.gather(
             *(
@@ -356,6 +372,7 @@ async def offer(url: str, rate: float, duration_s: float, seed: int) -> RatePoin
         prompt_len=PROMPT_LEN,
         output_len=OUTPUT_LEN,
         model=SERVED_NAME,
+        reuse_connections=False,  # as every session here: see `new_session`
         # past the SLO a request has failed it: no need to wait for a backlog to drain
         timeout_s=SLO_S + 2.0,
         seed=seed,
@@ -368,7 +385,7 @@ async def wait_idle(url: str) -> None:
     """Until a one-token request is answered within a second: what a rate point that
     overloaded the server left queued has drained (or was cancelled)."""
     deadline = time.monotonic() + IDLE_TIMEOUT_S
-    async with aiohttp.ClientSession() as session:
+    async with new_session() as session:
         while time.monotonic() < deadline:
             t0 = time.monotonic()
             await stream_completion(session, url, PROMPT, 1)
@@ -398,7 +415,9 @@ async def capacity(url: str, tokens_per_s: float, args: argparse.Namespace) -> C
     points: list[RatePoint] = []
 
     async def measure(at: float) -> RatePoint:
-        point = await offer(url, at, args.rate_duration, seed=len(points))
+        # long enough for a p99 to mean something at a low rate, within a bound
+        duration_s = min(3 * args.rate_duration, max(args.rate_duration, MIN_ARRIVALS / at))
+        point = await offer(url, at, duration_s, seed=len(points))
         points.append(point)
         print(
             f"    {at:.2f} req/s: {point.ok}/{point.sent} ok, p99 {_p99(point.p99_s)} s"
