@@ -187,8 +187,9 @@ def running(peer: Peer, log_dir: Path) -> Iterator[str]:
 
 
 def wait_ready(url: str, ready_path: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
-    """Until `ready_path` answers 200 and so does a one-token completion: llama-server's
-    /health can answer before its model is loaded, and its completions fail until it is."""
+    """Until `ready_path` answers 200 and then a one-token completion does too: the first
+    real request is what the measurements need to work (llama-server answers 503
+    "Loading model" to completions while it loads)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     body = json.dumps({"model": SERVED_NAME, "prompt": PROMPT, "max_tokens": 1}).encode()
     probes = [
