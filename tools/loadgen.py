@@ -98,6 +98,9 @@ class LoadSpec:
     temperature: float = 0.0
     model: str | None = None
     timeout_s: float = 120.0  # per request
+    # False: a new connection per request. llama.cpp's llama-server closes a connection
+    # after a streamed answer while announcing keep-alive; a request sent on it fails.
+    reuse_connections: bool = True
     seed: int = 0
     progress: bool = False  # progress bar on stderr
 
@@ -192,9 +195,7 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
 
 def summarize(results: list[RequestResult], duration_s: float) -> LoadReport:
     ok = [r for r in results if r.ok]
-    errors = Counter(
-        "connection" if r.status == 0 else str(r.status) for r in results if not r.ok
-    )
+    errors = Counter("connection" if r.status == 0 else str(r.status) for r in results if not r.ok)
     span = max(duration_s, 1e-9)
     return LoadReport(
         duration_s=duration_s,
@@ -466,7 +467,7 @@ async def run_load(
 
     `targets`, when given, replaces `spec.urls` and may change while the run lasts.
     """
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, force_close=not spec.reuse_connections)
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         run = _Run(spec, session, on_result, targets or Targets(spec.urls))

@@ -11,6 +11,7 @@ import time
 
 import aiohttp
 import pytest
+from aiohttp import web
 from batchpilot_server import metric_names as names
 from batchpilot_tools.loadgen import LengthDist, LoadSpec, RequestResult, Targets, run_load
 
@@ -117,6 +118,45 @@ async def test_unreachable_server_counts_connection_errors() -> None:
     spec = LoadSpec(urls=[f"http://127.0.0.1:{free_port()}"], num_requests=3, rate=100)
     report = await run_load(spec)
     assert (report.ok, report.errors_by_status) == (0, {"connection": 3})
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+async def test_reuse_connections_false_opens_one_connection_per_request(reuse: bool) -> None:
+    """llama.cpp's server closes a connection after a streamed answer while announcing
+    keep-alive; `reuse_connections=False` never sends on a used one."""
+    clients: list[object] = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        clients.append(request.transport.get_extra_info("peername"))  # type: ignore[union-attr]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        usage = {"prompt_tokens": 1, "completion_tokens": 1}
+        for event in ({"choices": [{"text": "a"}]}, {"choices": [], "usage": usage}):
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        spec = LoadSpec(
+            urls=[f"http://127.0.0.1:{port}"],
+            arrival="concurrency",
+            concurrency=1,
+            num_requests=6,
+            reuse_connections=reuse,
+        )
+        report = await run_load(spec)
+    finally:
+        await runner.cleanup()
+    assert report.ok == 6, report.errors_by_status
+    distinct = len(set(clients))
+    assert (distinct == 6) if not reuse else (distinct < 6), f"{distinct} connections for 6"
 
 
 async def test_cli_prints_a_table_and_a_final_json_line() -> None:
