@@ -23,6 +23,9 @@ EXTERNAL_FLAGS = {
     "--recursive": "kubectl explain",
     "--help": "every command",
     "--from-literal": "kubectl create secret",
+    "--allow-requantize": "llama-quantize",
+    "--outtype": "llama.cpp's convert_hf_to_gguf.py",
+    "--max-num-seqs": "vLLM's api_server",
     **dict.fromkeys(
         ("--model_args", "--tasks", "--include", "--batch", "--log", "--output"),
         "lm_eval run (its flags have underscores: --include_path, --batch_size, ...)",
