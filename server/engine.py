@@ -46,10 +46,10 @@ from batchpilot_server.engine_api import (
 from batchpilot_server.kv_cache import KVCache, bytes_per_block
 from batchpilot_server.model_runner import ModelRunner
 from batchpilot_server.models import ModelSpec, resolve_device
-from batchpilot_server.sampling import make_generator, sample
+from batchpilot_server.sampling import Sampler, gather_prompt_logprobs, make_generator
 from batchpilot_server.scheduler import Output, Scheduler, StepPlan
 from batchpilot_server.scheduler_policies import PolicyOptions, new_scheduler
-from batchpilot_server.sequence import Sequence
+from batchpilot_server.sequence import Sequence, TopLogprobs
 from batchpilot_server.tokenizer import Tokenizer
 from batchpilot_server.weights import LoadedModel, load_model
 
@@ -164,6 +164,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._cache: KVCache | None = None
         self._runner: ModelRunner | None = None
+        self._sampler: Sampler | None = None
         self._scheduler: Scheduler | None = None
 
     # ---- properties -------------------------------------------------------
@@ -252,6 +253,7 @@ class Engine:
             self._runner.attention,
         )
         self._max_model_len = self._context_length(self._cache)
+        self._sampler = Sampler(self._spec.vocab_size, self.tokenizer.eos_ids, self._device)
         self._scheduler = self._new_scheduler(self._cache.pool)
         self._state = "running"
         self._thread = threading.Thread(
@@ -405,9 +407,9 @@ class Engine:
         busy = BusyClock()
         try:
             while (plan := self._next_plan(scheduler, busy)) is not None:
-                rows, tokens, logprobs = self._run_model(plan)
+                rows, tokens, logprobs, tops = self._run_model(plan)
                 with self._cond:
-                    outputs = scheduler.postprocess(rows, tokens, logprobs, time.monotonic())
+                    outputs = scheduler.postprocess(rows, tokens, logprobs, time.monotonic(), tops)
                     delivery = self._delivery(outputs)
                 self._send(delivery)
                 self._observer.on_busy(busy.lap())
@@ -437,11 +439,13 @@ class Engine:
                         None if wake_at is None else max(0.0, wake_at - time.monotonic())
                     )
 
-    def _run_model(self, plan: StepPlan) -> tuple[list[Sequence], list[int], list[float]]:
+    def _run_model(
+        self, plan: StepPlan
+    ) -> tuple[list[Sequence], list[int], list[float], list[TopLogprobs]]:
         """Outside the lock: the plan's forwards; the rows that sampled a token, the
-        tokens and their log-probabilities."""
-        assert self._runner is not None
-        observer, runner = self._observer, self._runner
+        tokens, their log-probabilities and the top log-probabilities they asked for."""
+        assert self._runner is not None and self._sampler is not None
+        observer, runner, sampler = self._observer, self._runner, self._sampler
         for _ in plan.preempted:
             observer.on_preemption()
         for seq in plan.first_scheduled:
@@ -453,7 +457,8 @@ class Engine:
         rows: list[Sequence] = []
         tokens: list[int] = []
         logprobs: list[float] = []
-        prefill = partial(runner.prefill, chunks=plan.chunks)
+        tops: list[TopLogprobs] = []
+        prefill = partial(runner.prefill, chunks=plan.chunks, prompt_logits=gather_prompt_logprobs)
         # padded execution: finished rows decode last, their outputs discarded
         forwards = (
             (plan.prefill, prefill, 0),
@@ -466,12 +471,13 @@ class Engine:
                 # a prefill chunk that leaves part of its prompt for later samples nothing
                 ready = [seq for seq in seqs[: len(seqs) - discarded] if seq.ready_to_sample]
                 if ready:
-                    sampled, logps = sample(logits[: len(ready)], ready)
+                    sampled = sampler.sample(logits[: len(ready)], ready)
                     rows += ready
-                    tokens += sampled
-                    logprobs += logps
+                    tokens += sampled.tokens
+                    logprobs += sampled.logprobs
+                    tops += sampled.top_logprobs
                 observer.on_step(len(seqs), time.perf_counter() - began)
-        return rows, tokens, logprobs
+        return rows, tokens, logprobs, tops
 
     def _delivery(self, outputs: list[Output]) -> Delivery:
         """Under the lock: each output paired with its request's stream (none once the

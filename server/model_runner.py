@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import chain
 from typing import Literal
 
@@ -13,6 +14,13 @@ from batchpilot_server.engine_api import AttentionBackend
 from batchpilot_server.kv_cache import KVCache
 from batchpilot_server.models import Decoder
 from batchpilot_server.sequence import Sequence
+
+# prefill's hook for the prompt's log-probabilities: (sequence, first position, logits
+# [positions, vocab] from there on), called only for rows that want them
+PromptLogits = Callable[[Sequence, int, torch.Tensor], None]
+# prompt positions whose logits are computed at once: a 2048-token chunk's logits over
+# a 50k-150k vocabulary would take GBs
+PROMPT_LOGITS_SLICE = 256
 
 
 class PagedPrefillAttention:
@@ -174,11 +182,17 @@ class ModelRunner:
         return "torch" if self.kernel is None else "native"
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence], chunks: list[int] | None = None) -> torch.Tensor:
+    def prefill(
+        self,
+        seqs: list[Sequence],
+        chunks: list[int] | None = None,
+        prompt_logits: PromptLogits | None = None,
+    ) -> torch.Tensor:
         """Compute the next `chunks[i]` tokens of each sequence from its `num_computed`
         on (all it has left when None) and advance `num_computed`; logits
         [rows, vocab] of the last token of each row this completes (now
-        `ready_to_sample`), in order."""
+        `ready_to_sample`), in order. `prompt_logits` is handed the logits of every
+        position that predicts a prompt token, for the rows that `wants_prompt_logprobs`."""
         batch = len(seqs)
         starts = np.fromiter((seq.num_computed for seq in seqs), np.int64, batch)
         counts = (
@@ -201,11 +215,32 @@ class ModelRunner:
         hidden = self.model.hidden(
             torch.tensor(ids, device=device), torch.from_numpy(positions).to(device), attention
         )
+        if prompt_logits is not None:
+            self._prompt_positions(seqs, starts, counts, hidden, prompt_logits)
         for seq, end in zip(seqs, ends.tolist(), strict=True):
             seq.num_computed = end
         done = [row for row, seq in enumerate(seqs) if seq.ready_to_sample]
         rows = torch.tensor(done, dtype=torch.int64, device=device)
         return self.model.logits(hidden[rows, torch.from_numpy(counts[done] - 1).to(device)])
+
+    def _prompt_positions(
+        self,
+        seqs: list[Sequence],
+        starts: np.ndarray,
+        counts: np.ndarray,
+        hidden: torch.Tensor,
+        take: PromptLogits,
+    ) -> None:
+        """The logits of each chunk position that predicts a prompt token (not the
+        prompt's last: it predicts the output), for the rows that want them."""
+        for row, seq in enumerate(seqs):
+            if not seq.wants_prompt_logprobs:
+                continue
+            start = int(starts[row])
+            positions = min(int(counts[row]), seq.num_prompt - 1 - start)
+            for first in range(0, positions, PROMPT_LOGITS_SLICE):
+                last = min(positions, first + PROMPT_LOGITS_SLICE)
+                take(seq, start + first, self.model.logits(hidden[row, first:last]))
 
     def _prefill_attention(
         self, seqs: list[Sequence], starts: np.ndarray, counts: np.ndarray, positions: np.ndarray

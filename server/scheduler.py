@@ -35,7 +35,7 @@ from batchpilot_server.engine_api import (
     QueueFullError,
     TokenEvent,
 )
-from batchpilot_server.sequence import Sequence, Status
+from batchpilot_server.sequence import Sequence, Status, TopLogprobs
 
 
 @dataclass(frozen=True)
@@ -156,9 +156,15 @@ class Scheduler(Protocol):
         ...
 
     def postprocess(
-        self, seqs: list[Sequence], tokens: list[int], logprobs: list[float], now: float
+        self,
+        seqs: list[Sequence],
+        tokens: list[int],
+        logprobs: list[float],
+        now: float,
+        top_logprobs: list[TopLogprobs] | None = None,
     ) -> list[Output]:
-        """Append each sampled token to its row; the events to hand out now."""
+        """Append each sampled token to its row; the events to hand out now.
+        `top_logprobs`: per row, the most likely (token id, logprob) it asked for."""
         ...
 
     def wake_at(self) -> float | None:
@@ -239,15 +245,29 @@ class QueueScheduler(ABC):
         return plan
 
     def postprocess(
-        self, seqs: list[Sequence], tokens: list[int], logprobs: list[float], now: float
+        self,
+        seqs: list[Sequence],
+        tokens: list[int],
+        logprobs: list[float],
+        now: float,
+        top_logprobs: list[TopLogprobs] | None = None,
     ) -> list[Output]:
         outputs: list[Output] = []
         finished: list[tuple[Sequence, TokenEvent]] = []
-        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+        tops = top_logprobs or [()] * len(seqs)
+        for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops, strict=True):
             seq.token_ids.append(token)
             reason = seq.finish_reason_after(token, self.eos_ids)
             seq.finish_reason = reason
-            event = TokenEvent(token, seq.num_output - 1, reason, logprob, self.steps)
+            event = TokenEvent(
+                token,
+                seq.num_output - 1,
+                reason,
+                logprob,
+                self.steps,
+                top_logprobs=top,
+                prompt_logprobs=seq.take_prompt_logprobs(),
+            )
             if reason is None:
                 outputs.append(Output(seq, event))
             else:

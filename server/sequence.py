@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
-from batchpilot_server.engine_api import FinishReason, SamplingParams
+from batchpilot_server.engine_api import (
+    GREEDY_BELOW_TEMPERATURE,
+    FinishReason,
+    PromptLogprob,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:
     import torch
+
+# per generated token: the most likely (token id, logprob) it asked for, best first
+TopLogprobs = tuple[tuple[int, float], ...]
 
 
 class Status(enum.Enum):
@@ -35,6 +44,12 @@ class Sequence:
     first_scheduled: float | None = None
     finish_reason: FinishReason | None = None
     finished_at: float | None = None
+    # the sampler's row of token counts for the penalties (sampling.PenaltyState);
+    # kept while the sequence lives, preemption included, so counts stay incremental
+    penalty_slot: int | None = None
+    # prompt_logprobs: one entry per prompt token after the first, gathered chunk by
+    # chunk as prefill computes them; handed out with the first token
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -64,6 +79,41 @@ class Sequence:
     @property
     def max_total_tokens(self) -> int:
         return self.num_prompt + self.params.max_tokens
+
+    @cached_property
+    def sampled(self) -> bool:
+        """Drawn from the distribution (else greedy)."""
+        return self.params.temperature >= GREEDY_BELOW_TEMPERATURE
+
+    @cached_property
+    def penalized(self) -> bool:
+        """A repetition, frequency or presence penalty applies."""
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0 or p.presence_penalty != 0
+
+    @cached_property
+    def always_processed(self) -> bool:
+        """The sampler changes this row's logits or draws from them at every step (else
+        only while min_tokens holds its stops back: plain greedy, the fast path)."""
+        return self.sampled or self.penalized or bool(self.params.logit_bias)
+
+    @property
+    def holds_stops(self) -> bool:
+        """min_tokens is not reached yet: EOS and the stop tokens are masked."""
+        return self.num_output < self.params.min_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prefill must hand over the logits of every prompt position (only until the
+        first token: a preempted sequence's recompute needs none)."""
+        return self.params.prompt_logprobs is not None and self.num_output == 0
+
+    def take_prompt_logprobs(self) -> tuple[PromptLogprob | None, ...] | None:
+        """On the first output token: the prompt's log-probabilities, if asked for."""
+        if self.params.prompt_logprobs is None or self.num_output != 1:
+            return None
+        gathered, self.prompt_logprobs = self.prompt_logprobs, []
+        return (None, *gathered)
 
     def finish_reason_after(self, token_id: int, eos_ids: frozenset[int]) -> FinishReason | None:
         """Why the sequence ends with `token_id` just appended, if it does."""
