@@ -22,6 +22,9 @@ REQUEST_GENERATION_TOKENS = "batchpilot_request_generation_tokens"
 PREEMPTIONS_TOTAL = "batchpilot_preemptions_total"
 # label state: token positions of executed batches by what they were for (scheduler.SlotSteps)
 BATCH_SLOT_STEPS_TOTAL = "batchpilot_batch_slot_steps_total"
+# label phase: compile (a schema, in the request handler) | mask (one step's grammar rows)
+STRUCTURED_OUTPUT = "batchpilot_structured_output_seconds"
+STRUCTURED_OUTPUT_PHASES = ("compile", "mask")
 CONFIG_MAX_BATCH_SIZE = "batchpilot_config_max_batch_size"
 CONFIG_BATCH_TIMEOUT = "batchpilot_config_batch_timeout_seconds"
 
