@@ -12,6 +12,8 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+import requests
+from batchpilot_server import structured_output
 from batchpilot_server.tokenizer import CHATML_TEMPLATE
 
 from tests.support.servers import serve_on_thread
@@ -56,6 +58,7 @@ def client(request: pytest.FixtureRequest) -> Iterator[openai.OpenAI]:
     with serve_on_thread(**options) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         client.served = client.models.list().data[0].id  # type: ignore[attr-defined]
+        client.url = url  # type: ignore[attr-defined]
         yield client
 
 
@@ -167,3 +170,35 @@ def test_bad_schema_is_a_400_naming_response_format(
     assert isinstance(error, dict)
     assert error["code"] == code, error
     assert error["param"].startswith("response_format"), error
+
+
+def test_cost_shows_in_the_metric(client: openai.OpenAI) -> None:
+    _ask(client, _schema_format({"type": "object", "properties": {"n": {"type": "integer"}}}))
+    text = requests.get(f"{client.url}/metrics", timeout=30).text  # type: ignore[attr-defined]
+    counts = {
+        phase: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("batchpilot_structured_output_seconds_count")
+        for phase in ("compile", "mask")
+        if f'phase="{phase}"' in line
+    }
+    assert counts.get("compile", 0) >= 1 and counts.get("mask", 0) >= 1, counts
+
+
+def test_a_compile_past_its_time_limit_is_a_400(
+    client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a limit no compilation meets: the request is answered without waiting for it
+    monkeypatch.setattr(structured_output, "COMPILE_TIMEOUT_S", 0.0)
+    schema = {"type": "object", "properties": {"unseen": {"type": "string", "minLength": 3}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        _ask(client, _schema_format(schema))
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert "did not compile within 0 s" in error["message"], error
+    assert error["param"] == "response_format.json_schema.schema", error
+    # the server keeps serving, and the refused schema stays refused at once
+    monkeypatch.undo()
+    with pytest.raises(openai.BadRequestError):
+        _ask(client, _schema_format(schema))
+    assert _ask(client, {"type": "json_object"}).choices[0].finish_reason == "stop"
