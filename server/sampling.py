@@ -29,7 +29,6 @@ default and OpenAI's `logprobs` report them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Rows
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +39,7 @@ from batchpilot_server.structured_output import mask_logits
 # top_k and top_p cut among this many most probable tokens first (torch.topk, far
 # cheaper than sorting a 50k-100k vocabulary per row); a row whose top_p mass lies
 # deeper widens the search, up to the whole vocabulary, so the result is exact
-CANDIDATES = 256
+CANDIDATES = 64
 
 
 def make_generator(params: SamplingParams, device: str) -> torch.Generator | None:
@@ -72,61 +71,76 @@ class Sampler:
         self.eos = tuple(sorted(eos_ids))
         self.penalties = PenaltyState(vocab_size, device)
 
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
-        """One token per row of `logits` [len(seqs), vocab]."""
+        """One token per row of `logits` [len(seqs), vocab], which it processes in place
+        once the raw log-probabilities are taken (the engine's logits are scratch)."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         chosen = logprobs.argmax(dim=-1)
-        rows = [row for row, seq in enumerate(seqs) if seq.always_processed or seq.holds_stops]
-        if rows:
-            index = torch.tensor(rows, device=logits.device)
-            subset = [seqs[row] for row in rows]
-            chosen.index_copy_(0, index, self._processed(logits.index_select(0, index), subset))
-        picked = logprobs.gather(1, chosen[:, None])[:, 0]
-        return Sampled(chosen.tolist(), picked.tolist(), step_top_logprobs(logprobs, seqs))
+        if any(seq.always_processed or seq.holds_stops for seq in seqs):
+            knobs = Knobs.of(seqs, logits.device)
+            self.process(logits, seqs, knobs)
+            self.choose(logits, knobs, chosen)
+            self.penalties.record(seqs, chosen)
+            accept_grammar_tokens(seqs, chosen)
+        picked_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
+        return Sampled(chosen.tolist(), picked_logprobs.tolist(), step_top_logprobs(logprobs, seqs))
 
-    def _processed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Tokens of the rows (a copy of their logits) that take more than an argmax."""
-        self.process(logits, seqs)
-        chosen = self.choose(logits, seqs)
-        self.penalties.record(seqs, chosen)
-        accept_grammar_tokens(seqs, chosen)
-        return chosen
-
-    def process(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    @torch.inference_mode()
+    def process(self, logits: torch.Tensor, seqs: list[Sequence], knobs: Knobs) -> None:
         """Steps 1-3 of the module docstring on `logits` [len(seqs), vocab], in place."""
-        self._hold_stops(logits, seqs)
-        add_logit_bias(logits, [seq.params for seq in seqs])
-        penalized = [row for row, seq in enumerate(seqs) if seq.penalized]
-        if penalized:
-            subset = [seqs[row] for row in penalized]
-            self.penalties.apply(logits, penalized, subset)
+        self._add_sparse(logits, seqs)
+        if knobs.penalized:
+            penalized = [seqs[row] for row in knobs.penalized]
+            weights = knobs.rows(knobs.penalized)[:, REPETITION:].T
+            self.penalties.apply(logits, knobs.penalized, penalized, weights)
         constrained = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
         if constrained:
             mask_logits(logits, constrained, [seqs[row] for row in constrained])
 
     @staticmethod
-    def choose(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Step 4: the argmax of a greedy row, a draw for a sampled one."""
-        chosen = logits.argmax(dim=-1)
-        sampled = [row for row, seq in enumerate(seqs) if seq.sampled]
-        if sampled:
-            index = torch.tensor(sampled, device=logits.device)
-            probs = sampling_probs(logits.index_select(0, index), [seqs[r].params for r in sampled])
-            generators = [seqs[row].generator for row in sampled]
-            chosen.index_copy_(0, index, draw(probs, generators))  # type: ignore[arg-type]
-        return chosen
+    @torch.inference_mode()
+    def choose(logits: torch.Tensor, knobs: Knobs, chosen: torch.Tensor) -> None:
+        """Step 4 into `chosen` [rows]: the argmax of a processed greedy row, a draw for
+        a sampled one (other rows keep theirs); the sampled rows' logits are divided
+        by their temperature in place."""
+        device, rows = logits.device, logits.shape[0]
+        if len(knobs.greedy) == rows:
+            chosen.copy_(logits.argmax(dim=-1))
+        elif knobs.greedy:
+            index = torch.tensor(knobs.greedy, device=device)
+            chosen.index_copy_(0, index, logits.index_select(0, index).argmax(dim=-1))
+        if knobs.sampled:
+            everyone = len(knobs.sampled) == rows
+            index = torch.tensor(knobs.sampled, device=device)
+            scaled = logits if everyone else logits.index_select(0, index)
+            table = knobs.rows(knobs.sampled)
+            scaled.div_(table[:, TEMPERATURE, None])
+            uniform = knobs.uniform if everyone else knobs.uniform.index_select(0, index)
+            chosen.index_copy_(0, index, draw(candidates(scaled, table, knobs), uniform))
 
-    def _hold_stops(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """min_tokens: the stops of the rows that have not reached it at -inf."""
-        held = [
-            (row, token)
+    def _add_sparse(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """min_tokens (the stops of the rows short of it at -inf) and logit_bias, in one
+        scatter: -inf plus a bias stays -inf."""
+        entries = [
+            (row, token, -torch.inf)
             for row, seq in enumerate(seqs)
             if seq.holds_stops
             for token in self._stops(seq.params)
         ]
-        if held:
-            rows, tokens = torch.tensor(held, device=logits.device).T
-            logits.index_put_((rows, tokens), torch.tensor(-torch.inf, device=logits.device))
+        entries += [
+            (row, token, bias)
+            for row, seq in enumerate(seqs)
+            for token, bias in seq.params.logit_bias
+        ]
+        if entries:
+            rows, tokens, values = zip(*entries, strict=True)
+            device = logits.device
+            logits.index_put_(
+                (torch.tensor(rows, device=device), torch.tensor(tokens, device=device)),
+                torch.tensor(values, dtype=logits.dtype, device=device),
+                accumulate=True,  # a token listed twice gets both (the API refuses duplicates)
+            )
 
     def _stops(self, params: SamplingParams) -> tuple[int, ...]:
         return params.stop_token_ids if params.ignore_eos else params.stop_token_ids + self.eos
@@ -140,112 +154,219 @@ def accept_grammar_tokens(seqs: list[Sequence], tokens: torch.Tensor) -> None:
                 seq.grammar.accept(token)
 
 
-def add_logit_bias(logits: torch.Tensor, params: Rows[SamplingParams]) -> None:
-    """Each row's logit_bias added to its logits, in place."""
-    bias = [(row, token, value) for row, p in enumerate(params) for token, value in p.logit_bias]
-    if bias:
-        rows, tokens, values = zip(*bias, strict=True)
-        device = logits.device
-        logits.index_put_(
-            (torch.tensor(rows, device=device), torch.tensor(tokens, device=device)),
-            torch.tensor(values, dtype=logits.dtype, device=device),
-            accumulate=True,  # a token listed twice gets both (the API refuses duplicates)
+# the columns of Knobs.table
+TEMPERATURE, TOP_P, MIN_P, TOP_K, REPETITION = 0, 1, 2, 3, 4
+# uniforms a sampled sequence's generator draws at a time (one a token)
+UNIFORMS_AHEAD = 64
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The sampling values of a step's rows, in one tensor built at once:
+    `table` [rows, 7] of temperature, top_p (inf where 1: no cut, so that rounding
+    never cuts a tail), min_p, top_k (the vocabulary where unset), repetition,
+    frequency and presence penalties; `uniform` [rows]: this step's uniform draw of
+    each sampled row (float64); which rows sample and which are penalized; and which
+    cuts any row makes, so that a step skips the stages nobody uses."""
+
+    table: torch.Tensor
+    uniform: torch.Tensor
+    sampled: list[int]
+    greedy: list[int]  # greedy rows whose logits the processors change
+    penalized: list[int]
+    top_k: bool
+    top_p: bool
+    min_p: bool
+    widest_k: int  # the largest top_k set
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], device: torch.device | str) -> Knobs:
+        params = [seq.params for seq in seqs]
+        table = torch.tensor(
+            [
+                (
+                    p.temperature,
+                    p.top_p if p.top_p < 1.0 else torch.inf,
+                    p.min_p,
+                    p.top_k or torch.inf,
+                    p.repetition_penalty,
+                    p.frequency_penalty,
+                    p.presence_penalty,
+                )
+                for p in params
+            ],
+            device=device,
         )
+        sampled = [row for row, seq in enumerate(seqs) if seq.sampled]
+        greedy = [
+            row
+            for row, seq in enumerate(seqs)
+            if not seq.sampled and (seq.always_processed or seq.holds_stops)
+        ]
+        cutting = [params[row] for row in sampled]
+        return cls(
+            table=table,
+            uniform=torch.tensor(
+                [next_uniform(seq) if seq.sampled else 0.0 for seq in seqs],
+                dtype=torch.float64,
+                device=device,
+            ),
+            sampled=sampled,
+            greedy=greedy,
+            penalized=[row for row, seq in enumerate(seqs) if seq.penalized],
+            top_k=any(p.top_k for p in cutting),
+            top_p=any(p.top_p < 1.0 for p in cutting),
+            min_p=any(p.min_p > 0 for p in cutting),
+            widest_k=max((p.top_k for p in cutting), default=0),
+        )
+
+    def rows(self, rows: list[int]) -> torch.Tensor:
+        """The table's `rows` (itself when they are all of it)."""
+        if len(rows) == self.table.shape[0]:
+            return self.table
+        return self.table.index_select(0, torch.tensor(rows, device=self.table.device))
+
+
+def next_uniform(seq: Sequence) -> float:
+    """The next uniform of a sampled sequence's own generator (drawn ahead in blocks:
+    one generator call per row and step would cost more than the rest of the draw)."""
+    if not seq.uniforms:
+        generator = seq.generator
+        assert generator is not None, "a sampled sequence has a generator"
+        ahead = torch.rand(
+            UNIFORMS_AHEAD, generator=generator, dtype=torch.float64, device=generator.device
+        )
+        seq.uniforms = ahead.tolist()[::-1]  # popped from the end, in the order drawn
+    return seq.uniforms.pop()
 
 
 def apply_penalties(
     logits: torch.Tensor,
     counts: torch.Tensor,
-    seen: torch.Tensor,
     repetition: torch.Tensor,
     frequency: torch.Tensor,
     presence: torch.Tensor,
 ) -> torch.Tensor:
-    """`logits` [rows, vocab] with the penalties applied: `counts` of each token in the
-    output, `seen` where it is in the prompt or the output; one weight per row. A
-    weight that changes nothing (1, 0, 0) leaves the row's logits bit for bit."""
+    """`logits` of tokens seen in the prompt or the output, with the penalties applied:
+    `counts` of each in the output; one weight per row. A weight that changes nothing
+    (1, 0, 0) leaves a logit bit for bit."""
     rep = repetition[:, None]
-    repeated = torch.where(seen, torch.where(logits < 0, logits * rep, logits / rep), logits)
+    repeated = torch.where(logits < 0, logits * rep, logits / rep)
     return repeated - (counts * frequency[:, None] + (counts > 0) * presence[:, None])
 
 
-def sampling_probs(logits: torch.Tensor, params: Rows[SamplingParams]) -> torch.Tensor:
-    """The distribution each sampled row draws from: softmax(logits / temperature) with
-    the tokens top_k, top_p and min_p drop set to 0 (not renormalized: the draw scales
-    by the row's total)."""
-    device = logits.device
-    knobs = torch.tensor(
-        [(p.temperature, p.top_p, p.min_p) for p in params], dtype=logits.dtype, device=device
-    ).T
-    temperature, top_p, min_p = knobs
-    probs = torch.softmax(logits / temperature[:, None], dim=-1)
-    threshold = None
-    peak = None
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        vocab = probs.shape[-1]
-        top_k = torch.tensor([p.top_k or vocab for p in params], device=device)
-        # top_p = 1 keeps every token: float rounding must not cut a tail at 1.0
-        top_p = torch.where(top_p < 1.0, top_p, torch.inf)
-        threshold, peak = nucleus_cutoff(probs, top_k, top_p, max(p.top_k for p in params))
-    if any(p.min_p > 0 for p in params):
-        peak = probs.amax(dim=-1) if peak is None else peak
-        floor = min_p * peak
-        threshold = floor if threshold is None else torch.maximum(threshold, floor)
-    if threshold is not None:
-        probs = probs.masked_fill(probs < threshold[:, None], 0.0)
-    return probs
+@dataclass(frozen=True)
+class Candidates:
+    """Sampled rows' most probable tokens, best first: `ids` [rows, width] and their
+    `probs`, and which of them the row's top_k, top_p and min_p keep (`keep`). A row
+    with a cut keeps only candidates; an uncut row (`cut` False) keeps the whole
+    vocabulary, the candidates and the rest: `every` [rows, vocab], its probabilities."""
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+    keep: torch.Tensor
+    cut: torch.Tensor
+    every: torch.Tensor
 
 
-def nucleus_cutoff(
-    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, widest_k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row: the least probability top_k and top_p keep (0: no cut), and the top
-    probability. `top_k`: the vocabulary's size where unset; `top_p`: inf where unset.
-    top_p's mass is the top_k tokens' (renormalized), as transformers applies it."""
-    vocab = probs.shape[-1]
-    cuts = (top_k < vocab) | (top_p <= 1.0)
-    width = min(vocab, max(CANDIDATES, widest_k))
+def candidates(scaled: torch.Tensor, table: torch.Tensor, knobs: Knobs) -> Candidates:
+    """The candidates of `scaled` [rows, vocab] (logits over temperature), `table` the
+    rows' knobs: the CANDIDATES most probable tokens, more where a cut lies deeper."""
+    vocab = scaled.shape[-1]
+    every = torch.softmax(scaled, dim=-1)
+    # one past the largest top_k: a row cut there settles at once
+    width = min(vocab, max(CANDIDATES, knobs.widest_k + 1))
     while True:
-        top = probs.topk(width, dim=-1).values  # most probable first
-        in_k = torch.arange(width, device=probs.device) < top_k[:, None]
-        kept = top * in_k
-        mass = torch.where(top_k < vocab, kept.sum(dim=-1), 1.0)
-        before = (kept.cumsum(dim=-1) - kept) / mass[:, None]  # mass above each token
-        keep = in_k & (before < top_p[:, None])
-        keep[:, 0] = True  # the top token always: a top_p that rounds to 0 keeps one
-        # exact where the kept prefix ends inside the candidates
-        settled = ~cuts | (top_k <= width) | ~keep[:, -1]
-        if width == vocab or bool(settled.all()):
-            break
+        probs, ids = every.topk(width, dim=-1)
+        threshold = cut_threshold(probs, table, knobs)
+        if threshold is None:  # no row cuts: every token stays
+            keep = torch.ones_like(probs, dtype=torch.bool)
+            return Candidates(ids, probs, keep, torch.zeros_like(keep[:, 0]), every)
+        keep = probs >= threshold[:, None]
+        # settled where the kept tokens end inside the candidates (ties included)
+        if width == vocab or bool(((threshold == 0) | ~keep[:, -1]).all()):
+            return Candidates(ids, probs, keep, threshold > 0, every)
         width = min(vocab, width * 8)
-    last = keep.sum(dim=-1, keepdim=True) - 1
-    cutoff = torch.where(cuts, top.gather(1, last)[:, 0], 0.0)
-    return cutoff, top[:, 0]
 
 
-def draw(probs: torch.Tensor, generators: Rows[torch.Generator]) -> torch.Tensor:
-    """One token per row of `probs` [rows, vocab] (unnormalized, >= 0), by inverse CDF
-    with one uniform from each row's generator."""
-    device = probs.device
-    uniform = torch.stack([torch.rand((), generator=g, device=device) for g in generators])
-    # float64: float32 sums of a large vocabulary lose the rare tokens' shares
-    cdf = probs.double().cumsum(dim=-1)
+def cut_threshold(probs: torch.Tensor, table: torch.Tensor, knobs: Knobs) -> torch.Tensor | None:
+    """Per row, the least probability its cuts keep (0: no cut; None: no row cuts),
+    from its most probable tokens `probs` [rows, width], best first. top_p's mass is
+    the top_k tokens' (renormalized), as transformers applies it; min_p is a share of
+    the top token's probability."""
+    threshold = None
+    if knobs.top_k or knobs.top_p:
+        top_k, top_p = table[:, TOP_K, None], table[:, TOP_P, None]
+        in_k = torch.arange(probs.shape[-1], device=probs.device) < top_k
+        inside = in_k
+        if knobs.top_p:
+            kept = probs * in_k if knobs.top_k else probs
+            before = kept.cumsum(dim=-1) - kept  # mass above each token
+            if knobs.top_k:  # renormalized to the top_k tokens' mass (where set)
+                before /= torch.where(top_k < torch.inf, kept.sum(dim=-1, keepdim=True), 1.0)
+            inside = in_k & (before < top_p)
+            inside[:, 0] = True  # the top token always: a top_p that rounds to 0 keeps one
+        last = inside.sum(dim=-1, keepdim=True) - 1
+        cutting = (top_k < torch.inf) | (top_p < torch.inf)
+        threshold = torch.where(cutting, probs.gather(1, last), 0.0)[:, 0]
+    if knobs.min_p:
+        floor = table[:, MIN_P] * probs[:, 0]
+        threshold = floor if threshold is None else torch.maximum(threshold, floor)
+    return threshold
+
+
+def draw(found: Candidates, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverse CDF over its kept tokens, the candidates first, at
+    `uniform` [rows] (float64, in [0, 1))."""
+    # float64: float32 sums lose the rare tokens' shares
+    cdf = torch.where(found.keep, found.probs, 0.0).double().cumsum(dim=-1)
+    inside = cdf[:, -1:]
+    uncut = ~found.cut
+    # a row with a cut: u x its kept mass, which lies strictly below that mass; an
+    # uncut row: u x the whole vocabulary's, past the candidates' for some draws
+    target = uniform[:, None] * torch.where(uncut[:, None], 1.0, inside)
+    # at most the last kept candidate (the kept ones come first): u x mass may round
+    # up to the mass itself, and an uncut row's draw past them is taken below
+    last_kept = found.keep.sum(dim=-1, keepdim=True) - 1
+    position = torch.minimum(torch.searchsorted(cdf, target, right=True), last_kept)
+    chosen = found.ids.gather(1, position)[:, 0]
+    beyond = (target[:, 0] >= inside[:, 0]) & uncut
+    if bool(beyond.any()):
+        rows = beyond.nonzero()[:, 0]
+        tail = _draw_tail(found.every[rows], found.ids[rows], target[rows] - inside[rows])
+        # no mass left past the candidates (all of the vocabulary, or underflow): the
+        # last candidate with any
+        last = (found.probs[rows] > 0).sum(dim=-1) - 1
+        fallback = found.ids[rows].gather(1, last[:, None])[:, 0]
+        chosen[rows] = torch.where(tail >= 0, tail, fallback)
+    return chosen
+
+
+def _draw_tail(probs: torch.Tensor, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Uncut rows whose draw lies past their candidates `ids`: the token at `target`
+    [rows, 1] of the mass of the others (`probs` [rows, vocab], a copy), in vocabulary
+    order (-1 where they have none)."""
+    cdf = probs.scatter_(1, ids, 0.0).double().cumsum(dim=-1)
     total = cdf[:, -1:]
-    # strictly below the total, so the first cdf above it is a token of non-zero mass
-    target = torch.minimum(uniform[:, None] * total, total.nextafter(torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True)[:, 0]
+    # strictly below the tail's mass, so the first cdf above it is a token with some
+    below = total.nextafter(torch.zeros_like(total))
+    position = torch.searchsorted(cdf, torch.minimum(target, below), right=True)
+    return torch.where(total[:, 0] > 0, position[:, 0], -1)
 
 
 class PenaltyState:
-    """Token counts of the penalized sequences, one row each (`Sequence.penalty_slot`)
-    of two pooled tensors: `counts` of each token in the output (frequency and
-    presence) and `seen` (prompt or output: repetition). A row is filled once, when
-    its sequence first samples; each step then adds the sampled tokens in one batched
-    scatter. A finished sequence's row is reused; the pool doubles when full."""
+    """What the penalties read of each penalized sequence, one row of pooled tensors
+    per sequence (`Sequence.penalty_slot`): its `tokens` (prompt and output, in order;
+    the places past its length repeat its first token, so that reading a batch's
+    widest row is harmless for the others) and `counts` [slot, vocab] of each token
+    in its output. A row is filled once, when its sequence first samples. A step
+    reads the counts only at the rows' tokens (a gather and a scatter of the logits
+    there, never a pass over the vocabulary) and adds the sampled tokens with two
+    batched scatters. A finished sequence's row is reused; the pool doubles when full."""
 
     def __init__(self, vocab_size: int, device: str) -> None:
+        self.tokens = torch.zeros(0, 0, dtype=torch.int64, device=device)
         self.counts = torch.zeros(0, vocab_size, device=device)
-        self.seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self.owners: list[Sequence | None] = []
 
     def slots(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -255,48 +376,55 @@ class PenaltyState:
                 self._assign(seq)
         return torch.tensor([seq.penalty_slot for seq in seqs], device=self.counts.device)
 
-    def apply(self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
-        """The penalties of `seqs`, rows `rows` of `logits`, in place."""
-        device = logits.device
-        weights = torch.tensor(
-            [
-                (s.params.repetition_penalty, s.params.frequency_penalty, s.params.presence_penalty)
-                for s in seqs
-            ],
-            dtype=logits.dtype,
-            device=device,
-        ).T
+    def apply(
+        self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], weights: torch.Tensor
+    ) -> None:
+        """The penalties of `seqs`, rows `rows` of `logits`, in place; `weights` [3,
+        len(rows)]: repetition, frequency and presence. A token seen twice is read and
+        written twice, with the same value."""
         slots = self.slots(seqs)
-        counts, seen = self.counts.index_select(0, slots), self.seen.index_select(0, slots)
-        if len(rows) == logits.shape[0]:
-            logits.copy_(apply_penalties(logits, counts, seen, *weights))
-        else:
-            index = torch.tensor(rows, device=device)
-            part = logits.index_select(0, index)
-            logits.index_copy_(0, index, apply_penalties(part, counts, seen, *weights))
+        width = max(seq.num_tokens for seq in seqs)
+        tokens = self.tokens.index_select(0, slots)[:, :width]
+        counts = self.counts[slots[:, None], tokens]
+        at = (torch.tensor(rows, device=logits.device)[:, None], tokens)
+        logits.index_put_(at, apply_penalties(logits[at], counts, *weights))
 
     def record(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
-        """The tokens just sampled for `seqs` (one per row) counted, for the penalized ones."""
+        """The tokens just sampled for `seqs` (one per row, not appended yet), for the
+        penalized ones."""
         rows = [row for row, seq in enumerate(seqs) if seq.penalized]
         if not rows:
             return
-        slots = self.slots([seqs[row] for row in rows])
-        tokens = tokens[rows]
+        penalized = [seqs[row] for row in rows]
+        slots, tokens = self.slots(penalized), tokens[rows]
+        places = torch.tensor([seq.num_tokens for seq in penalized], device=slots.device)
+        self.tokens.index_put_((slots, places), tokens)
         self.counts.index_put_(
             (slots, tokens), torch.ones_like(tokens, dtype=self.counts.dtype), accumulate=True
         )
-        self.seen[slots, tokens] = True
 
     def _assign(self, seq: Sequence) -> None:
         slot = self._free_slot()
         seq.penalty_slot, self.owners[slot] = slot, seq
+        self._widen(seq.num_prompt + seq.params.max_tokens)  # the most it will hold
         device = self.counts.device
+        held = torch.tensor(seq.token_ids, device=device)
+        self.tokens[slot] = held[0]
+        self.tokens[slot, : len(held)] = held
         self.counts[slot] = 0.0
-        self.seen[slot] = False
-        self.seen[slot, torch.tensor(seq.token_ids, device=device)] = True
         # the output so far (none when a sequence first samples in the engine)
-        output = torch.tensor(seq.token_ids[seq.num_prompt :], dtype=torch.int64, device=device)
-        self.counts[slot].index_add_(0, output, torch.ones_like(output, dtype=self.counts.dtype))
+        output = held[seq.num_prompt :]
+        self.counts[slot].index_put_(
+            (output,), torch.ones_like(output, dtype=self.counts.dtype), accumulate=True
+        )
+
+    def _widen(self, width: int) -> None:
+        """Room for `width` tokens per row."""
+        have, rows = self.tokens.shape[1], self.tokens.shape[0]
+        if width > have:
+            # the new places repeat each row's first token, as unused places do
+            first = self.tokens[:, :1] if have else self.tokens.new_zeros(rows, 1)
+            self.tokens = torch.cat([self.tokens, first.expand(rows, width - have)], 1)
 
     def _free_slot(self) -> int:
         for slot, owner in enumerate(self.owners):
@@ -305,12 +433,10 @@ class PenaltyState:
                     owner.penalty_slot = None
                 return slot
         slot = len(self.owners)
-        grown = max(8, 2 * slot)
-        self.counts = torch.cat(
-            [self.counts, self.counts.new_zeros(grown - slot, self.counts.shape[1])]
-        )
-        self.seen = torch.cat([self.seen, self.seen.new_zeros(grown - slot, self.seen.shape[1])])
-        self.owners += [None] * (grown - slot)
+        extra = max(8, slot)  # the pool doubles
+        self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(extra, self.tokens.shape[1])])
+        self.counts = torch.cat([self.counts, self.counts.new_zeros(extra, self.counts.shape[1])])
+        self.owners += [None] * extra
         return slot
 
 

@@ -51,6 +51,8 @@ class Sequence:
     # prompt_logprobs: one entry per prompt token after the first, gathered chunk by
     # chunk as prefill computes them; handed out with the first token
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    # a sampled sequence's next uniforms from its generator, drawn ahead in a block
+    uniforms: list[float] = field(default_factory=list)
     # structured output: the matcher of SamplingParams.grammar, advanced per token
     grammar: GrammarState | None = None
 

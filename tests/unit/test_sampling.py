@@ -17,7 +17,7 @@ import pytest
 import torch
 from batchpilot_server import sampling
 from batchpilot_server.engine_api import SamplingParams
-from batchpilot_server.sampling import Sampler, make_generator, sampling_probs
+from batchpilot_server.sampling import Knobs, Sampler, candidates, make_generator
 from batchpilot_server.sequence import Sequence, Status
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -146,32 +146,38 @@ def sampled_rows(seqs: list[Sequence]) -> list[Sequence]:
 def test_batched_processors_equal_the_per_row_reference(seqs: list[Sequence], seed: int) -> None:
     logits = random_logits(seed, len(seqs))
     batched = logits.clone()
-    Sampler(VOCAB, frozenset({EOS}), "cpu").process(batched, seqs)
+    Sampler(VOCAB, frozenset({EOS}), "cpu").process(batched, seqs, Knobs.of(seqs, "cpu"))
     for row, seq in enumerate(seqs):
         expected = reference_logits(logits[row], seq)
         torch.testing.assert_close(batched[row], expected, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("candidates", [4, sampling.CANDIDATES])
+@pytest.mark.parametrize("width", [4, sampling.CANDIDATES])
 @EXAMPLES
 @given(rows(), st.integers(0, 2**32))
 def test_top_k_top_p_min_p_keep_what_the_reference_keeps(
-    candidates: int, seqs: list[Sequence], seed: int
+    width: int, seqs: list[Sequence], seed: int
 ) -> None:
-    """Also with a first search of 4 candidates, which every deep top_p widens."""
+    """Also with a first search of 4 candidates, which every deep cut widens."""
     seqs = sampled_rows(seqs)
     if not seqs:
         return
     logits = random_logits(seed, len(seqs))
-    with mock.patch.object(sampling, "CANDIDATES", candidates):
-        probs = sampling_probs(logits, [seq.params for seq in seqs])
+    scaled = logits / torch.tensor([[seq.params.temperature] for seq in seqs])
+    knobs = Knobs.of(seqs, "cpu")
+    with mock.patch.object(sampling, "CANDIDATES", width):
+        found = candidates(scaled, knobs.table, knobs)
     for row, seq in enumerate(seqs):
         keep, edge = reference_keep(logits[row], seq.params)
-        full = torch.softmax(logits[row] / seq.params.temperature, dim=-1)
-        expected = torch.where(keep, full, 0.0)
-        settled = ~edge
-        torch.testing.assert_close(probs[row][settled], expected[settled], rtol=0, atol=1e-7)
-        assert probs[row].sum() > 0
+        full = torch.softmax(scaled[row], dim=-1)
+        ids = found.ids[row]
+        torch.testing.assert_close(found.probs[row], full[ids], rtol=1e-5, atol=1e-7)
+        if found.cut[row]:
+            ours = torch.zeros(VOCAB, dtype=torch.bool)
+            ours[ids[found.keep[row]]] = True
+        else:
+            ours = torch.ones(VOCAB, dtype=torch.bool)
+        assert ((ours == keep) | edge).all(), f"row {row}: {seq.params}"
 
 
 @EXAMPLES
@@ -180,7 +186,7 @@ def test_a_step_picks_the_greedy_argmax_and_draws_inside_the_kept_set(
     seqs: list[Sequence], seed: int
 ) -> None:
     logits = random_logits(seed, len(seqs))
-    sampled = Sampler(VOCAB, frozenset({EOS}), "cpu").sample(logits, seqs)
+    sampled = Sampler(VOCAB, frozenset({EOS}), "cpu").sample(logits.clone(), seqs)
     raw = torch.log_softmax(logits, dim=-1)
     for row, seq in enumerate(seqs):
         token = sampled.tokens[row]
@@ -202,7 +208,7 @@ def test_plain_greedy_rows_are_the_argmax_of_the_raw_logprobs(seed: int, count: 
         for row in range(count)
     ]
     logits = random_logits(seed, count)
-    sampled = Sampler(VOCAB, frozenset({EOS}), "cpu").sample(logits, seqs)
+    sampled = Sampler(VOCAB, frozenset({EOS}), "cpu").sample(logits.clone(), seqs)
     raw = torch.log_softmax(logits, dim=-1)
     for row in range(0, count, 2):
         assert sampled.tokens[row] == int(raw[row].argmax())
@@ -234,14 +240,24 @@ def test_a_seeded_row_draws_the_same_tokens_whatever_shares_its_steps(
     assert len(set(alone)) > 1  # it did sample
 
 
-def test_draws_follow_the_distribution() -> None:
-    """20,000 seeded draws from a fixed distribution land within 1.5 points of it."""
-    probs = torch.tensor([[0.5, 0.25, 0.0, 0.15, 0.1]]).repeat(20_000, 1)
-    generators = [torch.Generator().manual_seed(n) for n in range(20_000)]
-    drawn = sampling.draw(probs, generators)
-    shares = torch.bincount(drawn, minlength=5) / 20_000
-    assert shares[2] == 0
-    torch.testing.assert_close(shares, probs[0], rtol=0, atol=0.015)
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_draws_follow_the_distribution(top_k: int) -> None:
+    """20,000 seeded draws from a fixed distribution land within 1.5 points of it (of
+    its top 3, renormalized, with top_k 3): through the two candidates searched first
+    and, for the draws past them, the rest of the vocabulary."""
+    probs = torch.tensor([0.3, 0.05, 0.0, 0.25, 0.1, 0.15, 0.0, 0.1, 0.05])
+    draws = 20_000
+    scaled = probs.log().repeat(draws, 1)
+    knobs = Knobs.of(
+        [sequence(SamplingParams(max_tokens=1, temperature=1.0, top_k=top_k), [1])] * draws, "cpu"
+    )
+    uniform = torch.rand(draws, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with mock.patch.object(sampling, "CANDIDATES", 2):
+        drawn = sampling.draw(candidates(scaled, knobs.table, knobs), uniform)
+    shares = torch.bincount(drawn, minlength=len(probs)) / draws
+    expected = probs if not top_k else torch.where(probs >= 0.15, probs, 0.0) / 0.7
+    assert shares[expected == 0].sum() == 0
+    torch.testing.assert_close(shares, expected, rtol=0, atol=0.015)
 
 
 @EXAMPLES
@@ -311,11 +327,11 @@ def test_penalty_counts_stay_right_as_sequences_come_and_go(
     for step in range(8):
         logits = random_logits(seed + step, len(running))
         processed = logits.clone()
-        sampler.process(processed, running)
+        sampler.process(processed, running, Knobs.of(running, "cpu"))
         for row, seq in enumerate(running):
             expected = reference_logits(logits[row], seq)
             torch.testing.assert_close(processed[row], expected, rtol=1e-6, atol=1e-6)
-        for seq, token in zip(running, sampler.sample(logits, running).tokens, strict=True):
+        for seq, token in zip(running, sampler.sample(logits.clone(), running).tokens, strict=True):
             seq.token_ids.append(token)
         running[0].status = Status.FINISHED
         running = [*running[1:], pending.pop(0)]
@@ -328,7 +344,7 @@ def test_top_logprobs_are_the_raw_distributions_best() -> None:
         for k in (None, 0, 1, 5)
     ]
     logits = random_logits(7, len(seqs))
-    sampled = Sampler(VOCAB, frozenset({EOS}), "cpu").sample(logits, seqs)
+    sampled = Sampler(VOCAB, frozenset({EOS}), "cpu").sample(logits.clone(), seqs)
     raw = torch.log_softmax(logits, dim=-1)
     assert sampled.top_logprobs[:2] == [(), ()]
     for row, k in ((2, 1), (3, 5)):
