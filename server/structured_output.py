@@ -336,8 +336,9 @@ def mask_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> 
     bitmask = xgr.allocate_token_bitmask(len(rows), vocab.size)
     _BATCH.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask)  # type: ignore[union-attr]
     device = logits.device
+    every = len(rows) == logits.shape[0]  # the common case: no copy in and out
     index = torch.tensor(rows, device=device)
-    part = logits.index_select(0, index)
+    part = logits if every else logits.index_select(0, index)
     xgr.apply_token_bitmask_inplace(part, bitmask.to(device), vocab_size=vocab.size)
     part[:, vocab.size :] = -torch.inf  # ids past the tokenizer's vocabulary (padding)
     part[:, vocab.forbidden.to(device)] = -torch.inf
@@ -350,7 +351,8 @@ def mask_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> 
     )
     if vocab.closers and bool(closing.any()):
         _close(part, bitmask.to(device), torch.tensor(vocab.closers, device=device), closing)
-    logits.index_copy_(0, index, part)
+    if not every:
+        logits.index_copy_(0, index, part)
     states[0].observe(time.perf_counter() - began)  # type: ignore[union-attr]
 
 
