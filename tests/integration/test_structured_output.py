@@ -202,3 +202,37 @@ def test_a_compile_past_its_time_limit_is_a_400(
     with pytest.raises(openai.BadRequestError):
         _ask(client, _schema_format(schema))
     assert _ask(client, {"type": "json_object"}).choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_parses_a_call_the_model_writes(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    # the model made to write Llama 3.1's JSON call by a schema: tool_choice "auto" must
+    # find it in the text (Hermes tags are covered by tests/unit/test_tool_calls.py)
+    call_schema = {
+        "type": "object",
+        "properties": {
+            "name": {"const": "weather"},
+            "arguments": WEATHER["function"]["parameters"],
+        },
+        "required": ["name", "arguments"],
+    }
+    answer = client.chat.completions.create(
+        model=client.served,  # type: ignore[attr-defined]
+        messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="auto",
+        response_format=_schema_format(call_schema),  # type: ignore[arg-type]
+        max_tokens=200,
+        stream=stream,
+    )
+    chunks = list(answer) if stream else []
+    if stream:
+        calls = [c for chunk in chunks for ch in chunk.choices for c in ch.delta.tool_calls or []]
+        reason = [ch.finish_reason for chunk in chunks for ch in chunk.choices][-1]
+    else:
+        calls, reason = answer.choices[0].message.tool_calls or [], answer.choices[0].finish_reason
+    assert reason == "tool_calls"
+    assert [call.function.name for call in calls] == ["weather"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
