@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any, Protocol
 
@@ -50,11 +50,14 @@ from batchpilot_server.protocol import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    DeltaToolCall,
     DetokenizeResponse,
+    FunctionCall,
     Limits,
     ModelCard,
     ModelList,
     TokenizeResponse,
+    ToolCall,
     Usage,
     VersionResponse,
     invalid,
@@ -78,7 +81,9 @@ from batchpilot_server.protocol_parse import (
     read_detokenize,
     read_tokenize,
 )
+from batchpilot_server.structured_output import StructuredOutput
 from batchpilot_server.tokenizer import ChatTemplate, Tokenizer
+from batchpilot_server.tool_calls import ParsedCall, ToolCallStream, parse_tool_calls
 from pydantic import BaseModel
 
 log = logging.getLogger("batchpilot.server")
@@ -153,6 +158,8 @@ class ServerState:
     api_key: Callable[[], str] | None = None  # the OpenAI routes' bearer key; None: open
     chat_template: str | None = None  # --chat-template: replaces the model's at start
     defaults: GenerationDefaults = MODEL_NEUTRAL
+    # response_format and forced tool calls: compiled once the engine has its tokenizer
+    structured: StructuredOutput | None = None
     config_version: int = 1  # of the engine's config: increases with every accepted PUT
     ready: bool = False
     draining: bool = False
@@ -249,6 +256,8 @@ async def _start_engine(app: web.Application) -> None:
         tokenizer = state.engine.tokenizer  # loaded by start
         special = tokenizer.chat_template.special_tokens
         tokenizer.chat_template = ChatTemplate(state.chat_template, special)
+    phases = state.metrics.structured_output
+    state.structured = StructuredOutput(state.engine.tokenizer, phases["compile"], phases["mask"])
     state.ready = True
 
 
@@ -256,6 +265,8 @@ async def _stop_engine(app: web.Application) -> None:
     state = app[STATE]
     state.ready = False
     await state.engine.shutdown()
+    if state.structured is not None:
+        state.structured.close()
 
 
 # --- errors ------------------------------------------------------------------
@@ -397,6 +408,11 @@ async def _generate(
             outcome="rejected",
         )
     parsed = reader(await read_json(request), _served(state))
+    if parsed.grammar is not None:
+        # before submit, in a worker thread: the engine thread only masks
+        assert state.structured is not None  # set once the engine started
+        grammar = await state.structured.compile(parsed.grammar)
+        parsed = replace(parsed, params=replace(parsed.params, grammar=grammar))
     generation = Generation(state, parsed, arrival, answer_format.id_prefix)
     try:
         if parsed.stream:
@@ -436,6 +452,8 @@ class Generation:
         self._first_token = True
         # the next event of each unfinished choice, awaited together
         self._pending: dict[asyncio.Task[TokenEvent], int] = {}
+        # streamed with tools: each choice's text held back where it may be a call
+        self._tool_streams: list[ToolCallStream] = []
         try:
             for index, prompt, params in parsed.sequences():
                 self.outputs.append(
@@ -450,6 +468,8 @@ class Generation:
                         output=parsed.output,
                     )
                 )
+                if parsed.tool_names and parsed.stream:
+                    self._tool_streams.append(ToolCallStream(parsed.tool_names))
                 self._streams.append(self._submit(prompt.ids, params))
                 state.metrics.prompt_tokens.inc(len(prompt.ids))
         except ApiError:
@@ -535,6 +555,14 @@ class Generation:
         metrics.generation_tokens.inc()
         output = self.outputs[index]
         delta = output.feed(event)
+        if self._tool_streams:
+            tools = self._tool_streams[index]
+            delta.text = tools.feed(delta.text)
+            if delta.finish_reason is not None:
+                rest, delta.tool_calls = tools.finish()
+                delta.text += rest
+                if delta.tool_calls:
+                    delta.finish_reason = "tool_calls"
         if output.finish_reason is not None:
             self._streams[index].cancel()  # a stop string ends it before the engine does
             metrics.request_generation_tokens.observe(output.completion_tokens)
@@ -628,15 +656,23 @@ class ChatFormat:
     id_prefix = "chatcmpl"
 
     def answer(self, generation: Generation) -> ChatCompletion:
-        choices = [
-            ChatChoice(
-                index=output.index,
-                message=ChatCompletionMessage(content=output.text),
-                logprobs=self._logprobs(generation, output.entries),
-                finish_reason=output.finish_reason,
+        choices = []
+        for output in generation.outputs:
+            content: str | None = output.text
+            calls: tuple[ParsedCall, ...] = ()
+            if generation.parsed.tool_names:
+                parsed = parse_tool_calls(output.text, generation.parsed.tool_names)
+                content, calls = parsed.content, parsed.calls
+            choices.append(
+                ChatChoice(
+                    index=output.index,
+                    message=ChatCompletionMessage(
+                        content=content, tool_calls=[_tool_call(call) for call in calls]
+                    ),
+                    logprobs=self._logprobs(generation, output.entries),
+                    finish_reason="tool_calls" if calls else output.finish_reason,
+                )
             )
-            for output in generation.outputs
-        ]
         return ChatCompletion(**_identity(generation), choices=choices, usage=generation.usage())
 
     def opening(self, generation: Generation) -> list[BaseModel]:
@@ -658,9 +694,13 @@ class ChatFormat:
     def event(
         self, generation: Generation, delta: ChoiceDelta, usage: Usage | None = None
     ) -> ChatCompletionChunk:
+        calls = [
+            DeltaToolCall(index=i, id=call.id, function=_function(call))
+            for i, call in enumerate(delta.tool_calls)
+        ]
         choice = ChatChunkChoice(
             index=delta.index,
-            delta=ChatDelta(content=delta.text),
+            delta=ChatDelta(content=delta.text, tool_calls=calls),
             logprobs=self._logprobs(generation, delta.entries),
             finish_reason=delta.finish_reason,
         )
@@ -675,6 +715,14 @@ class ChatFormat:
         if k is None:
             return None
         return chat_logprobs(entries, generation.speller, k)
+
+
+def _function(call: ParsedCall) -> FunctionCall:
+    return FunctionCall(name=call.name, arguments=call.arguments)
+
+
+def _tool_call(call: ParsedCall) -> ToolCall:
+    return ToolCall(id=call.id, function=_function(call))
 
 
 COMPLETION_FORMAT = CompletionFormat()

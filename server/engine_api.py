@@ -24,8 +24,8 @@ carries the reason).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.model_presets import default_served_name
@@ -100,6 +100,13 @@ class SamplingParams:
     logprobs: int | None = None
     # the prompt's own log-probabilities (completions `echo`), with this many top tokens
     prompt_logprobs: int | None = None
+    # structured output: a compiled grammar (structured_output.Grammar) whose `start()`
+    # gives each sequence its matcher; the sampler masks what it forbids
+    grammar: Grammar | None = field(default=None, compare=False)
+
+
+class Grammar(Protocol):
+    def start(self) -> Any: ...
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,9 @@ PREFIX_CACHE_QUERIES_TOTAL = "batchpilot_prefix_cache_queries_total"
 PREFIX_CACHE_HITS_TOTAL = "batchpilot_prefix_cache_hits_total"
 # label state: token positions of executed batches by what they were for (scheduler.SlotSteps)
 BATCH_SLOT_STEPS_TOTAL = "batchpilot_batch_slot_steps_total"
+# label phase: compile (a schema, in the request handler) | mask (one step's grammar rows)
+STRUCTURED_OUTPUT = "batchpilot_structured_output_seconds"
+STRUCTURED_OUTPUT_PHASES = ("compile", "mask")
 CONFIG_MAX_BATCH_SIZE = "batchpilot_config_max_batch_size"
 CONFIG_BATCH_TIMEOUT = "batchpilot_config_batch_timeout_seconds"
 

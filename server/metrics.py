@@ -125,6 +125,18 @@ class ServerMetrics:
         self.slot_steps = {
             state: slot_steps.labels(**self._values, state=state) for state in names.SLOT_STATES
         }
+        structured = Histogram(
+            names.STRUCTURED_OUTPUT,
+            "Structured output's cost: compiling a schema (phase compile, once per schema "
+            "text) and masking one step's grammar rows (phase mask).",
+            [*labels, "phase"],
+            buckets=STEP_BUCKETS,
+            registry=self.registry,
+        )
+        self.structured_output = {
+            phase: structured.labels(**self._values, phase=phase)
+            for phase in names.STRUCTURED_OUTPUT_PHASES
+        }
         self.arrivals = counter(names.REQUESTS_ARRIVED_TOTAL, "Generation requests arrived.")
         self.prompt_tokens = counter(names.PROMPT_TOKENS_TOTAL, "Prompt tokens admitted.")
         self.generation_tokens = counter(names.GENERATION_TOKENS_TOTAL, "Tokens generated.")

@@ -65,7 +65,14 @@ def component_schemas() -> tuple[dict[str, Any], dict[str, Any]]:
         adapters,  # type: ignore[arg-type]
         ref_template="#/components/schemas/{model}",
     )
-    return {name: ref for (name, _), ref in refs.items()}, definitions["$defs"]
+    schemas = definitions["$defs"]
+    # what protocol_parse checks beyond the model: only an assistant turn may have no
+    # content (a fuzzer that reads the document then sends conversations that pass)
+    schemas["ChatMessage"]["anyOf"] = [
+        {"properties": {"role": {"const": "assistant"}}},
+        {"properties": {"content": {"not": {"type": "null"}}}, "required": ["content"]},
+    ]
+    return {name: ref for (name, _), ref in refs.items()}, schemas
 
 
 def _ref(name: str) -> dict[str, Any]:

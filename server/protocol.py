@@ -290,13 +290,52 @@ class Tool(Lenient):
     function: FunctionDefinition
 
 
-# "required" and a named tool need decoding constrained to a call: not yet supported
-ToolChoice = Literal["none", "auto"]
+class NamedFunction(Lenient):
+    name: NonEmptyText
+
+
+class NamedToolChoice(Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def _choice_kind(value: Any) -> str | None:
+    return "<string>" if isinstance(value, str) else "<object>"
+
+
+# "required" and a named tool: decoding constrained to a call (structured_output.py)
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("<string>")]
+    | Annotated[NamedToolChoice, Tag("<object>")],
+    Discriminator(
+        _choice_kind,
+        custom_error_type="invalid_type",
+        custom_error_message='must be "none", "auto", "required" or '
+        '{"type": "function", "function": {"name": ...}}',
+    ),
+]
+FunctionCallChoice = Annotated[
+    Annotated[Literal["none", "auto"], Tag("<string>")] | Annotated[NamedFunction, Tag("<object>")],
+    Discriminator(
+        _choice_kind,
+        custom_error_type="invalid_type",
+        custom_error_message='must be "none", "auto" or {"name": ...}',
+    ),
+]
+
+
+class JsonSchemaFormat(Lenient):
+    name: Annotated[Text, Field(min_length=1, max_length=64)]
+    description: Text | None = None
+    schema_: Json | None = Field(
+        None, alias="schema", description="The JSON schema the output matches (null: any object)."
+    )
+    strict: bool | None = Field(None, description="Honoured either way: no extra properties.")
 
 
 class ResponseFormat(Lenient):
-    # json_object and json_schema need grammar-constrained decoding: not yet supported
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = Field(None, description="With type json_schema.")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -309,13 +348,13 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="With logprobs.")
     tools: list[Tool] | None = Field(None, description="Rendered by the chat template.")
     tool_choice: ToolChoice | None = Field(
-        None, description='"none" or "auto" ("required" and a named tool: not supported).'
+        None, description='"required" and a named tool constrain the output to a call.'
     )
     parallel_tool_calls: bool | None = None
     functions: list[FunctionDefinition] | None = Field(None, description="Rendered as tools.")
-    function_call: ToolChoice | None = Field(None, description='"none" or "auto".')
+    function_call: FunctionCallChoice | None = Field(None, description="Older tool_choice.")
     response_format: ResponseFormat | None = Field(
-        None, description='Only {"type": "text"}: json_object and json_schema not supported.'
+        None, description="json_object and json_schema: grammar-constrained output."
     )
     # accepted whatever their value: hints that change nothing this server computes
     metadata: dict[Text, Text] | None = None
@@ -425,16 +464,20 @@ class ChatLogprobs(BaseModel):
     refusal: None = None
 
 
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
+
+
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda calls: not calls)
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatCompletionMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletion(BaseModel):
@@ -446,16 +489,26 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class DeltaToolCall(BaseModel):
+    """A streamed tool call: whole in one delta (id, name and arguments at once)."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(None, exclude_if=lambda role: role is None)
     content: str | None = Field(None, exclude_if=lambda content: content is None)
+    tool_calls: list[DeltaToolCall] | None = Field(None, exclude_if=lambda calls: not calls)
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -9,10 +9,12 @@ of tokens).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from batchpilot_server.engine_api import FinishReason, PromptLogprob, TokenEvent
 from batchpilot_server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 from batchpilot_server.tokenizer import Tokenizer
+from batchpilot_server.tool_calls import ParsedCall
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,9 @@ class ChoiceDelta:
     index: int
     text: str
     entries: list[LogprobEntry] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
+    # "tool_calls": the chat choice ended on tool calls (tool_calls.py parsed them)
+    finish_reason: FinishReason | Literal["tool_calls"] | None = None
+    tool_calls: tuple[ParsedCall, ...] = ()
     # text_offset of the first entry: the length of the choice's text before it
     offset: int = 0
 

@@ -12,6 +12,9 @@ step's other such rows (vLLM's order):
    a token seen in the prompt or the output is divided by the penalty if positive,
    multiplied if negative), then frequency and presence (OpenAI's: minus count x
    frequency_penalty + presence_penalty over the output tokens so far);
+3b. structured output: the tokens each grammar row's matcher forbids at -inf, one
+   bitmask for the step's grammar rows (structured_output.mask_logits), EOS among
+   them until the grammar is complete; the chosen token then advances the matcher;
 4. a greedy row takes the argmax; a sampled row divides by its temperature, keeps
    (transformers' order) the top_k most probable tokens, the smallest most-probable
    prefix whose mass reaches top_p and the tokens of at least min_p x the top one's
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from batchpilot_server.engine_api import GREEDY_BELOW_TEMPERATURE, PromptLogprob, SamplingParams
 from batchpilot_server.sequence import Sequence, Status, TopLogprobs
+from batchpilot_server.structured_output import mask_logits
 
 # top_k and top_p cut among this many most probable tokens first (torch.topk, far
 # cheaper than sorting a 50k-100k vocabulary per row); a row whose top_p mass lies
@@ -78,6 +82,7 @@ class Sampler:
             self.process(logits, seqs, knobs)
             self.choose(logits, knobs, chosen)
             self.penalties.record(seqs, chosen)
+            accept_grammar_tokens(seqs, chosen)
         picked_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
         return Sampled(chosen.tolist(), picked_logprobs.tolist(), step_top_logprobs(logprobs, seqs))
 
@@ -89,6 +94,9 @@ class Sampler:
             penalized = [seqs[row] for row in knobs.penalized]
             weights = knobs.rows(knobs.penalized)[:, REPETITION:].T
             self.penalties.apply(logits, knobs.penalized, penalized, weights)
+        constrained = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+        if constrained:
+            mask_logits(logits, constrained, [seqs[row] for row in constrained])
 
     @staticmethod
     @torch.inference_mode()
@@ -136,6 +144,14 @@ class Sampler:
 
     def _stops(self, params: SamplingParams) -> tuple[int, ...]:
         return params.stop_token_ids if params.ignore_eos else params.stop_token_ids + self.eos
+
+
+def accept_grammar_tokens(seqs: list[Sequence], tokens: torch.Tensor) -> None:
+    """Each grammar row's matcher advanced with the token it just chose."""
+    if any(seq.grammar is not None for seq in seqs):
+        for seq, token in zip(seqs, tokens.tolist(), strict=True):
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
 
 
 # the columns of Knobs.table

@@ -17,6 +17,7 @@ from batchpilot_server.engine_api import (
 
 if TYPE_CHECKING:
     import torch
+    from batchpilot_server.structured_output import GrammarState
 
 # per generated token: the most likely (token id, logprob) it asked for, best first
 TopLogprobs = tuple[tuple[int, float], ...]
@@ -58,9 +59,13 @@ class Sequence:
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     # a sampled sequence's next uniforms from its generator, drawn ahead in a block
     uniforms: list[float] = field(default_factory=list)
+    # structured output: the matcher of SamplingParams.grammar, advanced per token
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
+        if self.params.grammar is not None:
+            self.grammar = self.params.grammar.start()
 
     @property
     def num_tokens(self) -> int:
@@ -103,7 +108,8 @@ class Sequence:
     def always_processed(self) -> bool:
         """The sampler changes this row's logits or draws from them at every step (else
         only while min_tokens holds its stops back: plain greedy, the fast path)."""
-        return self.sampled or self.penalized or bool(self.params.logit_bias)
+        p = self.params
+        return self.sampled or self.penalized or bool(p.logit_bias) or p.grammar is not None
 
     @property
     def holds_stops(self) -> bool:
