@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -41,11 +40,9 @@ import aiohttp
 import model_refs
 import numpy as np
 from batchpilot_server import metric_names as names
-from batchpilot_tools.demo.supervisor import stop_process
-from batchpilot_tools.prometheus_local import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from sections import replace_section
-from serve import _wait_ready
+from serve import serve_process
 from tokenizers import Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,24 +165,17 @@ async def measure(url: str, system: str, args: argparse.Namespace) -> dict[str, 
 @contextmanager
 def batchpilot(args: argparse.Namespace, caching: bool) -> Iterator[str]:
     """A real `batchpilot serve` process, with the prefix cache or without; always stopped."""
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "batchpilot_server.cli", "serve", "--model", args.ref.source,
-        "--mode", "continuous", "--port", str(port), "--device", "cpu",
+    flags = [
+        "--model", args.ref.source, "--mode", "continuous", "--device", "cpu",
         "--kv-cache-mb", str(args.kv_cache_mb), "--max-model-len", "2048",
         "--queue-timeout-s", "1800",
     ]  # fmt: skip
     if args.threads:
-        cmd += ["--threads", str(args.threads)]
+        flags += ["--threads", str(args.threads)]
     if not caching:
-        cmd.append("--no-prefix-caching")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(url, proc)
+        flags.append("--no-prefix-caching")
+    with serve_process(flags) as url:
         yield url
-    finally:
-        stop_process(proc)
 
 
 def render(results: dict[str, Any], args: argparse.Namespace) -> str:

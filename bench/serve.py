@@ -60,14 +60,20 @@ def server(
     mode: Mode, args: argparse.Namespace, max_batch: int, timeout_ms: float
 ) -> Iterator[str]:
     """A real `batchpilot serve` process; always stopped."""
-    port = free_port()
-    cmd = [
-        sys.executable, "-m", "batchpilot_server.cli", "serve", "--model", args.ref.source,
-        "--mode", mode, "--max-batch-size", str(max_batch),
+    with serve_process([
+        "--model", args.ref.source, "--mode", mode, "--max-batch-size", str(max_batch),
         "--batch-timeout-ms", str(timeout_ms), "--max-queue-size", "4096",
-        "--port", str(port), "--device", args.device, "--threads", str(args.threads),
+        "--device", args.device, "--threads", str(args.threads),
         "--kv-cache-mb", str(args.kv_cache_mb),
-    ]  # fmt: skip
+    ]) as url:  # fmt: skip
+        yield url
+
+
+@contextmanager
+def serve_process(flags: list[str]) -> Iterator[str]:
+    """`batchpilot serve FLAGS` on a free port, once ready; always stopped. Yields its URL."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "batchpilot_server.cli", "serve", *flags, "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
