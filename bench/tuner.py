@@ -39,8 +39,9 @@ import aiohttp
 import numpy as np
 import tuner_fleet as fleet
 from batchpilot_operator.actuators import get_batching
+from batchpilot_operator.slo import Slo
 from batchpilot_operator.tune_local import TuneOptions, tune_loop
-from batchpilot_operator.tuner import Cadence, Goal, Slo
+from batchpilot_operator.tuner import Cadence, Goal
 from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_tools.demo.supervisor import ServerProcess, stop_process, wait_ready
 from batchpilot_tools.loadgen import LengthDist, LoadReport, LoadSpec, run_load
@@ -271,7 +272,7 @@ Job = tuple[Scenario, SimOptions, StepCurve, int]
 
 
 def knob_jobs(curve: StepCurve, setup: Setup, seed: int, duration_s: float) -> list[Job]:
-    slo = Slo(p99_latency_s=setup.slo_s)
+    slo = Slo(e2e_s=setup.slo_s)
     jobs: list[Job] = []
     for scenario, mode in _knob_plan(setup, duration_s):
         base = SimOptions(mode=mode, config=BatchingConfig(), goal=Goal(slo), cadence=CADENCE)
@@ -541,7 +542,7 @@ async def _real(seconds: float, workdir: Path) -> dict[str, Any]:
             ]
             stop = asyncio.Event()
             options = TuneOptions(
-                servers=(servers[1].url,), goal=Goal(Slo(REAL_SLO_S)),
+                servers=(servers[1].url,), goal=Goal(Slo(e2e_s=REAL_SLO_S)),
                 cadence=Cadence(REAL_INTERVAL_S, REAL_WINDOW_S), token=REAL_TOKEN,
                 min_requests=30,
             )

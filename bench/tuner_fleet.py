@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 from batchpilot_operator.replica_rule import ReplicaBounds
-from batchpilot_operator.tuner import Cadence, Goal, Slo
+from batchpilot_operator.slo import Slo
+from batchpilot_operator.tuner import Cadence, Goal
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_tools.simulator import Scenario, SimOptions, SimResult, StepCurve, static
 from hpa import HpaRule
@@ -74,7 +75,7 @@ def fleet_scenarios(setup: FleetSetup, duration_s: float) -> list[Scenario]:
 
 def rule_options(rule: str, setup: FleetSetup, cadence: Cadence) -> SimOptions:
     bounds = ReplicaBounds(1, MAX_REPLICAS)
-    slo = Slo(setup.slo_s)
+    slo = Slo(e2e_s=setup.slo_s)
     base = SimOptions(mode="continuous", config=BatchingConfig(), goal=Goal(slo), cadence=cadence)
     if rule == "batchpilot":
         return replace(base, goal=Goal(slo, replicas=bounds))

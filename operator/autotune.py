@@ -56,8 +56,9 @@ from batchpilot_operator.scaler import KubernetesScaler
 from batchpilot_operator.signals import Signals, no_data
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_policy
 from batchpilot_operator.signals_scrape import ScrapeSource
+from batchpilot_operator.slo import Slo
 from batchpilot_operator.spec import PolicySpec, SpecError, parse_spec
-from batchpilot_operator.tuner import Decision, Slo
+from batchpilot_operator.tuner import Decision
 from batchpilot_operator.tuning_loop import PlugPoints, SignalSource, TuneStep, TuningLoop
 
 RETRY_SECONDS = 10.0
@@ -116,11 +117,11 @@ def conditions(signals: Signals, slo: Slo, decision: Decision) -> list[dict[str,
         slo_met = {"status": "Unknown", "reason": reason,
                    "message": signals.detail or "no p99 in the window"}
     else:
-        met = p99 <= slo.p99_latency_s
+        met = p99 <= slo.e2e_s
         slo_met = {
             "status": "True" if met else "False",
             "reason": "WithinSLO" if met else "AboveSLO",
-            "message": f"p99 {p99 * 1000:.0f} ms, SLO {slo.p99_latency_s * 1000:.0f} ms",
+            "message": f"p99 {p99 * 1000:.0f} ms, SLO {slo.e2e_s * 1000:.0f} ms",
         }
     tuning = {"status": "True", "reason": "Enabled",
               "message": f"{decision.action}: {decision.reason}"}

@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from batchpilot_operator.signals import Signals
-from batchpilot_operator.tuner import Slo
+from batchpilot_operator.slo import Slo
 from batchpilot_server.batching_config import Mode
 
 SINCE_SWITCH_CAP = 1000
@@ -124,7 +124,7 @@ def favoured(workload: Workload, current: Mode, slo: Slo, params: ModeParams) ->
     occupancy_limit = params.leave_occupancy if in_dynamic else params.enter_occupancy
     # Dynamic's own p99 is measured once it runs; before, continuous's is scaled by its cost.
     dynamic_p99 = workload.p99_s if in_dynamic else workload.p99_s * params.p99_cost
-    room = (1 - params.band) * slo.p99_latency_s
+    room = (1 - params.band) * slo.e2e_s
     if workload.spread > spread_limit:
         return "continuous", (
             f"output lengths vary (p90/p50 {workload.spread:.2f} > {spread_limit:g}): "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 SignalStatus = Literal["ok", "no_data", "too_little_traffic", "no_traffic"]
@@ -51,6 +51,29 @@ class Signals:
     arrival_rate: float | None = None
     busy_s_per_token: float | None = None
     pods: int = 0  # 0: the source could not tell
+    # The LLM SLO's view: p99 time to first token and p99 per-request time per output
+    # token (seconds), and the pods' exact per-request judgement over the window
+    # (`batchpilot_requests_slo_total`): requests judged, requests that met every
+    # target, and misses per target (ttft, tpot, e2e). None: no series.
+    ttft_p99_s: float | None = None
+    tpot_p99_s: float | None = None
+    slo_judged: float | None = None
+    slo_met: float | None = None
+    slo_missed: dict[str, float] = field(default_factory=dict)
+    # Attainment over the SLO's longer budget window (None: not measured), for the
+    # error budget left.
+    budget_attainment: float | None = None
+    # Prompt tokens per finished request: the median, the 90th and the 99th percentile.
+    prompt_tokens_p50: float | None = None
+    prompt_tokens_p90: float | None = None
+    prompt_tokens_p99: float | None = None
+    # The step-time model's inputs, summed over the pods for the window: engine steps,
+    # their seconds, decode rows, prompt tokens computed, KV tokens attended.
+    steps: float | None = None
+    step_seconds: float | None = None
+    step_decode_rows: float | None = None
+    step_prefill_tokens: float | None = None
+    step_kv_tokens: float | None = None
     detail: str = ""  # why the status is not ok, for humans
 
     @property
@@ -88,6 +111,13 @@ class Signals:
         if self.busy_s_per_token is None or self.pods <= 0:
             return None
         return self.busy_s_per_token * self.tokens_per_s / self.pods
+
+    @property
+    def attainment(self) -> float | None:
+        """The share of the window's judged requests that met every target."""
+        if not self.slo_judged or self.slo_met is None:
+            return None
+        return self.slo_met / self.slo_judged
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

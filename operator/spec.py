@@ -20,7 +20,8 @@ from pathlib import PurePosixPath
 from typing import Any, Literal, cast
 
 from batchpilot_operator.replica_rule import ReplicaBounds
-from batchpilot_operator.tuner import KV_HIGH_WATERMARK, Bounds, Cadence, Goal, Slo
+from batchpilot_operator.slo import KV_HIGH_WATERMARK, Slo
+from batchpilot_operator.tuner import Bounds, Cadence, Goal
 from batchpilot_server.batching_config import (
     MAX_BATCH_SIZE_LIMIT,
     MAX_BATCH_TIMEOUT_MS,
@@ -131,7 +132,10 @@ class PolicySpec:
 
     @property
     def goal(self) -> Goal:
-        slo = Slo(self.p99_latency_ms / 1000.0, self.autotune.kv_high_watermark)
+        slo = Slo(
+            e2e_s=self.p99_latency_ms / 1000.0,
+            kv_high_watermark=self.autotune.kv_high_watermark,
+        )
         return Goal(slo, self.batching.bounds, replicas=self.autoscale)
 
     @property

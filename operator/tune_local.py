@@ -27,7 +27,8 @@ from batchpilot_operator.actuators import LocalActuator, get_batching
 from batchpilot_operator.signals import MIN_REQUESTS_PER_WINDOW
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_instances
 from batchpilot_operator.signals_scrape import ScrapeSource
-from batchpilot_operator.tuner import KV_HIGH_WATERMARK, Bounds, Cadence, Goal, Slo
+from batchpilot_operator.slo import KV_HIGH_WATERMARK, Slo
+from batchpilot_operator.tuner import Bounds, Cadence, Goal
 from batchpilot_operator.tuning_loop import PlugPoints, Scaler, TuneStep, TuningLoop
 from batchpilot_server.batching_config import BatchingConfig, ConfigError
 
@@ -232,7 +233,7 @@ def options_from_args(args: argparse.Namespace) -> TuneOptions:
     return TuneOptions(
         servers=tuple(args.server),
         goal=Goal(
-            Slo(args.slo_p99_ms / 1000.0, args.kv_high_watermark),
+            Slo(e2e_s=args.slo_p99_ms / 1000.0, kv_high_watermark=args.kv_high_watermark),
             Bounds(args.min_batch, args.max_batch, args.min_timeout_ms, args.max_timeout_ms),
         ),
         cadence=Cadence(args.interval, args.window),

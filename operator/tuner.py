@@ -48,6 +48,7 @@ from batchpilot_operator.capacity_model import (
 )
 from batchpilot_operator.replica_rule import SCALE_OUT_UTILISATION, Capacity, ReplicaBounds
 from batchpilot_operator.signals import Signals
+from batchpilot_operator.slo import Slo
 from batchpilot_server.batching_config import BatchingConfig
 
 Action = Literal[
@@ -59,10 +60,6 @@ Action = Literal[
     "shrink_timeout",
     "grow_timeout",
 ]
-
-
-# The defaults every entry point shares (the CRD schema repeats them for the API server).
-KV_HIGH_WATERMARK = 0.9
 
 
 @dataclass(frozen=True)
@@ -92,20 +89,6 @@ class Bounds:
 
     def contains(self, config: BatchingConfig) -> bool:
         return self.clamp(config) == config
-
-
-@dataclass(frozen=True)
-class Slo:
-    p99_latency_s: float
-    kv_high_watermark: float = KV_HIGH_WATERMARK
-
-    def __post_init__(self) -> None:
-        if self.p99_latency_s <= 0:
-            raise ValueError(f"the p99 SLO must be positive, got {self.p99_latency_s:g} s")
-        if not 0 < self.kv_high_watermark <= 1:
-            raise ValueError(
-                f"the KV high watermark must be in (0, 1], got {self.kv_high_watermark:g}"
-            )
 
 
 @dataclass(frozen=True)
@@ -251,7 +234,7 @@ class _Case:
 
     @property
     def slo_s(self) -> float:
-        return self.goal.slo.p99_latency_s
+        return _e2e_target(self.goal.slo)
 
     @property
     def bounds(self) -> Bounds:
@@ -748,3 +731,10 @@ def _describe_clamp(before: BatchingConfig, after: BatchingConfig) -> str:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms"
+
+
+def _e2e_target(slo: Slo) -> float:
+    """The end-to-end target this rule aims at (it judges the end-to-end p99 only)."""
+    if slo.e2e_s is None:
+        raise ValueError("this tuner needs an end-to-end target")
+    return slo.e2e_s

@@ -203,7 +203,7 @@ class TuningLoop:
         scale = decide_replicas(
             ReplicaCase(
                 signals=signals,
-                slo_s=goal.slo.p99_latency_s,
+                slo_s=goal.slo.e2e_s,
                 band=p.band,
                 queue_share=p.queue_share,
                 knobs_spent=decision.spent,

@@ -6,7 +6,7 @@ Torch-free on purpose: the operator imports this module.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,8 +19,11 @@ MODES: tuple[Mode, ...] = ("static", "dynamic", "continuous")
 MAX_BATCH_SIZE_LIMIT = 1024
 MAX_BATCH_TIMEOUT_MS = 60_000.0
 MAX_QUEUE_SIZE_LIMIT = 1_000_000
+MAX_PREFILL_TOKEN_BUDGET = 1_048_576
+MAX_SLO_TARGET_MS = 86_400_000.0  # a day: any longer target is a typo
 
-FIELDS = ("max_batch_size", "batch_timeout_ms", "max_queue_size")
+FIELDS = ("max_batch_size", "batch_timeout_ms", "max_queue_size", "prefill_token_budget", "slo")
+SLO_TARGETS = ("ttft_ms", "tpot_ms", "e2e_ms")
 
 
 class ConfigError(ValueError):
@@ -28,15 +31,60 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class SloTargets:
+    """The policy's per-request targets, in milliseconds; None: not stated.
+
+    Each pod judges every request it finishes against them (a request meets the
+    SLO when every stated target holds for it); no target stated: nothing is judged.
+    """
+
+    ttft_ms: float | None = None  # arrival to first token
+    tpot_ms: float | None = None  # mean time per output token after the first
+    e2e_ms: float | None = None  # arrival to last byte
+
+    def __post_init__(self) -> None:
+        for name in SLO_TARGETS:
+            value = getattr(self, name)
+            if value is not None:
+                _check_number(f"slo.{name}", value, 0.0, MAX_SLO_TARGET_MS)
+                if value <= 0:
+                    raise ConfigError(f"slo.{name} must be positive, got {brief(value)}")
+
+    @property
+    def stated(self) -> dict[str, float]:
+        """The stated targets by short name (ttft, tpot, e2e), in milliseconds."""
+        values = {name.removesuffix("_ms"): getattr(self, name) for name in SLO_TARGETS}
+        return {name: value for name, value in values.items() if value is not None}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SloTargets:
+        if not isinstance(data, dict):
+            raise ConfigError("slo must be a JSON object of ttft_ms, tpot_ms and e2e_ms")
+        unknown = sorted(set(data) - set(SLO_TARGETS))
+        if unknown:
+            raise ConfigError(
+                f"unknown slo field(s): {', '.join(unknown)}; allowed: {', '.join(SLO_TARGETS)}"
+            )
+        return cls(**data)
+
+
+@dataclass(frozen=True)
 class BatchingConfig:
     max_batch_size: int = 8
     batch_timeout_ms: float = 10.0
     max_queue_size: int = 256
+    # continuous mode: prompt tokens computed per step (vLLM's max_num_batched_tokens);
+    # lower keeps running requests' TPOT steady, higher gives new requests a sooner TTFT
+    prefill_token_budget: int = 2048
+    slo: SloTargets = field(default_factory=SloTargets)
 
     def __post_init__(self) -> None:
         _check_int("max_batch_size", self.max_batch_size, 1, MAX_BATCH_SIZE_LIMIT)
         _check_number("batch_timeout_ms", self.batch_timeout_ms, 0.0, MAX_BATCH_TIMEOUT_MS)
         _check_int("max_queue_size", self.max_queue_size, 1, MAX_QUEUE_SIZE_LIMIT)
+        _check_int("prefill_token_budget", self.prefill_token_budget, 1, MAX_PREFILL_TOKEN_BUDGET)
+        if not isinstance(self.slo, SloTargets):  # a dict, as to_dict() gives it
+            object.__setattr__(self, "slo", SloTargets.from_dict(self.slo))
 
     @property
     def batch_timeout_s(self) -> float:

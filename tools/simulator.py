@@ -723,7 +723,7 @@ class SimulatedFleet:
             latency = at - output.seq.arrival
             iv = self.current
             iv.completed += 1
-            iv.good += latency <= self.opt.goal.slo.p99_latency_s
+            iv.good += latency <= self.opt.goal.slo.e2e_s
             iv.latencies.append(latency)
             iv.tokens += output.seq.num_output
             iv.outputs.append(output.seq.num_output)

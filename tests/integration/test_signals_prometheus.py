@@ -11,8 +11,9 @@ import aiohttp
 import numpy as np
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_instances
 from batchpilot_operator.signals_scrape import ScrapeSource
+from batchpilot_operator.slo import Slo
 from batchpilot_operator.tune_local import TuneOptions, tune_loop
-from batchpilot_operator.tuner import Bounds, Cadence, Goal, Slo
+from batchpilot_operator.tuner import Bounds, Cadence, Goal
 from batchpilot_operator.tuning_loop import TuneStep
 from batchpilot_server import metric_names as names
 from batchpilot_server.batching_config import BatchingConfig
@@ -103,7 +104,7 @@ async def test_p99_agrees_with_the_load_generator_and_the_tuner_rides_out_an_out
             pinned = Bounds(BATCH, BATCH, timeout, timeout)
             options = TuneOptions(
                 servers=tuple(urls),
-                goal=Goal(Slo(60.0), pinned),
+                goal=Goal(Slo(e2e_s=60.0), pinned),
                 prometheus_url=prom.url,
                 cadence=Cadence(0.5, window + 10),
                 iterations=3,

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from batchpilot_operator.replica_rule import Fleet, ReplicaBounds, ReplicaState, ScaleDecision
 from batchpilot_operator.signals import Signals
-from batchpilot_operator.tuner import Decision, Goal, Slo
+from batchpilot_operator.slo import Slo
+from batchpilot_operator.tuner import Decision, Goal
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_tools.simulator import (
     Scenario,
@@ -27,7 +28,7 @@ from batchpilot_tools.simulator import (
 )
 
 CURVE = StepCurve.from_points({1: 0.002, 64: 0.02}, "test")
-SLO = Slo(p99_latency_s=2.0)
+SLO = Slo(e2e_s=2.0)
 SHORT = Scenario("steady", 600.0, 10.0, output_tokens=32, prompt_tokens=(8, 32))
 
 

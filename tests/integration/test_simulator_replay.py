@@ -16,7 +16,8 @@ import asyncio
 
 import numpy as np
 import pytest
-from batchpilot_operator.tuner import Goal, Slo
+from batchpilot_operator.slo import Slo
+from batchpilot_operator.tuner import Goal
 from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.engine_api import SamplingParams, TokenEvent
 from batchpilot_tools.simulator import SimOptions, StepCurve, Workload, simulate_workload
@@ -64,7 +65,7 @@ def through_the_simulator(
         outputs=np.array([o for _, o in TRACE]),
     )
     options = SimOptions(
-        mode=mode, config=CONFIG, goal=Goal(Slo(10.0)), kv_blocks=blocks,
+        mode=mode, config=CONFIG, goal=Goal(Slo(e2e_s=10.0)), kv_blocks=blocks,
         prefill_budget=PREFILL_BUDGET, tune=False, fast_forward=fast_forward, trace=True,
     )  # fmt: skip
     result = simulate_workload(work, options, CURVE, run_s=60.0)

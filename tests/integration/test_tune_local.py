@@ -13,8 +13,9 @@ import aiohttp
 import pytest
 from batchpilot_operator.actuators import get_batching, write_config_file
 from batchpilot_operator.replica_rule import Fleet, ScaleDecision
+from batchpilot_operator.slo import Slo
 from batchpilot_operator.tune_local import TuneOptions, main, tune_loop
-from batchpilot_operator.tuner import Cadence, Goal, Slo
+from batchpilot_operator.tuner import Cadence, Goal
 from batchpilot_operator.tuning_loop import TuneStep
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_tools.demo.fleet import ProcessFleet
@@ -58,7 +59,7 @@ async def test_batch_of_one_under_heavy_load_grows(tmp_path: Path) -> None:
             urls=[srv.url], rate=40.0, duration_s=DEADLINE_S,
             prompt_len=LengthDist("fixed", 16), output_len=LengthDist("fixed", 24),
         )
-        change, _ = await tune_until_first_change(srv.url, srv.token, Slo(30.0), load)
+        change, _ = await tune_until_first_change(srv.url, srv.token, Slo(e2e_s=30.0), load)
         assert change.decision.action == "grow_batch", change.decision.reason
         assert change.report.ok
         async with aiohttp.ClientSession() as session:
@@ -73,7 +74,7 @@ async def test_batch_of_64_with_a_tight_slo_shrinks() -> None:
             urls=[srv.url], arrival="concurrency", concurrency=64, duration_s=DEADLINE_S,
             prompt_len=LengthDist("fixed", 16), output_len=LengthDist("fixed", 32),
         )
-        change, _ = await tune_until_first_change(srv.url, srv.token, Slo(0.05), load)
+        change, _ = await tune_until_first_change(srv.url, srv.token, Slo(e2e_s=0.05), load)
         assert change.decision.action == "backoff_batch", change.decision.reason
         async with aiohttp.ClientSession() as session:
             in_force = await get_batching(session, srv.url)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from batchpilot_operator.mode_choice import ModeParams, ModeState, Workload, choose_mode
 from batchpilot_operator.signals import MIN_REQUESTS_PER_WINDOW, Signals, histogram_quantile
-from batchpilot_operator.tuner import Slo
+from batchpilot_operator.slo import Slo
 from batchpilot_server import metric_names as names
 from batchpilot_server.batching_config import Mode
 
@@ -61,7 +61,7 @@ def run(
     state = state or ModeState()
     modes = []
     for window in windows:
-        choice = choose_mode(window, current, BATCH, Slo(slo_s), state, PARAMS)
+        choice = choose_mode(window, current, BATCH, Slo(e2e_s=slo_s), state, PARAMS)
         assert choice.switched == (choice.mode != current)
         current, state = choice.mode, choice.state
         modes.append(current)
@@ -99,7 +99,7 @@ def test_equal_lengths_at_low_load_with_room_go_dynamic_after_the_evidence() -> 
 def test_continuous_everywhere_else(window: Signals, why: str) -> None:
     state = ModeState()
     for _ in range(2 * PARAMS.evidence_rounds):
-        choice = choose_mode(window, "continuous", BATCH, Slo(10.0), state, PARAMS)
+        choice = choose_mode(window, "continuous", BATCH, Slo(e2e_s=10.0), state, PARAMS)
         assert choice.mode == "continuous" and not choice.switched
         assert why in choice.reason
         state = choice.state
@@ -122,13 +122,13 @@ def test_thin_data_holds_and_keeps_the_evidence(thin: Signals) -> None:
     favouring = signals("equal")
     state = ModeState()
     for window in [favouring, thin, thin, favouring]:
-        choice = choose_mode(window, "continuous", BATCH, Slo(10.0), state, PARAMS)
+        choice = choose_mode(window, "continuous", BATCH, Slo(e2e_s=10.0), state, PARAMS)
         if window is thin:
             assert choice.reason.startswith("holding continuous")
         state = choice.state
     # Two favouring rounds, the thin ones neither counted nor reset: one more switches.
     assert state.streak == 2
-    assert choose_mode(favouring, "continuous", BATCH, Slo(10.0), state, PARAMS).switched
+    assert choose_mode(favouring, "continuous", BATCH, Slo(e2e_s=10.0), state, PARAMS).switched
 
 
 def test_a_dissenting_round_resets_the_evidence() -> None:

@@ -9,13 +9,13 @@ import pytest
 from batchpilot_operator.capacity_model import StepSample
 from batchpilot_operator.replica_rule import ReplicaBounds
 from batchpilot_operator.signals import Signals
+from batchpilot_operator.slo import Slo
 from batchpilot_operator.spec import parse_spec
 from batchpilot_operator.tuner import (
     Bounds,
     Cadence,
     Decision,
     Goal,
-    Slo,
     TunerParams,
     TunerState,
     decide,
@@ -23,7 +23,7 @@ from batchpilot_operator.tuner import (
 )
 from batchpilot_server.batching_config import BatchingConfig
 
-SLO = Slo(p99_latency_s=0.5, kv_high_watermark=0.9)
+SLO = Slo(e2e_s=0.5, kv_high_watermark=0.9)
 BOUNDS = Bounds(min_batch=1, max_batch=64, min_timeout_ms=0.0, max_timeout_ms=200.0)
 P = TunerParams()
 GOAL = Goal(SLO, BOUNDS, P)
@@ -114,7 +114,7 @@ def test_breach_the_timeout_explains_halves_the_timeout() -> None:
 
 
 def test_timeout_growth_stops_at_its_share_of_the_slo() -> None:
-    slo = Slo(p99_latency_s=1.09)  # a cap (109 ms) that is not a round float
+    slo = Slo(e2e_s=1.09)  # a cap (109 ms) that is not a round float
     config, state, goal = CURRENT, TunerState(), Goal(slo, BOUNDS)
     for _ in range(100):
         decision = decide(ok(p99_latency_s=0.1, mean_batch_size=2.0), config, goal, state)
@@ -230,15 +230,15 @@ def test_a_policy_without_tuning_fields_tunes_with_the_one_set_of_defaults() -> 
     spec = parse_spec({})
     assert spec.batching.bounds == Bounds()
     assert spec.cadence == Cadence()
-    assert spec.goal == Goal(Slo(spec.p99_latency_ms / 1000))
+    assert spec.goal == Goal(Slo(e2e_s=spec.p99_latency_ms / 1000))
     assert spec.initial_config() == BatchingConfig()
 
 
 def test_bad_slo_is_refused() -> None:
     with pytest.raises(ValueError, match="must be positive"):
-        Slo(p99_latency_s=0)
+        Slo(e2e_s=0)
     with pytest.raises(ValueError, match="watermark"):
-        Slo(p99_latency_s=1, kv_high_watermark=1.5)
+        Slo(e2e_s=1, kv_high_watermark=1.5)
 
 
 # -- properties over a seeded sweep of random situations ------------------------------------

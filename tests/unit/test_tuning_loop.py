@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, replace
 import pytest
 from batchpilot_operator.replica_rule import Fleet, ReplicaBounds, ScaleDecision
 from batchpilot_operator.signals import Signals
-from batchpilot_operator.tuner import Bounds, Cadence, Goal, Slo
+from batchpilot_operator.slo import Slo
+from batchpilot_operator.tuner import Bounds, Cadence, Goal
 from batchpilot_operator.tuning_loop import (
     ActuationReport,
     Applied,
@@ -19,7 +20,7 @@ from batchpilot_operator.tuning_loop import (
 )
 from batchpilot_server.batching_config import BatchingConfig
 
-GOAL = Goal(Slo(p99_latency_s=1.0))
+GOAL = Goal(Slo(e2e_s=1.0))
 CADENCE = Cadence(interval_s=10.0, window_s=30.0)
 # p99 well under the SLO while requests queue behind full batches: the rule grows the batch
 QUEUEING = Signals(

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 
 from batchpilot_operator.policy_metrics import PolicyMetrics
-from batchpilot_operator.tuner import KV_HIGH_WATERMARK
+from batchpilot_operator.slo import KV_HIGH_WATERMARK
 from batchpilot_tools.demo.options import NAMESPACE, POLICY, DemoOptions
 
 

@@ -11,8 +11,9 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from batchpilot_operator.slo import Slo
 from batchpilot_operator.tune_local import TuneOptions, tune_loop
-from batchpilot_operator.tuner import Cadence, Goal, Slo
+from batchpilot_operator.tuner import Cadence, Goal
 from batchpilot_tools.demo.exporter import policy_exporter
 from batchpilot_tools.demo.fleet import ProcessFleet
 from batchpilot_tools.demo.options import ADMIN_TOKEN, INITIAL, DemoOptions
@@ -54,7 +55,7 @@ def tune_options(
     return TuneOptions(
         servers=tuple(fleet.serving()),
         goal=Goal(
-            Slo(options.slo_p99_ms / 1000.0),
+            Slo(e2e_s=options.slo_p99_ms / 1000.0),
             options.batch_bounds,
             replicas=options.replica_bounds,
         ),
