@@ -70,6 +70,9 @@ class Bounds:
     max_batch: int = 64
     min_timeout_ms: float = 0.0
     max_timeout_ms: float = 200.0
+    # continuous mode's prompt tokens per step (the CRD's batching.prefillTokenBudget)
+    min_prefill_budget: int = 2048
+    max_prefill_budget: int = 2048
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_batch <= self.max_batch:
@@ -81,11 +84,24 @@ class Bounds:
                 "timeout bounds must satisfy 0 <= min <= max, got "
                 f"{self.min_timeout_ms:g}..{self.max_timeout_ms:g} ms"
             )
+        if not 1 <= self.min_prefill_budget <= self.max_prefill_budget:
+            raise ValueError(
+                "prefill token budget bounds must satisfy 1 <= min <= max, got "
+                f"{self.min_prefill_budget}..{self.max_prefill_budget}"
+            )
 
     def clamp(self, config: BatchingConfig) -> BatchingConfig:
         batch = min(max(config.max_batch_size, self.min_batch), self.max_batch)
         timeout = min(max(config.batch_timeout_ms, self.min_timeout_ms), self.max_timeout_ms)
-        return replace(config, max_batch_size=batch, batch_timeout_ms=float(timeout))
+        budget = min(
+            max(config.prefill_token_budget, self.min_prefill_budget), self.max_prefill_budget
+        )
+        return replace(
+            config,
+            max_batch_size=batch,
+            batch_timeout_ms=float(timeout),
+            prefill_token_budget=budget,
+        )
 
     def contains(self, config: BatchingConfig) -> bool:
         return self.clamp(config) == config
