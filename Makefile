@@ -35,7 +35,7 @@ prometheus:
 # time as without -n (tests/support/lanes.py).
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n 2 --durations=25
+	$(BIN)/python -m pytest -n 2 --durations=0 --durations-min=5
 
 # The unit tests alone (under a minute): no servers, Prometheus or cluster emulator.
 test-fast: $(STAMP)
