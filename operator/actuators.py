@@ -36,7 +36,7 @@ from batchpilot_operator.kube import Client
 from batchpilot_operator.pods import ReadyPod
 from batchpilot_operator.reconcile import read_admin_token, read_config, write_config
 from batchpilot_operator.tuning_loop import ActuationReport, Applied, Refused
-from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.batching_config import FIELDS, BatchingConfig
 
 PUT_TIMEOUT_S = 5.0
 TUNED_FIELDS = ("max_batch_size", "batch_timeout_ms")
@@ -87,7 +87,10 @@ async def get_batching(session: aiohttp.ClientSession, url: str) -> BatchingConf
     ) as response:
         response.raise_for_status()
         body = await response.json()
-    return BatchingConfig.from_dict({k: body[k] for k in BatchingConfig().to_dict()})
+    # A server older than the prefill budget and the SLO targets leaves them out: it
+    # holds their defaults. The first three every server reports.
+    held = {k: body[k] for k in ("max_batch_size", "batch_timeout_ms", "max_queue_size")}
+    return BatchingConfig.from_dict({**held, **{k: body[k] for k in FIELDS if k in body}})
 
 
 async def held_config(session: aiohttp.ClientSession, url: str) -> BatchingConfig | None:
