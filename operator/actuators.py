@@ -16,8 +16,10 @@ target took it: the targets that did not are brought in line by `resync`.
   later read it, and a restarted operator resumes from it); the targets are
   the round's ready pods, with the token from the policy's Secret.
 
-Only the tuned knobs are sent (`max_batch_size`, `batch_timeout_ms`); the
-queue size stays whatever the server was started with. A refusal never
+Only the tuned knobs (`max_batch_size`, `batch_timeout_ms`,
+`prefill_token_budget`) and the SLO's targets (`slo`, which the pods judge
+each request against) are sent; the queue size stays whatever the server was
+started with. A refusal never
 raises: it is reported per target so the caller can record it.
 """
 
@@ -39,7 +41,7 @@ from batchpilot_operator.tuning_loop import ActuationReport, Applied, Refused
 from batchpilot_server.batching_config import BatchingConfig
 
 PUT_TIMEOUT_S = 5.0
-TUNED_FIELDS = ("max_batch_size", "batch_timeout_ms")
+TUNED_FIELDS = ("max_batch_size", "batch_timeout_ms", "prefill_token_budget", "slo")
 
 
 def tuned_body(config: BatchingConfig) -> dict[str, Any]:
@@ -53,7 +55,8 @@ def same_tuned(a: BatchingConfig, b: BatchingConfig) -> bool:
 async def put_batching(
     session: aiohttp.ClientSession, url: str, token: str | None, config: BatchingConfig, name: str
 ) -> Applied | Refused:
-    """PUT the tuned knobs to one server; a refusal comes back with the server's words."""
+    """PUT the tuned knobs and the SLO's targets to one server; a refusal comes back with
+    the server's words."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         async with session.put(
