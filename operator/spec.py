@@ -449,13 +449,13 @@ def _check_servable(spec: PolicySpec) -> None:
     # A dynamic batch may hold its oldest request the whole timeout before the first
     # token: a floor at the TTFT or e2e target could never meet it. TPOT has no such
     # bound (the timeout delays a request's start, not its later tokens).
-    for name in ("ttft", "e2e"):
+    for name, field in (("ttft", "slo.ttftMs"), ("e2e", "slo.e2eMs (or slo.p99LatencyMs)")):
         target_s = spec.slo.stated.get(name)
         if target_s is not None and bounds.min_timeout_ms >= target_s * 1000.0:
             raise SpecError(
                 "InvalidBounds",
                 f"batching.batchTimeoutMs.min ({bounds.min_timeout_ms:g} ms) is not below "
-                f"the SLO's {name} target ({target_s * 1000.0:g} ms): the SLO could never be met",
+                f"{field} ({target_s * 1000.0:g} ms): the SLO could never be met",
             )
     if spec.slo.budget_window_s < spec.autotune.window_seconds:
         raise SpecError(

@@ -101,7 +101,7 @@ def test_an_unknown_preset_names_the_known_ones() -> None:
         ),
         (
             {"slo": {"ttftMs": 10}, "batching": {"batchTimeoutMs": {"min": 10}}},
-            "InvalidBounds", "not below the SLO's ttft target (10 ms)",
+            "InvalidBounds", "is not below slo.ttftMs (10 ms)",
         ),
         ({"slo": {}}, "InvalidSLO", "slo states no target"),
         ({"slo": {"attainment": 0.9}}, "InvalidSLO", "slo states no target"),
