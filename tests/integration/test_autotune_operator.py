@@ -341,7 +341,7 @@ async def test_a_ttft_tpot_policy_hands_its_targets_to_the_pods_and_shows_attain
             await cluster.create(kube.POLICIES, llm_policy(ns))
             config_map = await cluster.wait_for(
                 kube.CONFIGMAPS, ns, builders.config_map_name("llm"),
-                what="the policy's ConfigMap",
+                what="the policy's ConfigMap", timeout=TUNE_DEADLINE_S,
             )  # fmt: skip
             written = json.loads(config_map["data"][builders.CONFIG_KEY])
             assert SloTargets.from_dict(written["slo"]) == LLM_TARGETS

@@ -145,6 +145,14 @@ async def test_a_ttft_tpot_slo_publishes_its_targets_and_objective_and_no_p99(
         (SLO_ATTAINMENT_OBJECTIVE, ""): 0.95,
         (KV_HIGH_WATERMARK, ""): 0.9,
     })  # fmt: skip
+    # reconcile shows the objective (kubectl get bp's SLO column) without a tuning round
+    objective = "ttft<=400ms tpot<=50ms @95%"
+    shown = await cluster.wait_for(
+        kube.POLICIES, "llmslo", "llm",
+        lambda p: ((p.get("status") or {}).get("slo") or {}).get("objective") == objective,
+        f"status.slo.objective {objective!r}",
+    )  # fmt: skip
+    assert "e2eMs" not in shown["status"]["slo"]  # the older e2e target is gone with the spec
 
 
 async def test_an_invalid_spec_drops_the_targets_and_a_fix_restores_them(

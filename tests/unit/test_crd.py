@@ -445,3 +445,20 @@ def test_names_subresource_and_printer_columns() -> None:
         else:
             assert node["type"] in (column["type"], "integer" if column["type"] == "number" else "")
     assert {c["name"]: c.get("priority", 0) for c in columns}["P99"] == 1
+
+
+def test_every_schema_node_is_an_object_with_a_type_or_a_union() -> None:
+    """A comma inside an unquoted flow-style description splits it into a stray key with a
+    null value, which jsonschema ignores and kustomize drops: catch it here."""
+
+    def nodes(node: dict[str, Any], path: str) -> Iterator[tuple[str, Any]]:
+        for key, sub in node.get("properties", {}).items():
+            yield f"{path}.{key}", sub
+            if isinstance(sub, dict):
+                yield from nodes(sub, f"{path}.{key}")
+                if isinstance(sub.get("items"), dict):
+                    yield from nodes(sub["items"], f"{path}.{key}[]")
+
+    for path, node in nodes(SCHEMA, ""):
+        assert isinstance(node, dict), path
+        assert all(value is not None for value in node.values()), (path, node)

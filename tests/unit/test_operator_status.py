@@ -5,9 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from batchpilot_operator.autotune import error_budget_remaining, slo_condition, slo_fields
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.slo import Slo
+from batchpilot_operator.slo_status import (
+    error_budget_remaining,
+    slo_condition,
+    slo_fields,
+    target_fields,
+)
 
 from tests.support.crd import refusals
 from tests.support.policies import policy_object
@@ -87,3 +92,11 @@ def test_slo_met_falls_back_to_the_p99_for_a_server_without_slo_counters() -> No
     assert (unknown["status"], unknown["reason"]) == ("Unknown", "NotJudged")
     thin = slo_condition(Signals(status="no_traffic", detail="no request finished"), LLM)
     assert (thin["status"], thin["reason"]) == ("Unknown", "NoTraffic")
+
+
+def test_the_stated_part_is_what_reconcile_writes_before_any_round() -> None:
+    assert target_fields(Slo(e2e_s=0.5)) == {
+        "objective": "e2e<=500ms @99%", "ttftMs": None, "tpotMs": None, "e2eMs": 500.0,
+        "attainmentTarget": 0.99, "budgetWindow": "1h",
+    }  # fmt: skip
+    assert target_fields(Slo(tpot_s=0.08, budget_window_s=90))["budgetWindow"] == "90s"
