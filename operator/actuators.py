@@ -16,8 +16,10 @@ target took it: the targets that did not are brought in line by `resync`.
   later read it, and a restarted operator resumes from it); the targets are
   the round's ready pods, with the token from the policy's Secret.
 
-Only the tuned knobs are sent (`max_batch_size`, `batch_timeout_ms`); the
-queue size stays whatever the server was started with. A refusal never
+Only the tuned knobs (`max_batch_size`, `batch_timeout_ms`,
+`prefill_token_budget`) and the SLO's targets (`slo`, which the pods judge
+each request against) are sent; the queue size stays whatever the server was
+started with. A refusal never
 raises: it is reported per target so the caller can record it.
 """
 
@@ -36,10 +38,12 @@ from batchpilot_operator.kube import Client
 from batchpilot_operator.pods import ReadyPod
 from batchpilot_operator.reconcile import read_admin_token, read_config, write_config
 from batchpilot_operator.tuning_loop import ActuationReport, Applied, Refused
-from batchpilot_server.batching_config import FIELDS, BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig
 
 PUT_TIMEOUT_S = 5.0
-TUNED_FIELDS = ("max_batch_size", "batch_timeout_ms")
+TUNED_FIELDS = ("max_batch_size", "batch_timeout_ms", "prefill_token_budget", "slo")
+# what servers before the LLM SLO do not take (nor report in GET /admin/batching)
+NEWER_FIELDS = ("prefill_token_budget", "slo")
 
 
 def tuned_body(config: BatchingConfig) -> dict[str, Any]:
@@ -53,24 +57,49 @@ def same_tuned(a: BatchingConfig, b: BatchingConfig) -> bool:
 async def put_batching(
     session: aiohttp.ClientSession, url: str, token: str | None, config: BatchingConfig, name: str
 ) -> Applied | Refused:
-    """PUT the tuned knobs to one server; a refusal comes back with the server's words."""
+    """PUT the tuned knobs and the SLO's targets to one server; a refusal comes back with
+    the server's words. A server older than these fields (it refuses them as unknown) gets
+    the knobs it knows: it is still tuned, but counts no SLO attainment."""
+    result, unknown = await _put(session, url, token, tuned_body(config), name)
+    if unknown in NEWER_FIELDS:
+        result, _ = await _put(session, url, token, _older_body(config), name)
+    return result
+
+
+def _older_body(config: BatchingConfig) -> dict[str, Any]:
+    return {key: value for key, value in tuned_body(config).items() if key not in NEWER_FIELDS}
+
+
+async def _put(
+    session: aiohttp.ClientSession, url: str, token: str | None, body: dict[str, Any], name: str
+) -> tuple[Applied | Refused, str | None]:
+    """The server's answer, and the field it refused as unknown (if that was why)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         async with session.put(
             f"{url.rstrip('/')}/admin/batching",
-            json=tuned_body(config),
+            json=body,
             headers=headers,
             timeout=aiohttp.ClientTimeout(total=PUT_TIMEOUT_S),
         ) as response:
             status, text = response.status, await response.text()
     except TimeoutError:
-        return Refused(name, f"timed out: no answer within {PUT_TIMEOUT_S:g} s")
+        return Refused(name, f"timed out: no answer within {PUT_TIMEOUT_S:g} s"), None
     except aiohttp.ClientError as exc:
-        return Refused(name, f"unreachable: {exc or type(exc).__name__}")
-    body = _json_or_none(text)
+        return Refused(name, f"unreachable: {exc or type(exc).__name__}"), None
+    answer = _json_or_none(text)
     if status != 200:
-        return Refused(name, f"HTTP {status}: {_error_message(body) if body else text[:120]}")
-    return Applied(name, body.get("version") if isinstance(body, dict) else None)
+        words = _error_message(answer) if answer else text[:120]
+        return Refused(name, f"HTTP {status}: {words}"), _unknown_field(answer)
+    return Applied(name, answer.get("version") if isinstance(answer, dict) else None), None
+
+
+def _unknown_field(answer: Any) -> str | None:
+    """The field an HTTP 400 named as unknown (OpenAI's error shape), if that was the cause."""
+    error = answer.get("error") if isinstance(answer, Mapping) else None
+    if isinstance(error, Mapping) and error.get("code") == "unknown_field":
+        return str(error.get("param"))
+    return None
 
 
 def _json_or_none(text: str) -> Any:
@@ -80,23 +109,27 @@ def _json_or_none(text: str) -> Any:
         return None
 
 
-async def get_batching(session: aiohttp.ClientSession, url: str) -> BatchingConfig:
-    """The config a server has in force (GET /admin/batching needs no token)."""
+async def get_batching(
+    session: aiohttp.ClientSession, url: str, base: BatchingConfig | None = None
+) -> BatchingConfig:
+    """The config a server has in force (GET /admin/batching needs no token); a field an
+    older server does not report is `base`'s (the defaults without one)."""
     async with session.get(
         f"{url.rstrip('/')}/admin/batching", timeout=aiohttp.ClientTimeout(total=PUT_TIMEOUT_S)
     ) as response:
         response.raise_for_status()
         body = await response.json()
-    # A server older than the prefill budget and the SLO targets leaves them out: it
-    # holds their defaults. The first three every server reports.
-    held = {k: body[k] for k in ("max_batch_size", "batch_timeout_ms", "max_queue_size")}
-    return BatchingConfig.from_dict({**held, **{k: body[k] for k in FIELDS if k in body}})
+    reported = {k: body[k] for k in BatchingConfig().to_dict() if k in body}
+    return BatchingConfig.from_dict(reported, base)
 
 
-async def held_config(session: aiohttp.ClientSession, url: str) -> BatchingConfig | None:
-    """What a server holds; None when it cannot tell (down, or not answering yet)."""
+async def held_config(
+    session: aiohttp.ClientSession, url: str, in_force: BatchingConfig
+) -> BatchingConfig | None:
+    """What a server holds, as far as it says (an older server is not pushed again for
+    fields it cannot take); None when it cannot tell (down, or not answering yet)."""
     try:
-        return await get_batching(session, url)
+        return await get_batching(session, url, in_force)
     except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
         return None
 
@@ -215,7 +248,7 @@ async def resync(
     """PUT `config` to the targets whose tuned knobs differ from it; a target that
     cannot say what it holds is left for the next round. The token is fetched only
     when some target needs the push."""
-    held = await asyncio.gather(*(held_config(session, t.url) for t in targets))
+    held = await asyncio.gather(*(held_config(session, t.url, config) for t in targets))
     drifted = [
         target
         for target, config_held in zip(targets, held, strict=True)

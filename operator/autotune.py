@@ -11,8 +11,12 @@ spec change takes effect at the next one) it runs one round of
 - the `KubernetesScaler` (scaler.py) where the policy has `spec.autoscale`:
   the replica rule moves `spec.replicas` through the scale subresource, and
   stands back when an HPA targets the policy;
-- the status recorder: the config in force, `observed`, `lastDecision`, a
-  bounded `history` of changes, the conditions Tuning, SLOMet,
+- the status recorder: the config in force, `observed`, `slo` (the stated
+  targets, the window's attainment and p99 TTFT, TPOT and e2e, the error
+  budget left over the budget window), `lastDecision`, a
+  bounded `history` of changes, the conditions Tuning, SLOMet (attainment
+  against its target; the p99 against an e2e target for a server that
+  counts no attainment),
   MetricsAvailable and Autoscaling, and Events (Tuned, PushRefused, Resynced,
   Scaled); after a round that decided the replica count, `replicaState` (the
   rule's memory) and, on a change, `lastScaling`.
@@ -57,6 +61,7 @@ from batchpilot_operator.signals import Signals, no_data
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_policy
 from batchpilot_operator.signals_scrape import ScrapeSource
 from batchpilot_operator.slo import Slo
+from batchpilot_operator.slo_status import slo_condition, slo_fields
 from batchpilot_operator.spec import PolicySpec, SpecError, parse_spec
 from batchpilot_operator.tuner import Decision
 from batchpilot_operator.tuning_loop import PlugPoints, SignalSource, TuneStep, TuningLoop
@@ -109,20 +114,7 @@ def conditions(signals: Signals, slo: Slo, decision: Decision) -> list[dict[str,
         metrics = {"status": "True", "reason": "MetricsRead",
                    "message": f"{signals.requests:.0f} requests in the last "
                               f"{signals.window_s:.0f} s"}
-    p99 = signals.p99_latency_s
-    if p99 is None:
-        reason = {"no_data": "NoData", "no_traffic": "NoTraffic"}.get(
-            signals.status, "TooLittleTraffic"
-        )
-        slo_met = {"status": "Unknown", "reason": reason,
-                   "message": signals.detail or "no p99 in the window"}
-    else:
-        met = p99 <= slo.e2e_s
-        slo_met = {
-            "status": "True" if met else "False",
-            "reason": "WithinSLO" if met else "AboveSLO",
-            "message": f"p99 {p99 * 1000:.0f} ms, SLO {slo.e2e_s * 1000:.0f} ms",
-        }
+    slo_met = slo_condition(signals, slo)
     tuning = {"status": "True", "reason": "Enabled",
               "message": f"{decision.action}: {decision.reason}"}
     return [
@@ -132,13 +124,16 @@ def conditions(signals: Signals, slo: Slo, decision: Decision) -> list[dict[str,
     ]
 
 
-def status_fields(step: TuneStep, history: list[dict[str, Any]], at: str) -> dict[str, Any]:
+def status_fields(
+    step: TuneStep, history: list[dict[str, Any]], at: str, slo: Slo
+) -> dict[str, Any]:
     record = decision_record(step.decision, at)
     in_force = step.decision.config
     return {
         "maxBatchSize": in_force.max_batch_size,
         "batchTimeoutMs": in_force.batch_timeout_ms,
         "observed": observed(step.signals),
+        "slo": slo_fields(step.signals, slo),
         "lastDecision": record,
         "history": ([*history, record] if step.changed else list(history))[-HISTORY_LIMIT:],
         **scaling_fields(step, at),
@@ -304,7 +299,7 @@ async def first_interval(
     if spec.autotune.enabled and not prometheus_url_of(spec, memo):
         urls = [pod.url for pod in await ready_pods(client, namespace, name)]
         if urls:
-            tuner.scrape = ScrapeSource(urls, session)
+            tuner.scrape = ScrapeSource(urls, session, budget_window_s=spec.slo.budget_window_s)
             await tuner.scrape.scrape()
     return float(spec.autotune.interval_seconds)
 
@@ -404,8 +399,11 @@ def signal_source(
 ) -> SignalSource:
     prometheus_url = prometheus_url_of(spec, memo)
     if prometheus_url:
-        return PrometheusSource(prometheus_url, selector_for_policy(namespace, name), session)
-    return PodScrape(tuner, session, [pod.url for pod in pods])
+        return PrometheusSource(
+            prometheus_url, selector_for_policy(namespace, name), session,
+            budget_window_s=spec.slo.budget_window_s,
+        )  # fmt: skip
+    return PodScrape(tuner, session, [pod.url for pod in pods], spec.slo.budget_window_s)
 
 
 @dataclass
@@ -416,16 +414,20 @@ class PodScrape:
     tuner: PolicyTuner
     session: aiohttp.ClientSession
     urls: list[str]
+    budget_window_s: float
 
     async def read(self, window_s: float) -> Signals:
         if not self.urls:
             return no_data("no ready pod to scrape", window_s)
         if self.tuner.scrape is None:
-            self.tuner.scrape = ScrapeSource(self.urls, self.session)
+            self.tuner.scrape = ScrapeSource(
+                self.urls, self.session, budget_window_s=self.budget_window_s
+            )
             await self.tuner.scrape.scrape()
             return no_data("first scrape of the pods: the next round opens the window", window_s)
         # Pods come and go; deltas only count pods seen at both ends.
         self.tuner.scrape.urls = self.urls
+        self.tuner.scrape.budget_window_s = self.budget_window_s  # the spec may have changed
         return await self.tuner.scrape.read(window_s)
 
 
@@ -441,7 +443,7 @@ class StatusRecorder:
 
     async def record(self, step: TuneStep) -> None:
         history = list((self.policy.get("status") or {}).get("history") or [])
-        fields = status_fields(step, history, now_iso())
+        fields = status_fields(step, history, now_iso(), self.spec.slo)
         found = conditions(step.signals, self.spec.goal.slo, step.decision)
         autoscaling = autoscaling_condition(self.spec, self.scaler.external, step.scale)
         await write_status(

@@ -112,15 +112,12 @@ def policy_metrics_of(memo: kopf.Memo) -> PolicyMetrics:
 def track_targets(
     metrics: PolicyMetrics, namespace: str, name: str, spec: PolicySpec | None
 ) -> None:
-    """Publish a valid policy's SLO and KV watermark; drop them when it has no valid spec."""
+    """Publish a valid policy's SLO targets, attainment objective and KV watermark; drop
+    them when it has no valid spec."""
     if spec is None:
         metrics.forget(namespace, name)
         return
-    metrics.publish(
-        namespace, name,
-        slo_p99_ms=spec.p99_latency_ms,
-        kv_high_watermark=spec.autotune.kv_high_watermark,
-    )
+    metrics.publish_slo(namespace, name, spec.slo)
 
 
 @kopf.on.resume(builders.GROUP, builders.VERSION, builders.PLURAL)

@@ -27,6 +27,7 @@ from batchpilot_operator.kube import (
     Kind,
     label_selector,
 )
+from batchpilot_operator.slo_status import target_fields
 from batchpilot_operator.spec import PolicySpec, SpecError, parse_spec
 from batchpilot_server.batching_config import BatchingConfig, Mode
 
@@ -182,6 +183,7 @@ def _status_fields(policy: Mapping[str, Any], outcome: Outcome) -> dict[str, Any
         "readyReplicas": outcome.ready_replicas,
         "selector": label_selector(builders.selector_labels(policy["metadata"]["name"])),
         "observedGeneration": _generation(policy),
+        "slo": target_fields(outcome.spec.slo),
     }
     if outcome.spec.batching.mode != "auto":  # under auto the operator's choice says why
         fields["modeReason"] = f"batching.mode is {outcome.spec.batching.mode}"
@@ -236,7 +238,7 @@ async def write_status(
     if fresh is None:
         return False
     status = fresh.get("status") or {}
-    patch = {key: value for key, value in fields.items() if status.get(key) != value}
+    patch = {key: value for key, value in fields.items() if _changes(status.get(key), value)}
     old_conditions = status.get("conditions") or []
     new_conditions = set_conditions(old_conditions, conditions)
     if _without_times(new_conditions) != _without_times(old_conditions):
@@ -245,6 +247,17 @@ async def write_status(
         return False
     await client.patch(POLICIES, meta["namespace"], meta["name"], {"status": patch}, "status")
     return True
+
+
+def _changes(current: Any, merged: Any) -> bool:
+    """Whether merging `merged` into `current` changes it (a merge patch: objects merge
+    key by key, a null removes a key)."""
+    if isinstance(current, Mapping) and isinstance(merged, Mapping):
+        return any(
+            key in current if value is None else _changes(current.get(key), value)
+            for key, value in merged.items()
+        )
+    return current != merged
 
 
 def _without_times(conditions: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

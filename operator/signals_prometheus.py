@@ -5,6 +5,11 @@ config's relabelling puts on every pod (operator), or by an `instance`
 list (local mode, Prometheus scraping plain host:port targets). The p99 is
 `histogram_quantile` over the window's rate of the duration histogram,
 summed over pods: the same quantity the scrape source computes by hand.
+The SLO's attainment is the pods' own per-request count
+(`batchpilot_requests_slo_total`), its increase over the window and, for the
+error budget, over the SLO's budget window (which Prometheus keeps, however
+long the operator has run). A series an older server does not export leaves
+its signal None.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
+from batchpilot_operator import slo_series
 from batchpilot_operator.signals import (
     MIN_REQUESTS_PER_WINDOW,
     Signals,
@@ -24,6 +30,7 @@ from batchpilot_operator.signals import (
     status_detail,
     traffic_status,
 )
+from batchpilot_operator.slo import DEFAULT_BUDGET_WINDOW_S
 from batchpilot_server import metric_names as names
 
 QUERY_TIMEOUT_S = 5.0
@@ -47,11 +54,23 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def queries(selector: str, window_s: float) -> dict[str, str]:
+def queries(
+    selector: str, window_s: float, budget_window_s: float = DEFAULT_BUDGET_WINDOW_S
+) -> dict[str, str]:
     """The PromQL behind each signal; `[window]` is a whole number of seconds."""
     w = f"{max(1, round(window_s))}s"
     half = f"{max(1, round(window_s / 2))}s"  # the arrival rate's: the newer half
+    budget = f"{max(1, round(budget_window_s))}s"
     sel = "{" + selector + "}"
+
+    def judged(extra: str, window: str = w) -> str:
+        return f"sum(increase({slo_series.SLO_TOTAL}{{{selector},{extra}}}[{window}]))"
+
+    def increase(counter: str) -> str:
+        return f"sum(increase({counter}{sel}[{w}]))"
+
+    every = f'target="{slo_series.SLO_ALL}"'  # each judged request once
+    met = f'{every},result="met"'
 
     def quantile(q: float, histogram: str) -> str:
         return f"histogram_quantile({q}, sum by (le) (rate({histogram}_bucket{sel}[{w}])))"
@@ -78,6 +97,23 @@ def queries(selector: str, window_s: float) -> dict[str, str]:
         f"sum(rate({names.GENERATION_TOKENS_TOTAL}{sel}[{w}]))",
         # every pod exports the config it runs: one series each
         "pods": f"count({names.CONFIG_MAX_BATCH_SIZE}{sel})",
+        "ttft_p99": quantile(0.99, names.TIME_TO_FIRST_TOKEN),
+        "tpot_p99": quantile(0.99, slo_series.TIME_PER_OUTPUT_TOKEN),
+        "slo_judged": judged(every),
+        "slo_met": judged(met),
+        **{
+            f"slo_missed_{target}": judged(f'target="{target}",result="missed"')
+            for target in (*slo_series.SLO_TARGETS, slo_series.SLO_ALL)
+        },
+        "budget_attainment": f"{judged(met, budget)} / {judged(every, budget)}",
+        "prompt_tokens_p50": quantile(0.5, slo_series.REQUEST_PROMPT_TOKENS),
+        "prompt_tokens_p90": quantile(0.9, slo_series.REQUEST_PROMPT_TOKENS),
+        "prompt_tokens_p99": quantile(0.99, slo_series.REQUEST_PROMPT_TOKENS),
+        "steps": increase(f"{names.STEP_DURATION}_count"),
+        "step_seconds": increase(f"{names.STEP_DURATION}_sum"),
+        "step_decode_rows": increase(slo_series.STEP_DECODE_ROWS_TOTAL),
+        "step_prefill_tokens": increase(slo_series.STEP_PREFILL_TOKENS_TOTAL),
+        "step_kv_tokens": increase(slo_series.STEP_KV_TOKENS_TOTAL),
     }
 
 
@@ -91,11 +127,13 @@ class PrometheusSource:
         session: aiohttp.ClientSession,
         *,
         min_requests: int = MIN_REQUESTS_PER_WINDOW,
+        budget_window_s: float = DEFAULT_BUDGET_WINDOW_S,
     ) -> None:
         self.url = url.rstrip("/")
         self.selector = selector
         self.session = session
         self.min_requests = min_requests
+        self.budget_window_s = budget_window_s
 
     async def query(self, promql: str) -> float | None:
         """The single value of an instant query; None for an empty result or NaN."""
@@ -128,7 +166,7 @@ class PrometheusSource:
         return _single_value(body, f"Prometheus at {self.url} answered {promql!r}")
 
     async def read(self, window_s: float) -> Signals:
-        named = queries(self.selector, window_s)
+        named = queries(self.selector, window_s, self.budget_window_s)
         try:
             values = dict(
                 zip(
@@ -167,8 +205,33 @@ class PrometheusSource:
             arrival_rate=values["arrival_rate"],
             busy_s_per_token=values["busy_per_token"],
             pods=round(values["pods"] or 0),
+            ttft_p99_s=values["ttft_p99"],
+            tpot_p99_s=values["tpot_p99"],
+            slo_judged=values["slo_judged"],
+            # no request met every target: the met series may not exist yet
+            slo_met=_zero_if_judged(values["slo_met"], values["slo_judged"]),
+            slo_missed={
+                target: value
+                for target in (*slo_series.SLO_TARGETS, slo_series.SLO_ALL)
+                if (value := values[f"slo_missed_{target}"]) is not None
+            },
+            budget_attainment=values["budget_attainment"],
+            prompt_tokens_p50=values["prompt_tokens_p50"],
+            prompt_tokens_p90=values["prompt_tokens_p90"],
+            prompt_tokens_p99=values["prompt_tokens_p99"],
+            steps=values["steps"],
+            step_seconds=values["step_seconds"],
+            step_decode_rows=values["step_decode_rows"],
+            step_prefill_tokens=values["step_prefill_tokens"],
+            step_kv_tokens=values["step_kv_tokens"],
             detail=status_detail(status, requests, self.min_requests),
         )
+
+
+def _zero_if_judged(met: float | None, judged: float | None) -> float | None:
+    """Met requests where some were judged; a server counts a label set only once it has
+    seen one, so judged requests without a `met` series all missed."""
+    return 0.0 if met is None and judged is not None else met
 
 
 def _single_value(body: Mapping[str, Any], answered: str) -> float | None:

@@ -6,6 +6,12 @@ over servers: the same arithmetic PromQL's `increase` and
 `histogram_quantile` do, so both sources mean the same by "p99 over 60 s".
 A counter that went down (the server restarted) counts from zero, as in
 Prometheus.
+
+The error budget's attainment (`budget_attainment`) is counted the same way,
+from a snapshot about one budget window old. A scrape knows only what it has
+seen: until the source has run a whole budget window, it counts since its
+first scrape (and over the servers seen at both ends), where Prometheus would
+count the whole window.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import aiohttp
+from batchpilot_operator import slo_series
 from batchpilot_operator.signals import (
     MIN_REQUESTS_PER_WINDOW,
     Signals,
@@ -26,6 +33,7 @@ from batchpilot_operator.signals import (
     status_detail,
     traffic_status,
 )
+from batchpilot_operator.slo import DEFAULT_BUDGET_WINDOW_S
 from batchpilot_server import metric_names as names
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -34,12 +42,18 @@ SCRAPE_TIMEOUT_S = 5.0
 # A timer that fires a little early still counts the previous read as the window start.
 SCHEDULING_SLACK_S = 0.25
 SCHEDULING_SLACK_SHARE = 0.05
+# The budget window is kept as this many snapshots, evenly spaced, at most.
+BUDGET_MARKS = 60
 HISTOGRAMS = (
     names.REQUEST_DURATION, names.QUEUE_WAIT, names.BATCH_SIZE, names.REQUEST_GENERATION_TOKENS,
+    names.TIME_TO_FIRST_TOKEN, slo_series.TIME_PER_OUTPUT_TOKEN, slo_series.REQUEST_PROMPT_TOKENS,
+    names.STEP_DURATION,
 )
 COUNTERS = (
     names.REQUESTS_TOTAL, names.REQUESTS_ARRIVED_TOTAL, names.GENERATION_TOKENS_TOTAL,
     names.PREEMPTIONS_TOTAL, names.ENGINE_BUSY_SECONDS_TOTAL,
+    slo_series.STEP_DECODE_ROWS_TOTAL, slo_series.STEP_PREFILL_TOKENS_TOTAL,
+    slo_series.STEP_KV_TOKENS_TOTAL,
 )
 GAUGES = (names.KV_CACHE_USAGE, names.REQUESTS_WAITING)
 
@@ -52,6 +66,7 @@ class Totals:
     counts: dict[str, float] = field(default_factory=dict)  # histogram _count, counters
     sums: dict[str, float] = field(default_factory=dict)  # histogram _sum
     gauges: dict[str, float] = field(default_factory=dict)
+    slo: dict[tuple[str, str], float] = field(default_factory=dict)  # (result, target) -> n
 
     def minus(self, earlier: Totals) -> Totals:
         """Increase since `earlier`; a value that went down restarted from zero."""
@@ -63,6 +78,7 @@ class Totals:
             counts=_increases(self.counts, earlier.counts),
             sums=_increases(self.sums, earlier.sums),
             gauges=dict(self.gauges),
+            slo=_increases(self.slo, earlier.slo),
         )
 
 
@@ -95,6 +111,9 @@ def parse_metrics(text: str) -> Totals:
                 _add(totals.counts, name, value)
             elif name in GAUGES:
                 _add(totals.gauges, name, value)
+            elif name == slo_series.SLO_TOTAL:
+                key = (sample.labels.get("result", ""), sample.labels.get("target", ""))
+                totals.slo[key] = totals.slo.get(key, 0.0) + value
     return totals
 
 
@@ -125,6 +144,7 @@ class ScrapeSource:
         *,
         min_requests: int = MIN_REQUESTS_PER_WINDOW,
         clock: Callable[[], float] = time.monotonic,
+        budget_window_s: float = DEFAULT_BUDGET_WINDOW_S,
     ) -> None:
         if not urls:
             raise ValueError("the scrape source needs at least one server URL")
@@ -134,6 +154,8 @@ class ScrapeSource:
         self.clock = clock
         self.history: list[Snapshot] = []
         self.errors: dict[str, str] = {}
+        self.budget_window_s = budget_window_s
+        self.budget_marks: list[Snapshot] = []  # the budget window's baselines, oldest first
 
     async def scrape(self) -> Snapshot:
         """Scrape every server now; unreachable ones are left out and noted in `errors`."""
@@ -146,7 +168,18 @@ class ScrapeSource:
             else:
                 self.errors[url] = str(page)
         self.history.append(snapshot)
+        self._mark_budget(snapshot)
         return snapshot
+
+    def _mark_budget(self, snapshot: Snapshot) -> None:
+        """Keep a few snapshots spanning the budget window: the oldest still at or past
+        its start is the error budget's baseline."""
+        spacing = self.budget_window_s / BUDGET_MARKS
+        if not self.budget_marks or snapshot.at - self.budget_marks[-1].at >= spacing:
+            self.budget_marks.append(snapshot)
+        start = snapshot.at - self.budget_window_s
+        while len(self.budget_marks) > 1 and self.budget_marks[1].at <= start:
+            self.budget_marks.pop(0)
 
     async def _fetch(self, url: str) -> str | Exception:
         try:
@@ -201,6 +234,8 @@ class ScrapeSource:
         if self.errors:
             detail = "; ".join([detail, *self.errors.values()]).lstrip("; ")
         lengths = _merged_buckets(deltas, names.REQUEST_GENERATION_TOKENS)
+        prompts = _merged_buckets(deltas, slo_series.REQUEST_PROMPT_TOKENS)
+        judged, met = _judged(deltas)
         return Signals(
             status=status,
             window_s=window_s,
@@ -222,8 +257,37 @@ class ScrapeSource:
             arrival_rate=self._arrival_rate(baseline, now),
             busy_s_per_token=_busy_per_token(deltas),
             pods=len(deltas),
+            ttft_p99_s=quantile_from_buckets(
+                0.99, _merged_buckets(deltas, names.TIME_TO_FIRST_TOKEN)
+            ),
+            tpot_p99_s=quantile_from_buckets(
+                0.99, _merged_buckets(deltas, slo_series.TIME_PER_OUTPUT_TOKEN)
+            ),
+            slo_judged=judged,
+            slo_met=met,
+            slo_missed=_missed(deltas),
+            budget_attainment=self._budget_attainment(now),
+            prompt_tokens_p50=quantile_from_buckets(0.5, prompts),
+            prompt_tokens_p90=quantile_from_buckets(0.9, prompts),
+            prompt_tokens_p99=quantile_from_buckets(0.99, prompts),
+            steps=_total_if_exported(deltas, names.STEP_DURATION),
+            step_seconds=_sum_if_exported(deltas, names.STEP_DURATION),
+            step_decode_rows=_total_if_exported(deltas, slo_series.STEP_DECODE_ROWS_TOTAL),
+            step_prefill_tokens=_total_if_exported(deltas, slo_series.STEP_PREFILL_TOKENS_TOTAL),
+            step_kv_tokens=_total_if_exported(deltas, slo_series.STEP_KV_TOKENS_TOTAL),
             detail=detail,
         )
+
+    def _budget_attainment(self, now: Snapshot) -> float | None:
+        """Met / judged since the budget window's baseline (the first scrape, early on)."""
+        baseline = self.budget_marks[0] if self.budget_marks else None
+        if baseline is None or baseline is now:
+            return None
+        judged, met = _judged(
+            [t.minus(baseline.per_server[url]) for url, t in now.per_server.items()
+             if url in baseline.per_server]
+        )  # fmt: skip
+        return met / judged if judged and met is not None else None
 
     def _arrival_rate(self, baseline: Snapshot, now: Snapshot) -> float | None:
         """Arrivals per second since the newest snapshot in the newer half of the window
@@ -255,6 +319,37 @@ def _merged_buckets(deltas: Sequence[Totals], name: str) -> dict[float, float]:
     if merged and math.inf not in merged:
         raise ValueError(f"{name} has no +Inf bucket")
     return merged
+
+
+def _judged(deltas: Sequence[Totals]) -> tuple[float | None, float | None]:
+    """(requests judged, requests that met every target); (None, None) when no server
+    exports the SLO counter (an older one, or none has judged a request yet)."""
+    every = [(result, n) for t in deltas for (result, target), n in t.slo.items()
+             if target == slo_series.SLO_ALL]  # fmt: skip
+    if not every:
+        return None, None
+    return sum(n for _, n in every), sum(n for result, n in every if result == "met")
+
+
+def _missed(deltas: Sequence[Totals]) -> dict[str, float]:
+    """Misses per target (ttft, tpot, e2e; all: requests that missed any)."""
+    missed: dict[str, float] = {}
+    for totals in deltas:
+        for (result, target), n in totals.slo.items():
+            if result == "missed":
+                missed[target] = missed.get(target, 0.0) + n
+    return missed
+
+
+def _total_if_exported(deltas: Sequence[Totals], name: str) -> float | None:
+    """A counter's (or histogram's count's) increase; None when no server exports it."""
+    return _total(deltas, name) if any(name in t.counts for t in deltas) else None
+
+
+def _sum_if_exported(deltas: Sequence[Totals], histogram: str) -> float | None:
+    if not any(histogram in t.sums for t in deltas):
+        return None
+    return sum(t.sums.get(histogram, 0.0) for t in deltas)
 
 
 def _total(deltas: Sequence[Totals], name: str) -> float:

@@ -20,12 +20,19 @@ from pathlib import PurePosixPath
 from typing import Any, Literal, cast
 
 from batchpilot_operator.replica_rule import ReplicaBounds
-from batchpilot_operator.slo import KV_HIGH_WATERMARK, Slo
+from batchpilot_operator.slo import (
+    DEFAULT_ATTAINMENT,
+    DEFAULT_BUDGET_WINDOW_S,
+    KV_HIGH_WATERMARK,
+    Slo,
+)
 from batchpilot_operator.tuner import Bounds, Cadence, Goal
 from batchpilot_server.batching_config import (
     MAX_BATCH_SIZE_LIMIT,
     MAX_BATCH_TIMEOUT_MS,
+    MAX_PREFILL_TOKEN_BUDGET,
     MAX_QUEUE_SIZE_LIMIT,
+    MAX_SLO_TARGET_MS,
     MODES,
     BatchingConfig,
     Mode,
@@ -57,6 +64,17 @@ MODEL_REFERENCE_KEYS = ("persistentVolumeClaim", "path", "subPath")
 # what a Secret data key may be (Kubernetes' own rule for it)
 DEFAULT_API_KEY_KEY = "api-key"
 SECRET_KEY_PATTERN = re.compile(r"[-._a-zA-Z0-9]+")
+# spec.slo: the targets by CRD key and the SLO's short name; p99LatencyMs is the
+# older form of e2eMs (at attainment 0.99), the one a policy gets when it states none.
+SLO_TARGET_KEYS = {"ttftMs": "ttft", "tpotMs": "tpot", "e2eMs": "e2e"}
+LEGACY_P99_KEY = "p99LatencyMs"
+DEFAULT_P99_LATENCY_MS = 500.0
+# An attainment below one half is a typo, and 1 would leave no error budget at all.
+MIN_ATTAINMENT, MAX_ATTAINMENT = 0.5, 0.9999
+# slo.budgetWindow: a whole number of seconds, minutes, hours or days ("30m", "1h", "7d").
+BUDGET_WINDOW_PATTERN = re.compile(r"([1-9][0-9]{0,5})([smhd])")
+BUDGET_WINDOW_UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_BUDGET_WINDOW_S = 90 * 86400
 
 
 class SpecError(ValueError):
@@ -122,31 +140,30 @@ class PolicySpec:
     replicas: int
     server: ServerSpec
     batching: BatchingSpec
-    p99_latency_ms: float
+    slo: Slo  # with the policy's KV watermark (autotune.kvHighWatermark)
     autotune: AutotuneSpec
     # spec.autoscale: None keeps `replicas` as the user (or an HPA) sets it
     autoscale: ReplicaBounds | None = None
 
     def initial_config(self) -> BatchingConfig:
-        return self.batching.initial
+        """Where a new policy's pods start: the initial knobs and the SLO's targets."""
+        return replace(self.batching.initial, slo=self.slo.targets())
 
     @property
     def goal(self) -> Goal:
-        slo = Slo(
-            e2e_s=self.p99_latency_ms / 1000.0,
-            kv_high_watermark=self.autotune.kv_high_watermark,
-        )
-        return Goal(slo, self.batching.bounds, replicas=self.autoscale)
+        return Goal(self.slo, self.batching.bounds, replicas=self.autoscale)
 
     @property
     def cadence(self) -> Cadence:
         return Cadence(self.autotune.interval_seconds, self.autotune.window_seconds)
 
     def clamp(self, config: BatchingConfig) -> BatchingConfig:
-        """`config` moved inside this policy's bounds; the queue size always follows the spec."""
+        """`config` moved inside this policy's bounds; the queue size and the SLO's
+        targets always follow the spec (the pods judge requests against them)."""
         return replace(
             self.batching.bounds.clamp(config),
             max_queue_size=self.batching.initial.max_queue_size,
+            slo=self.slo.targets(),
         )
 
 
@@ -155,12 +172,13 @@ def parse_spec(raw: Mapping[str, Any]) -> PolicySpec:
     autoscale = _autoscale(raw)
     # An omitted count starts at the bottom of the autoscale range (the CRD sets no default).
     replicas_default = autoscale.min_replicas if autoscale is not None else 1
+    autotune = _autotune(_section(raw, "autotune"))
     spec = PolicySpec(
         replicas=_int(raw, "replicas", replicas_default, "replicas", 0, MAX_REPLICAS),
         server=_server(_section(raw, "server")),
         batching=_batching(_section(raw, "batching")),
-        p99_latency_ms=_number(_section(raw, "slo"), "p99LatencyMs", 500, "slo.p99LatencyMs"),
-        autotune=_autotune(_section(raw, "autotune")),
+        slo=_slo(raw.get("slo"), autotune.kv_high_watermark),
+        autotune=autotune,
         autoscale=autoscale,
     )
     _check_servable(spec)
@@ -295,15 +313,77 @@ def _batching(raw: Mapping[str, Any]) -> BatchingSpec:
         (default.batch_timeout_ms, bounds.min_timeout_ms, bounds.max_timeout_ms),
         0, MAX_BATCH_TIMEOUT_MS, False,
     )  # fmt: skip
+    budget = _knob(
+        raw, "prefillTokenBudget",
+        (default.prefill_token_budget, bounds.min_prefill_budget, bounds.max_prefill_budget),
+        1, MAX_PREFILL_TOKEN_BUDGET, True,
+    )  # fmt: skip
     queue = _int(
         raw, "maxQueueSize", default.max_queue_size, "batching.maxQueueSize",
         1, MAX_QUEUE_SIZE_LIMIT,
     )  # fmt: skip
     return BatchingSpec(
         mode=cast(PolicyMode, _choice(raw, "mode", DEFAULT_MODE, "batching.mode", POLICY_MODES)),
-        initial=BatchingConfig(int(batch[0]), float(timeout[0]), queue),
-        bounds=Bounds(int(batch[1]), int(batch[2]), float(timeout[1]), float(timeout[2])),
-    )
+        initial=BatchingConfig(
+            int(batch[0]), float(timeout[0]), queue, prefill_token_budget=int(budget[0])
+        ),
+        bounds=Bounds(
+            int(batch[1]), int(batch[2]), float(timeout[1]), float(timeout[2]),
+            min_prefill_budget=int(budget[1]), max_prefill_budget=int(budget[2]),
+        ),
+    )  # fmt: skip
+
+
+def _slo(value: Any, kv_high_watermark: float) -> Slo:
+    """spec.slo: the stated targets (ms in the spec, seconds in Slo), the attainment and
+    the budget window. Absent, it is the CRD's default, p99LatencyMs 500."""
+    absent = {LEGACY_P99_KEY: DEFAULT_P99_LATENCY_MS}
+    raw: Mapping[str, Any] = absent if value is None else _section({"slo": value}, "slo")
+    if LEGACY_P99_KEY in raw and "e2eMs" in raw:
+        raise SpecError(
+            "InvalidSLO",
+            "slo states both p99LatencyMs and e2eMs: p99LatencyMs is the older name of "
+            "e2eMs (at attainment 0.99); keep e2eMs only",
+        )
+    keys = {**SLO_TARGET_KEYS, LEGACY_P99_KEY: "e2e"}
+    targets_s = {
+        name: _number(raw, key, 0, f"slo.{key}", low=1, high=MAX_SLO_TARGET_MS) / 1000.0
+        for key, name in keys.items()
+        if key in raw
+    }
+    if not targets_s:
+        raise SpecError(
+            "InvalidSLO",
+            "slo states no target: give at least one of ttftMs, tpotMs and e2eMs "
+            "(or the older p99LatencyMs)",
+        )
+    return Slo(
+        ttft_s=targets_s.get("ttft"),
+        tpot_s=targets_s.get("tpot"),
+        e2e_s=targets_s.get("e2e"),
+        attainment=_number(
+            raw, "attainment", DEFAULT_ATTAINMENT, "slo.attainment",
+            low=MIN_ATTAINMENT, high=MAX_ATTAINMENT,
+        ),
+        budget_window_s=_budget_window(raw),
+        kv_high_watermark=kv_high_watermark,
+    )  # fmt: skip
+
+
+def _budget_window(raw: Mapping[str, Any]) -> float:
+    """slo.budgetWindow ("30m", "1h", "7d") in seconds."""
+    if "budgetWindow" not in raw:
+        return DEFAULT_BUDGET_WINDOW_S
+    value = _str(raw, "budgetWindow", "", "slo.budgetWindow")
+    match = BUDGET_WINDOW_PATTERN.fullmatch(value)
+    seconds = int(match[1]) * BUDGET_WINDOW_UNITS_S[match[2]] if match else None
+    if seconds is None or seconds > MAX_BUDGET_WINDOW_S:
+        raise SpecError(
+            "InvalidSLO",
+            "slo.budgetWindow must be a whole number of s, m, h or d (such as 30m, 1h, 7d), "
+            f"at most {MAX_BUDGET_WINDOW_S // 86400}d, got {_shown(value)}",
+        )
+    return float(seconds)
 
 
 def _autotune(raw: Mapping[str, Any]) -> AutotuneSpec:
@@ -366,11 +446,23 @@ def _check_servable(spec: PolicySpec) -> None:
             f"batching.maxBatchSize.min ({bounds.min_batch}) exceeds "
             f"batching.maxQueueSize ({queue}): a batch could never fill",
         )
-    if bounds.min_timeout_ms >= spec.p99_latency_ms:
+    # A dynamic batch may hold its oldest request the whole timeout before the first
+    # token: a floor at the TTFT or e2e target could never meet it. TPOT has no such
+    # bound (the timeout delays a request's start, not its later tokens).
+    for name, field in (("ttft", "slo.ttftMs"), ("e2e", "slo.e2eMs (or slo.p99LatencyMs)")):
+        target_s = spec.slo.stated.get(name)
+        if target_s is not None and bounds.min_timeout_ms >= target_s * 1000.0:
+            raise SpecError(
+                "InvalidBounds",
+                f"batching.batchTimeoutMs.min ({bounds.min_timeout_ms:g} ms) is not below "
+                f"{field} ({target_s * 1000.0:g} ms): the SLO could never be met",
+            )
+    if spec.slo.budget_window_s < spec.autotune.window_seconds:
         raise SpecError(
-            "InvalidBounds",
-            f"batching.batchTimeoutMs.min ({bounds.min_timeout_ms:g} ms) is not "
-            f"below slo.p99LatencyMs ({spec.p99_latency_ms:g} ms): the SLO could never be met",
+            "InvalidSLO",
+            f"slo.budgetWindow ({spec.slo.budget_window_s:g} s) is shorter than "
+            f"autotune.windowSeconds ({spec.autotune.window_seconds}): the error budget "
+            "would be measured over less than one tuning window",
         )
     if spec.autotune.window_seconds < spec.autotune.interval_seconds:
         raise SpecError(

@@ -146,8 +146,12 @@ def _source(options: TuneOptions, session: aiohttp.ClientSession) -> Source:
             selector_for_instances(options.servers),
             session,
             min_requests=options.min_requests,
+            budget_window_s=options.goal.slo.budget_window_s,
         )
-    return ScrapeSource(options.servers, session, min_requests=options.min_requests)
+    return ScrapeSource(
+        options.servers, session, min_requests=options.min_requests,
+        budget_window_s=options.goal.slo.budget_window_s,
+    )  # fmt: skip
 
 
 # -- what a round prints --------------------------------------------------------------------

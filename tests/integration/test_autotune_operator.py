@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,8 @@ from typing import Any
 import aiohttp
 import pytest
 from batchpilot_operator import builders, kube
-from batchpilot_operator.actuators import get_batching
+from batchpilot_operator.actuators import get_batching, held_config
+from batchpilot_server.batching_config import BatchingConfig, SloTargets
 from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
 
 from tests.support.k8s_emulator import Cluster, condition, run_cluster, run_operator
@@ -309,3 +311,69 @@ async def test_pods_holding_other_values_get_the_config_in_force_again(
     refused = [e for e in events if e["reason"] == "PushRefused"]
     assert len(refused) == 1 and refused[0]["type"] == "Warning"
     assert refused[0]["message"].startswith("resync refused by llm-1: HTTP 403")
+
+
+LLM_SLO = {"ttftMs": 20000, "tpotMs": 2000, "attainment": 0.9, "budgetWindow": "1h"}
+LLM_TARGETS = SloTargets(ttft_ms=20000.0, tpot_ms=2000.0)
+
+
+def llm_policy(namespace: str) -> dict[str, Any]:
+    """A policy that states TTFT and TPOT (no e2e target) and lets the budget move."""
+    obj = policy(namespace)
+    obj["spec"]["slo"] = LLM_SLO
+    obj["spec"]["batching"]["prefillTokenBudget"] = {"initial": 1024, "min": 256, "max": 2048}
+    return obj
+
+
+async def test_a_ttft_tpot_policy_hands_its_targets_to_the_pods_and_shows_attainment(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The hand-off (ConfigMap, the pod's live config) and status.slo. The pod's GET and the
+    status need the servers' SLO fields and counters, and a tuning rule that takes a goal
+    without an e2e target: both arrive with the server and policy work on main."""
+    ns = "llmslo"
+    async with (
+        server_pod(cluster, tmp_path, ns) as server,
+        background_load(server.url),
+        aiohttp.ClientSession() as session,
+    ):
+        with run_operator(cluster):
+            await cluster.create(kube.POLICIES, llm_policy(ns))
+            config_map = await cluster.wait_for(
+                kube.CONFIGMAPS, ns, builders.config_map_name("llm"),
+                what="the policy's ConfigMap", timeout=TUNE_DEADLINE_S,
+            )  # fmt: skip
+            written = json.loads(config_map["data"][builders.CONFIG_KEY])
+            assert SloTargets.from_dict(written["slo"]) == LLM_TARGETS
+            assert written["prefill_token_budget"] == 1024
+
+            # the pod started without targets: a round pushes them
+            async def pod_holds_the_targets() -> BatchingConfig | None:
+                # a connection the loaded server drops is a probe to repeat, not a failure
+                held = await held_config(session, server.url, BatchingConfig())
+                return held if held is not None and held.slo == LLM_TARGETS else None
+
+            held = await cluster.wait_until(
+                pod_holds_the_targets, "the pod's GET /admin/batching to show the SLO",
+                TUNE_DEADLINE_S,
+            )  # fmt: skip
+            assert held.prefill_token_budget == 1024
+
+            def judged(obj: dict[str, Any]) -> bool:
+                slo = (obj.get("status") or {}).get("slo") or {}
+                return "attainment" in slo and "errorBudgetRemaining" in slo
+
+            current = await cluster.wait_for(
+                kube.POLICIES, ns, "llm", judged,
+                "status.slo with the window's attainment and the error budget",
+                TUNE_DEADLINE_S,
+            )  # fmt: skip
+    slo = current["status"]["slo"]
+    assert slo["objective"] == "ttft<=20000ms tpot<=2000ms @90%"
+    assert (slo["ttftMs"], slo["tpotMs"], slo["attainmentTarget"]) == (20000, 2000, 0.9)
+    assert "e2eMs" not in slo and slo["budgetWindow"] == "1h"
+    assert 0 <= slo["attainment"] <= 1 and slo["judged"] > 0
+    assert -1 <= slo["errorBudgetRemaining"] <= 1
+    assert slo["p99TtftMs"] > 0 and slo["p99TpotMs"] > 0
+    met = condition(current, "SLOMet")
+    assert met is not None and met["reason"] in ("WithinSLO", "BelowAttainment"), met

@@ -16,12 +16,14 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from batchpilot_operator.policy_metrics import PolicyMetrics
+from batchpilot_operator.slo import Slo
 from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
 
 from tests.support import ROOT
@@ -38,6 +40,9 @@ POLICIES = {"cont": "continuous", "dyn": "dynamic"}
 # Grafana's $__rate_interval is at least 4 scrape intervals; the load runs longer.
 RATE_INTERVAL = "20s"
 LOAD_S = 14.0
+# every target stated, so that each target-vs-p99 panel has both lines; the pods judge
+# requests against the targets the operator hands them
+SLO = Slo(ttft_s=0.5, tpot_s=0.05, e2e_s=0.5)
 
 
 def load_dashboard() -> dict[str, Any]:
@@ -155,7 +160,7 @@ def policy_metrics() -> Iterator[int]:
     """The per-policy SLO and watermark gauges, served as the operator would; yields the port."""
     metrics = PolicyMetrics()
     for policy in POLICIES:
-        metrics.publish(NAMESPACE, policy, slo_p99_ms=500, kv_high_watermark=0.9)
+        metrics.publish_slo(NAMESPACE, policy, SLO)
     http, thread = metrics.serve(0, addr="127.0.0.1")
     try:
         yield http.server_port
@@ -190,6 +195,8 @@ async def test_every_query_returns_data(
     }
     with run_prometheus(tmp_path, [*targets, operator_target], target_labels=target_labels) as prom:
         await asyncio.to_thread(prom.wait_for_targets_up)
+        for server in servers.values():
+            await asyncio.to_thread(put_batching, server, {"slo": asdict(SLO.targets())})
         spec = LoadSpec(
             urls=[s.url for s in servers.values()],
             rate=12.0,
@@ -222,6 +229,13 @@ async def test_every_query_returns_data(
         )
         shares = {s["metric"]["policy"]: float(s["value"][1]) for s in finished}
         assert shares["cont"] == 0.0 < shares["dyn"] < 1.0, shares
+
+        # the attainment is a share, against the objective the operator publishes
+        attainment = next(p for p in load_dashboard()["panels"] if p["title"] == "SLO attainment")
+        for target, bounds in zip(attainment["targets"], ((0.0, 1.0), (0.99, 0.99)), strict=True):
+            values = finite_values(await asyncio.to_thread(prom.query, substitute(target["expr"]),
+                                                           ended))  # fmt: skip
+            assert values and all(bounds[0] <= v <= bounds[1] for v in values), (target, values)
 
         # one server per policy here: the Replicas panel counts the pods serving each
         replicas = next(p for p in load_dashboard()["panels"] if p["title"] == "Replicas")

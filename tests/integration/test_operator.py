@@ -11,7 +11,7 @@ import pytest
 from batchpilot_operator import builders, kube
 from batchpilot_operator.reconcile import reconcile
 from batchpilot_operator.spec import parse_spec
-from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig, SloTargets
 
 from tests.support.k8s_emulator import Cluster, condition, run_cluster, run_operator
 from tests.support.manifests import granted_by_cluster_role
@@ -219,8 +219,8 @@ async def test_bounds_change_reclamps_the_config_in_force(cluster: Cluster) -> N
         kube.CONFIGMAPS, "clamp", "llm-batching",
         lambda cm: (config(cm) or tuned).max_batch_size == 16, "maxBatchSize re-clamped to 16",
     )
-    # The timeout is inside its bounds: the tuned value survives.
-    assert config(clamped) == BatchingConfig(16, 30.0, 256)
+    # The timeout is inside its bounds: the tuned value survives; the targets are the spec's.
+    assert config(clamped) == BatchingConfig(16, 30.0, 256, slo=SloTargets(e2e_ms=500.0))
     await cluster.wait_for(
         kube.POLICIES, "clamp", "llm",
         lambda p: (p.get("status") or {}).get("maxBatchSize") == 16, "status.maxBatchSize 16",

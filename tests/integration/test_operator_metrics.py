@@ -1,4 +1,5 @@
-"""The operator publishes each policy's SLO and KV watermark for Prometheus.
+"""The operator publishes each policy's SLO targets, attainment objective and KV watermark
+for Prometheus.
 
 Kopf runs for real against the emulator and serves the gauges on a real port;
 the tests scrape them over HTTP as Prometheus would.
@@ -19,7 +20,12 @@ import pytest
 import yaml
 from batchpilot_operator import kube
 from batchpilot_operator.main import main
-from batchpilot_operator.policy_metrics import KV_HIGH_WATERMARK, SLO_P99_LATENCY
+from batchpilot_operator.policy_metrics import (
+    KV_HIGH_WATERMARK,
+    SLO_ATTAINMENT_OBJECTIVE,
+    SLO_OBJECTIVE,
+    SLO_P99_LATENCY,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.commands import BATCHPILOT, DEADLINE_S
@@ -30,7 +36,9 @@ from tests.support.prometheus import pod_group
 from tests.support.servers import free_port
 from tests.support.usage import refused_usage
 
-Series = dict[tuple[str, str, str], float]  # (metric, namespace, policy) -> value
+# (metric, namespace, policy, target: "" for the unlabelled ones) -> value
+Series = dict[tuple[str, str, str, str], float]
+POLICY_SERIES = (SLO_P99_LATENCY, SLO_OBJECTIVE, SLO_ATTAINMENT_OBJECTIVE, KV_HIGH_WATERMARK)
 
 
 @pytest.fixture(scope="module")
@@ -62,28 +70,44 @@ async def scrape(port: int) -> Series:
         assert response.status == 200
         text = await response.text()
     return {
-        (sample.name, sample.labels["namespace"], sample.labels["policy"]): sample.value
+        (
+            sample.name, sample.labels["namespace"], sample.labels["policy"],
+            sample.labels.get("target", ""),
+        ): sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
-        if sample.name in (SLO_P99_LATENCY, KV_HIGH_WATERMARK)
-    }
+        if sample.name in POLICY_SERIES
+    }  # fmt: skip
+
+
+async def wait_for_series(
+    cluster: Cluster, port: int, namespace: str, want: dict[tuple[str, str], float]
+) -> None:
+    """Until the policy's series are exactly `want`: {(metric, target): value}."""
+
+    async def published() -> bool:
+        series = await scrape(port)
+        mine = {(name, target): v for (name, ns, _, target), v in series.items() if ns == namespace}
+        return mine == want
+
+    await cluster.wait_until(published, f"{namespace}/llm series exactly {want}")
 
 
 async def wait_for_targets(
     cluster: Cluster, port: int, namespace: str, slo_ms: float, watermark: float
 ) -> None:
-    want = {SLO_P99_LATENCY: slo_ms / 1000.0, KV_HIGH_WATERMARK: watermark}
-
-    async def published() -> bool:
-        series = await scrape(port)
-        return all(series.get((name, namespace, "llm")) == value for name, value in want.items())
-
-    await cluster.wait_until(published, f"{namespace}/llm targets {want}")
+    """The series of an older p99LatencyMs policy: an e2e target at attainment 0.99."""
+    await wait_for_series(cluster, port, namespace, {
+        (SLO_P99_LATENCY, ""): slo_ms / 1000.0,
+        (SLO_OBJECTIVE, "e2e"): slo_ms / 1000.0,
+        (SLO_ATTAINMENT_OBJECTIVE, ""): 0.99,
+        (KV_HIGH_WATERMARK, ""): watermark,
+    })  # fmt: skip
 
 
 async def wait_for_no_targets(cluster: Cluster, port: int, namespace: str) -> None:
     async def gone() -> bool:
-        return not any(ns == namespace for _, ns, _ in await scrape(port))
+        return not any(ns == namespace for _, ns, _, _ in await scrape(port))
 
     await cluster.wait_until(gone, f"no target series of {namespace}/llm")
 
@@ -102,6 +126,33 @@ async def test_targets_follow_the_spec_and_leave_with_the_policy(
 
     await cluster.delete(kube.POLICIES, "follow", "llm")
     await wait_for_no_targets(cluster, metrics_port, "follow")
+
+
+async def test_a_ttft_tpot_slo_publishes_its_targets_and_objective_and_no_p99(
+    cluster: Cluster, metrics_port: int
+) -> None:
+    await cluster.create(kube.POLICIES, policy("llmslo", slo_ms=900, watermark=0.9))
+    await wait_for_targets(cluster, metrics_port, "llmslo", 900, 0.9)
+
+    await cluster.patch(
+        kube.POLICIES, "llmslo", "llm",
+        {"spec": {"slo": {"p99LatencyMs": None, "ttftMs": 400, "tpotMs": 50,
+                          "attainment": 0.95}}},
+    )  # fmt: skip
+    await wait_for_series(cluster, metrics_port, "llmslo", {
+        (SLO_OBJECTIVE, "ttft"): 0.4,
+        (SLO_OBJECTIVE, "tpot"): 0.05,
+        (SLO_ATTAINMENT_OBJECTIVE, ""): 0.95,
+        (KV_HIGH_WATERMARK, ""): 0.9,
+    })  # fmt: skip
+    # reconcile shows the objective (kubectl get bp's SLO column) without a tuning round
+    objective = "ttft<=400ms tpot<=50ms @95%"
+    shown = await cluster.wait_for(
+        kube.POLICIES, "llmslo", "llm",
+        lambda p: ((p.get("status") or {}).get("slo") or {}).get("objective") == objective,
+        f"status.slo.objective {objective!r}",
+    )  # fmt: skip
+    assert "e2eMs" not in shown["status"]["slo"]  # the older e2e target is gone with the spec
 
 
 async def test_an_invalid_spec_drops_the_targets_and_a_fix_restores_them(

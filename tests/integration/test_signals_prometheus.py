@@ -9,6 +9,8 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
+import pytest
+from batchpilot_operator import slo_series
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_instances
 from batchpilot_operator.signals_scrape import ScrapeSource
 from batchpilot_operator.slo import Slo
@@ -21,6 +23,7 @@ from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
 
 from tests.support.prometheus import requires_prometheus, run_prometheus
 from tests.support.servers import spawn_server, wait_ready
+from tests.support.slo_exporter import serve_slo_exporter
 
 BOUNDS = (*names.LATENCY_BUCKETS, math.inf)
 BATCH = 16
@@ -116,3 +119,47 @@ async def test_p99_agrees_with_the_load_generator_and_the_tuner_rides_out_an_out
     assert f"Prometheus at {prom.url} is unreachable" in during.detail
     assert steps[1].decision.action == "hold"
     assert steps[1].decision.config == steps[1].before
+
+
+@requires_prometheus
+async def test_both_sources_read_the_same_slo_attainment_budget_and_step_totals(
+    tmp_path: Path,
+) -> None:
+    """Prometheus' `increase` extrapolates to the window's ends, so its counts are not whole;
+    shares of series scraped together (attainment, rows per step) agree within a percent."""
+    with serve_slo_exporter() as exporter:
+        selector = selector_for_instances([exporter.url])
+        with run_prometheus(tmp_path, [exporter.url.removeprefix("http://")]) as prom:
+            await asyncio.to_thread(prom.wait_for_targets_up)
+            async with aiohttp.ClientSession() as session:
+                scrape = ScrapeSource([exporter.url], session, min_requests=1)
+                await scrape.scrape()
+                started = time.monotonic()
+                for index in range(40):
+                    missed = ("ttft",) if index % 8 == 0 else ()  # 5 of 40 miss
+                    exporter.request(ttft_s=0.9 if missed else 0.05, tpot_s=0.01, e2e_s=0.5,
+                                     prompt=200, missed=missed)  # fmt: skip
+                for _ in range(5):
+                    exporter.engine_step(0.02, rows=6, prefill=256, kv=3000)
+                scraped = await scrape.read(time.monotonic() - started + 1.0)
+                judged = f"sum({slo_series.SLO_TOTAL}{{{selector},target=\"all\"}})"
+                await asyncio.to_thread(prom.wait_for_value, judged, 40, SETTLE_DEADLINE_S)
+                # one scrape more, so that `increase` has samples after the change
+                await asyncio.to_thread(prom.wait_for_scrapes_after, time.time())
+                source = PrometheusSource(
+                    prom.url, selector, session, min_requests=1, budget_window_s=600
+                )
+                signals = await source.read(time.monotonic() - started + 5.0)
+    assert (scraped.slo_judged, scraped.slo_met, scraped.attainment) == (40, 35, 35 / 40)
+    assert scraped.slo_missed == {"all": 5, "ttft": 5}
+    assert scraped.budget_attainment == 35 / 40
+    assert signals.attainment == pytest.approx(35 / 40, rel=0.01)
+    assert signals.budget_attainment == pytest.approx(35 / 40, rel=0.01)
+    assert signals.slo_judged == pytest.approx(40, rel=0.5)
+    assert set(signals.slo_missed) == {"all", "ttft"}
+    for read in (scraped, signals):
+        assert bucket_of(read.ttft_p99_s or 0) == bucket_of(0.9), read.ttft_p99_s
+        assert bucket_of(read.tpot_p99_s or 0) == bucket_of(0.01), read.tpot_p99_s
+        assert read.steps and read.step_decode_rows == pytest.approx(6 * read.steps, rel=0.01)
+        assert read.step_kv_tokens == pytest.approx(3000 * read.steps, rel=0.01)
+        assert read.prompt_tokens_p50 is not None and 64 < read.prompt_tokens_p50 <= 256

@@ -141,6 +141,43 @@ INVALID = [
         "SLO could never be met",
     ),
     (
+        "TTFT target at the timeout floor",
+        {"batching": {"batchTimeoutMs": {"initial": 60, "min": 50, "max": 100}},
+         "slo": {"ttftMs": 50, "tpotMs": 100}},
+        "must be below slo.ttftMs: the SLO could never be met",
+    ),
+    (
+        "e2e target under the timeout floor",
+        {"batching": {"batchTimeoutMs": {"initial": 60, "min": 50, "max": 100}},
+         "slo": {"e2eMs": 40}},
+        "must be below slo.e2eMs: the SLO could never be met",
+    ),
+    ("SLO without a target", {"slo": {"attainment": 0.95}}, "slo must state at least one target"),
+    ("empty SLO", {"slo": {}}, "slo must state at least one target"),
+    (
+        "both p99LatencyMs and e2eMs",
+        {"slo": {"p99LatencyMs": 500, "e2eMs": 400}},
+        "slo states both p99LatencyMs and e2eMs",
+    ),
+    ("attainment of 1", {"slo": {"ttftMs": 200, "attainment": 1}}, "maximum"),
+    ("attainment of a third", {"slo": {"ttftMs": 200, "attainment": 0.33}}, "minimum"),
+    ("zero TPOT target", {"slo": {"tpotMs": 0}}, "less than the minimum"),
+    ("budget window without unit", {"slo": {"ttftMs": 200, "budgetWindow": "60"}},
+     "does not match"),
+    ("budget window in weeks", {"slo": {"ttftMs": 200, "budgetWindow": "1w"}}, "does not match"),
+    (
+        "prefill budget initial above max",
+        {"batching": {"prefillTokenBudget": {"initial": 4096}}},
+        "prefillTokenBudget needs min <= initial <= max",
+    ),
+    (
+        "prefill budget min above initial",
+        {"batching": {"prefillTokenBudget": {"initial": 512, "min": 1024, "max": 4096}}},
+        "prefillTokenBudget needs min <= initial <= max",
+    ),
+    ("prefill budget of 0", {"batching": {"prefillTokenBudget": {"min": 0}}},
+     "less than the minimum"),
+    (
         "window shorter than interval",
         {"autotune": {"intervalSeconds": 60, "windowSeconds": 30}},
         "windowSeconds must be at least intervalSeconds",
@@ -346,14 +383,57 @@ def test_the_status_holds_what_the_replica_rule_records() -> None:
     assert schema_node("status.replicaState")["x-kubernetes-preserve-unknown-fields"]
 
 
+ACCEPTED_SLOS = [
+    # (id, spec.slo, the operator's Slo fields in seconds)
+    ("TTFT and TPOT", {"ttftMs": 200, "tpotMs": 50}, {"ttft_s": 0.2, "tpot_s": 0.05}),
+    ("TPOT alone", {"tpotMs": 80, "attainment": 0.95}, {"tpot_s": 0.08, "attainment": 0.95}),
+    ("all three", {"ttftMs": 300, "tpotMs": 40, "e2eMs": 5000, "budgetWindow": "7d"},
+     {"ttft_s": 0.3, "tpot_s": 0.04, "e2e_s": 5.0, "budget_window_s": 7 * 86400.0}),
+    ("the older p99LatencyMs", {"p99LatencyMs": 250}, {"e2e_s": 0.25, "attainment": 0.99}),
+]
+
+
+@pytest.mark.parametrize(
+    ("slo", "expected"), [c[1:] for c in ACCEPTED_SLOS], ids=[c[0] for c in ACCEPTED_SLOS]
+)
+def test_slo_forms_are_accepted_by_the_crd_and_parsed_alike(
+    slo: dict[str, Any], expected: dict[str, float]
+) -> None:
+    obj = policy(slo=slo)
+    assert refusals(obj) == []
+    from_crd = parse_spec(with_defaults(SCHEMA, obj)["spec"])
+    assert from_crd == parse_spec(obj["spec"])  # the operator's defaults are the CRD's
+    parsed = from_crd.slo
+    for name, value in expected.items():
+        assert getattr(parsed, name) == pytest.approx(value), name
+    assert set(parsed.stated) == {k.removesuffix("_s") for k in expected if k.endswith("_s")
+                                  and k != "budget_window_s"}
+
+
+def test_an_absent_slo_defaults_to_the_older_p99_of_500_ms() -> None:
+    defaulted = with_defaults(SCHEMA, policy())["spec"]
+    assert defaulted["slo"] == {"p99LatencyMs": 500, "attainment": 0.99, "budgetWindow": "1h"}
+    assert parse_spec(defaulted).slo.stated == {"e2e": 0.5}
+
+
+def test_a_tpot_only_slo_allows_any_timeout_floor() -> None:
+    # the timeout delays a request's first token, not its later ones
+    spec = {"slo": {"tpotMs": 20},
+            "batching": {"batchTimeoutMs": {"initial": 60, "min": 50, "max": 100}}}
+    assert refusals(policy(**spec)) == []
+    assert parse_spec(spec).batching.bounds.min_timeout_ms == 50
+
+
 def test_names_subresource_and_printer_columns() -> None:
     assert CRD["metadata"]["name"] == f"{CRD['spec']['names']['plural']}.{CRD['spec']['group']}"
     assert CRD["spec"]["names"]["shortNames"] == ["bp"]
     assert set(VERSION["subresources"]) == {"status", "scale"}
     columns = VERSION["additionalPrinterColumns"]
     assert [c["name"].upper() for c in columns] == [
-        "MODE", "REPLICAS", "READY-PODS", "BATCH", "TIMEOUT", "P99", "SLO", "READY", "AGE",
+        "MODE", "REPLICAS", "READY-PODS", "BATCH", "TIMEOUT", "ATTAINMENT", "BUDGET", "SLO",
+        "P99", "READY", "AGE",
     ]
+    # the older p99 column only in -o wide: the attainment and the objective say more
     for column in columns:
         field_path = re.sub(r"\[\?.*\]", "", column["jsonPath"])
         node = SCHEMA
@@ -364,3 +444,21 @@ def test_names_subresource_and_printer_columns() -> None:
             node = node.get("items", node)
         else:
             assert node["type"] in (column["type"], "integer" if column["type"] == "number" else "")
+    assert {c["name"]: c.get("priority", 0) for c in columns}["P99"] == 1
+
+
+def test_every_schema_node_is_an_object_with_a_type_or_a_union() -> None:
+    """A comma inside an unquoted flow-style description splits it into a stray key with a
+    null value, which jsonschema ignores and kustomize drops: catch it here."""
+
+    def nodes(node: dict[str, Any], path: str) -> Iterator[tuple[str, Any]]:
+        for key, sub in node.get("properties", {}).items():
+            yield f"{path}.{key}", sub
+            if isinstance(sub, dict):
+                yield from nodes(sub, f"{path}.{key}")
+                if isinstance(sub.get("items"), dict):
+                    yield from nodes(sub["items"], f"{path}.{key}[]")
+
+    for path, node in nodes(SCHEMA, ""):
+        assert isinstance(node, dict), path
+        assert all(value is not None for value in node.values()), (path, node)

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from batchpilot_operator.replica_rule import ReplicaBounds
+from batchpilot_operator.slo import Slo
 from batchpilot_operator.spec import (
     MAX_REPLICAS,
     MAX_STABILIZATION_S,
@@ -16,7 +17,7 @@ from batchpilot_operator.spec import (
     SpecError,
     parse_spec,
 )
-from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig, SloTargets
 from batchpilot_server.model_presets import PRESET_NAMES
 
 
@@ -30,8 +31,13 @@ def test_empty_spec_takes_the_documented_defaults() -> None:
     assert spec.replicas == 1
     assert (spec.server.model, spec.server.device, spec.server.gpus) == ("tiny", "auto", 0)
     assert spec.batching.mode == "continuous"
-    assert spec.initial_config() == BatchingConfig(8, 10.0, 256)
-    assert spec.autotune.enabled and spec.p99_latency_ms == 500
+    assert spec.initial_config() == BatchingConfig(
+        8, 10.0, 256, prefill_token_budget=2048, slo=SloTargets(e2e_ms=500.0)
+    )
+    assert spec.autotune.enabled
+    assert spec.slo == Slo(e2e_s=0.5, attainment=0.99, budget_window_s=3600.0)
+    bounds = spec.batching.bounds
+    assert (bounds.min_prefill_budget, bounds.max_prefill_budget) == (2048, 2048)
     assert (spec.server.dtype, spec.server.max_model_len, spec.server.served_model_name) == (
         "auto", None, None,
     )
@@ -93,6 +99,29 @@ def test_an_unknown_preset_names_the_known_ones() -> None:
             {"slo": {"p99LatencyMs": 10}, "batching": {"batchTimeoutMs": {"min": 10}}},
             "InvalidBounds", "SLO could never be met",
         ),
+        (
+            {"slo": {"ttftMs": 10}, "batching": {"batchTimeoutMs": {"min": 10}}},
+            "InvalidBounds", "is not below slo.ttftMs (10 ms)",
+        ),
+        ({"slo": {}}, "InvalidSLO", "slo states no target"),
+        ({"slo": {"attainment": 0.9}}, "InvalidSLO", "slo states no target"),
+        ({"slo": {"p99LatencyMs": 300, "e2eMs": 300}}, "InvalidSLO", "keep e2eMs only"),
+        ({"slo": {"ttftMs": "fast"}}, "InvalidSpec", "slo.ttftMs must be a number"),
+        ({"slo": {"tpotMs": 0.5}}, "InvalidSpec", "slo.tpotMs must be a finite number between 1"),
+        ({"slo": {"ttftMs": 200, "attainment": 1}}, "InvalidSpec",
+         "slo.attainment must be a finite number between 0.5 and 0.9999"),
+        ({"slo": {"ttftMs": 200, "budgetWindow": "1 hour"}}, "InvalidSLO",
+         "slo.budgetWindow must be a whole number of s, m, h or d"),
+        ({"slo": {"ttftMs": 200, "budgetWindow": "91d"}}, "InvalidSLO", "at most 90d"),
+        ({"slo": {"ttftMs": 200, "budgetWindow": 3600}}, "InvalidSpec",
+         "slo.budgetWindow must be a string"),
+        ({"slo": {"ttftMs": 200, "budgetWindow": "30s"}}, "InvalidSLO",
+         "shorter than autotune.windowSeconds (60)"),
+        ({"slo": [200]}, "InvalidSpec", "slo must be an object"),
+        ({"batching": {"prefillTokenBudget": {"initial": 4096}}}, "InvalidBounds",
+         "batching.prefillTokenBudget needs min <= initial <= max"),
+        ({"batching": {"prefillTokenBudget": {"max": 2_000_000}}}, "InvalidSpec",
+         "batching.prefillTokenBudget.max must be between 1 and 1048576"),
         ({"server": {"device": "cuda"}}, "InvalidDevice", "needs server.gpus >= 1"),
         ({"server": {"device": "cpu", "gpus": 2}}, "InvalidDevice", "never uses"),
         ({"autotune": {"intervalSeconds": 60, "windowSeconds": 30}}, "InvalidAutotune", "shorter"),
@@ -177,10 +206,33 @@ def test_clamp_keeps_tuned_values_inside_the_bounds() -> None:
             "maxQueueSize": 99,
         }
     })
-    assert spec.clamp(BatchingConfig(64, 1.0, 256)) == BatchingConfig(16, 5.0, 99)
-    assert spec.clamp(BatchingConfig(2, 50.0, 256)) == BatchingConfig(4, 20.0, 99)
-    inside = BatchingConfig(12, 7.5, 99)
+    slo = SloTargets(e2e_ms=500.0)
+    assert spec.clamp(BatchingConfig(64, 1.0, 256)) == BatchingConfig(16, 5.0, 99, slo=slo)
+    assert spec.clamp(BatchingConfig(2, 50.0, 256)) == BatchingConfig(4, 20.0, 99, slo=slo)
+    inside = BatchingConfig(12, 7.5, 99, slo=slo)
     assert spec.clamp(inside) == inside
+
+
+def test_a_ttft_tpot_slo_and_a_prefill_range_reach_the_goal_and_the_pods_config() -> None:
+    spec = parse_spec({
+        "slo": {"ttftMs": 400, "tpotMs": 60, "attainment": 0.95, "budgetWindow": "6h"},
+        "batching": {"prefillTokenBudget": {"initial": 1024, "min": 256, "max": 4096}},
+        "autotune": {"kvHighWatermark": 0.8},
+    })
+    assert spec.goal.slo == Slo(
+        ttft_s=0.4, tpot_s=0.06, attainment=0.95, budget_window_s=6 * 3600.0,
+        kv_high_watermark=0.8,
+    )
+    bounds = spec.goal.bounds
+    assert (bounds.min_prefill_budget, bounds.max_prefill_budget) == (256, 4096)
+    config = spec.initial_config()
+    assert config.prefill_token_budget == 1024
+    assert config.slo == SloTargets(ttft_ms=400.0, tpot_ms=60.0)
+    # a config in force from before an SLO change takes the spec's targets, and the
+    # budget its bounds
+    older = BatchingConfig(8, 10.0, 256, prefill_token_budget=8192, slo=SloTargets(e2e_ms=500.0))
+    clamped = spec.clamp(older)
+    assert (clamped.prefill_token_budget, clamped.slo) == (4096, config.slo)
 
 
 def test_autoscale_bounds_take_the_replica_rules_defaults_and_reach_the_goal() -> None:

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import math
 
+import aiohttp
 import numpy as np
 import pytest
 from batchpilot_operator.signals import histogram_quantile, traffic_status
-from batchpilot_operator.signals_scrape import Totals, parse_metrics, quantile_from_buckets
+from batchpilot_operator.signals_scrape import (
+    ScrapeSource,
+    Totals,
+    parse_metrics,
+    quantile_from_buckets,
+)
 from batchpilot_server import metric_names as names
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine_api import EngineStats
 from batchpilot_server.metrics import ServerMetrics
+
+from tests.support.slo_exporter import serve_slo_exporter
 
 BOUNDS = (*names.LATENCY_BUCKETS, math.inf)
 
@@ -88,3 +96,47 @@ def test_a_counter_that_went_down_counts_from_zero() -> None:
     earlier = Totals(counts={names.PREEMPTIONS_TOTAL: 40.0})
     restarted = Totals(counts={names.PREEMPTIONS_TOTAL: 3.0})
     assert restarted.minus(earlier).counts[names.PREEMPTIONS_TOTAL] == 3.0
+
+
+async def test_the_scrape_reads_the_slo_judgement_lengths_and_step_totals() -> None:
+    """Exact counts of a window, and the budget's attainment since the budget window's start
+    (since the first scrape, until the source has run that long)."""
+    clock = [0.0]
+    with serve_slo_exporter() as exporter:
+        async with aiohttp.ClientSession() as session:
+            source = ScrapeSource(
+                [exporter.url], session, min_requests=1, clock=lambda: clock[0],
+                budget_window_s=120.0,
+            )  # fmt: skip
+            await source.scrape()
+            # before the window: 4 met, 4 missed (the budget counts these, the window not)
+            for missed in [(), (), (), (), ("ttft",), ("ttft",), ("tpot",), ("ttft", "tpot")]:
+                exporter.request(ttft_s=0.1, tpot_s=0.02, e2e_s=1.0, prompt=100, missed=missed)
+            clock[0] = 60.0
+            await source.read(60.0)
+            for _ in range(9):
+                exporter.request(ttft_s=0.1, tpot_s=0.02, e2e_s=1.0, prompt=100, missed=())
+            exporter.request(ttft_s=2.0, tpot_s=0.2, e2e_s=9.0, prompt=3000,
+                             missed=("ttft", "tpot"))  # fmt: skip
+            for _ in range(3):
+                exporter.engine_step(0.05, rows=8, prefill=512, kv=4000)
+            clock[0] = 120.0
+            signals = await source.read(60.0)
+    assert (signals.slo_judged, signals.slo_met, signals.attainment) == (10, 9, 0.9)
+    assert signals.slo_missed == {"all": 1, "ttft": 1, "tpot": 1}
+    assert signals.budget_attainment == 13 / 18  # both windows, since the first scrape
+    assert signals.ttft_p99_s is not None and bucket_of(signals.ttft_p99_s) == bucket_of(2.0)
+    assert signals.tpot_p99_s is not None and bucket_of(signals.tpot_p99_s) == bucket_of(0.2)
+    assert signals.prompt_tokens_p50 is not None and signals.prompt_tokens_p50 <= 256
+    assert signals.prompt_tokens_p99 is not None and signals.prompt_tokens_p99 > 1024
+    assert (signals.steps, signals.step_decode_rows) == (3, 24)
+    assert (signals.step_prefill_tokens, signals.step_kv_tokens) == (1536, 12000)
+    assert signals.step_seconds == pytest.approx(0.15)
+
+
+async def test_an_older_server_without_slo_series_leaves_them_none() -> None:
+    metrics = ServerMetrics(model="tiny", mode="continuous")
+    metrics.request_duration.observe(0.2)
+    totals = parse_metrics(metrics.exposition(EngineStats(0, 0, 10, 0)).decode())
+    assert totals.slo == {}
+    assert parse_metrics("").slo == {}

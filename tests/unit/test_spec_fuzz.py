@@ -70,9 +70,17 @@ SPECS = _object({
         "mode": st.sampled_from(["dynamic", "continuous", "static"]) | JSON,
         "maxBatchSize": KNOB,
         "batchTimeoutMs": KNOB,
+        "prefillTokenBudget": KNOB,
         "maxQueueSize": SPEC_NUMBER,
     }) | JSON,
-    "slo": _object({"p99LatencyMs": SPEC_NUMBER}) | JSON,
+    "slo": _object({
+        "p99LatencyMs": SPEC_NUMBER,
+        "ttftMs": SPEC_NUMBER,
+        "tpotMs": SPEC_NUMBER,
+        "e2eMs": SPEC_NUMBER,
+        "attainment": SPEC_NUMBER,
+        "budgetWindow": st.sampled_from(["1h", "30m", "0d", "99999d", "1w"]) | JSON,
+    }) | JSON,
     "autotune": _object({
         "enabled": st.booleans() | JSON,
         "intervalSeconds": SPEC_NUMBER,
@@ -92,7 +100,7 @@ def assert_valid_spec(spec: PolicySpec) -> None:
     """What the operator does with a spec parse_spec accepted must work too."""
     config = spec.initial_config()
     assert spec.clamp(config) == config
-    assert math.isfinite(spec.p99_latency_ms)
+    assert spec.slo.stated and all(math.isfinite(v) for v in spec.slo.stated.values())
 
 
 @FUZZ
@@ -146,6 +154,9 @@ def test_any_config_file_loads_or_raises_config_error(tmp_path: Path, value: Any
         {"batching": {"maxBatchSize": {"max": -HUGE}}},
         {"server": {"model": HUGE}},
         {"slo": {"p99LatencyMs": math.inf}},
+        {"slo": {"ttftMs": HUGE}},
+        {"slo": {"tpotMs": 100, "attainment": -HUGE}},
+        {"batching": {"prefillTokenBudget": {"initial": HUGE}}},
     ],
 )
 def test_huge_integers_and_infinities_in_a_spec_are_spec_errors(raw: dict[str, Any]) -> None:

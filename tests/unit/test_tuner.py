@@ -230,8 +230,9 @@ def test_a_policy_without_tuning_fields_tunes_with_the_one_set_of_defaults() -> 
     spec = parse_spec({})
     assert spec.batching.bounds == Bounds()
     assert spec.cadence == Cadence()
-    assert spec.goal == Goal(Slo(e2e_s=spec.p99_latency_ms / 1000))
-    assert spec.initial_config() == BatchingConfig()
+    assert spec.goal == Goal(Slo(e2e_s=0.5))  # the CRD's default slo, p99LatencyMs 500
+    # the pods start at the server's defaults, judging requests against the policy's SLO
+    assert spec.initial_config() == BatchingConfig(slo=spec.slo.targets())
 
 
 def test_bad_slo_is_refused() -> None:

@@ -1,0 +1,120 @@
+"""What status.slo and the SLOMet condition say about a policy's SLO.
+
+Pure: the tuning round (autotune.py) writes all of it from each window's signals;
+reconcile writes the stated targets as soon as a policy is valid, so that
+`kubectl get bp` shows the objective before the first round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from batchpilot_operator.signals import Signals
+from batchpilot_operator.slo import Slo
+from batchpilot_operator.slo_series import SLO_TARGETS
+
+ERROR_BUDGET_FLOOR = -1.0
+
+
+def slo_condition(signals: Signals, slo: Slo) -> dict[str, str]:
+    """SLOMet: the window's attainment against the target where the pods judged requests;
+    for a server that exports no SLO counters (an older one), its p99 against an e2e target."""
+    attainment = signals.attainment
+    if attainment is not None:
+        met = attainment >= slo.attainment
+        return {
+            "status": "True" if met else "False",
+            "reason": "WithinSLO" if met else "BelowAttainment",
+            "message": f"{attainment:.2%} of {signals.slo_judged:.0f} requests met "
+            f"{objective(slo)}{missed_words(signals.slo_missed)}",
+        }
+    p99 = signals.p99_latency_s
+    if p99 is not None and slo.e2e_s is not None:
+        met = p99 <= slo.e2e_s
+        return {
+            "status": "True" if met else "False",
+            "reason": "WithinSLO" if met else "AboveSLO",
+            "message": f"p99 {p99 * 1000:.0f} ms, SLO {slo.e2e_s * 1000:.0f} ms "
+            "(the pods count no SLO attainment: an older server)",
+        }
+    if signals.ok:
+        return {
+            "status": "Unknown",
+            "reason": "NotJudged",
+            "message": "the pods count no SLO attainment (an older server?) and the SLO "
+            "states no e2e target to compare the p99 with",
+        }
+    reason = {"no_data": "NoData", "no_traffic": "NoTraffic"}.get(
+        signals.status, "TooLittleTraffic"
+    )
+    return {
+        "status": "Unknown",
+        "reason": reason,
+        "message": signals.detail or "no request judged against the SLO in the window",
+    }
+
+
+def objective(slo: Slo) -> str:
+    """The stated targets and attainment in one line: 'ttft<=200ms tpot<=50ms @99%'."""
+    targets = " ".join(f"{name}<={value * 1000:g}ms" for name, value in slo.stated.items())
+    return f"{targets} @{slo.attainment * 100:g}%"
+
+
+def missed_words(missed: Mapping[str, float]) -> str:
+    by_target = [f"{name} {missed[name]:.0f}" for name in SLO_TARGETS if missed.get(name)]
+    return f"; missed: {', '.join(by_target)}" if by_target else ""
+
+
+def error_budget_remaining(budget_attainment: float, slo: Slo) -> float:
+    """The share of the allowed misses not yet spent: 1 untouched, 0 spent, negative
+    overspent, floored at -1 (spent twice over; budgetAttainment tells the rest)."""
+    spent = (1.0 - budget_attainment) / slo.allowed_miss_share
+    return max(ERROR_BUDGET_FLOOR, 1.0 - spent)
+
+
+def target_fields(slo: Slo) -> dict[str, Any]:
+    """status.slo's stated part, which reconcile writes before any round has measured:
+    a target the spec does not state is null (a merge patch removes it)."""
+    return {
+        "objective": objective(slo),
+        **{f"{name}Ms": _ms(slo.stated.get(name)) for name in SLO_TARGETS},
+        "attainmentTarget": slo.attainment,
+        "budgetWindow": duration_text(slo.budget_window_s),
+    }
+
+
+def slo_fields(signals: Signals, slo: Slo) -> dict[str, Any]:
+    """status.slo: the stated targets, what the window measured, the error budget left.
+    A value the window could not measure is null, so the status never shows a stale one."""
+
+    def share(value: float | None) -> float | None:
+        return None if value is None else round(value, 5)
+
+    ms = _ms
+    budget = signals.budget_attainment
+    return {
+        **target_fields(slo),
+        "judged": signals.slo_judged,
+        "attainment": share(signals.attainment),
+        "missed": dict(signals.slo_missed) or None,
+        "p99TtftMs": ms(signals.ttft_p99_s),
+        "p99TpotMs": ms(signals.tpot_p99_s),
+        "p99E2eMs": ms(signals.p99_latency_s),
+        "budgetAttainment": share(budget),
+        "errorBudgetRemaining": (
+            None if budget is None else share(error_budget_remaining(budget, slo))
+        ),
+    }
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000.0, 3)
+
+
+def duration_text(seconds: float) -> str:
+    """Seconds as the CRD writes a budget window: the largest whole unit (3600 -> 1h)."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds % size == 0:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"

@@ -1,0 +1,89 @@
+"""A /metrics endpoint that exports the pods' SLO and step series by their documented
+names (batchpilot_operator.slo_series), driven by the test with known counts.
+
+It lets the signal sources be checked against exact numbers; the real servers'
+series are the same names (the server's own tests check what it counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+from batchpilot_operator import slo_series
+from batchpilot_server import metric_names as names
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+TOKEN_BUCKETS = (16, 64, 256, 1024, 4096)
+
+
+@dataclass
+class SloExporter:
+    registry: CollectorRegistry
+    url: str
+    judged: Counter
+    duration: Histogram
+    ttft: Histogram
+    tpot: Histogram
+    prompts: Histogram
+    step: Histogram
+    decode_rows: Counter
+    prefill_tokens: Counter
+    kv_tokens: Counter
+
+    def request(
+        self, *, ttft_s: float, tpot_s: float, e2e_s: float, prompt: int, missed: tuple[str, ...]
+    ) -> None:
+        """One finished request, judged as the pods judge it."""
+        self.duration.observe(e2e_s)
+        self.ttft.observe(ttft_s)
+        self.tpot.observe(tpot_s)
+        self.prompts.observe(prompt)
+        self.judged.labels("missed" if missed else "met", slo_series.SLO_ALL).inc()
+        for target in missed:
+            self.judged.labels("missed", target).inc()
+
+    def engine_step(self, seconds: float, rows: int, prefill: int, kv: int) -> None:
+        self.step.observe(seconds)
+        self.decode_rows.inc(rows)
+        self.prefill_tokens.inc(prefill)
+        self.kv_tokens.inc(kv)
+
+
+@contextmanager
+def serve_slo_exporter() -> Iterator[SloExporter]:
+    registry = CollectorRegistry()
+
+    def histogram(name: str, buckets: tuple[float, ...] = names.LATENCY_BUCKETS) -> Histogram:
+        return Histogram(name, name, buckets=buckets, registry=registry)
+
+    def counter(name: str) -> Counter:
+        return Counter(name.removesuffix("_total"), name, registry=registry)
+
+    judged = Counter(
+        slo_series.SLO_TOTAL.removesuffix("_total"), "judged", ("result", "target"),
+        registry=registry,
+    )  # fmt: skip
+    for result in ("met", "missed"):
+        judged.labels(result, slo_series.SLO_ALL)  # both series exist from the start
+    http: WSGIServer
+    http, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    try:
+        yield SloExporter(
+            registry=registry,
+            url=f"http://127.0.0.1:{http.server_port}",
+            judged=judged,
+            duration=histogram(names.REQUEST_DURATION),
+            ttft=histogram(names.TIME_TO_FIRST_TOKEN),
+            tpot=histogram(slo_series.TIME_PER_OUTPUT_TOKEN),
+            prompts=histogram(slo_series.REQUEST_PROMPT_TOKENS, TOKEN_BUCKETS),
+            step=histogram(names.STEP_DURATION),
+            decode_rows=counter(slo_series.STEP_DECODE_ROWS_TOTAL),
+            prefill_tokens=counter(slo_series.STEP_PREFILL_TOKENS_TOTAL),
+            kv_tokens=counter(slo_series.STEP_KV_TOKENS_TOTAL),
+        )
+    finally:
+        http.shutdown()
+        thread.join(timeout=5)

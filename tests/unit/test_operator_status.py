@@ -1,0 +1,102 @@
+"""What a tuning round writes about the SLO: status.slo, the error budget and SLOMet."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from batchpilot_operator.signals import Signals
+from batchpilot_operator.slo import Slo
+from batchpilot_operator.slo_status import (
+    error_budget_remaining,
+    slo_condition,
+    slo_fields,
+    target_fields,
+)
+
+from tests.support.crd import refusals
+from tests.support.policies import policy_object
+
+LLM = Slo(ttft_s=0.2, tpot_s=0.05, attainment=0.95, budget_window_s=6 * 3600)
+
+
+def judged(**fields: Any) -> Signals:
+    return Signals(status="ok", window_s=60, requests=200, **fields)
+
+
+def merged(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields as a merge patch leaves them in the status: a null removes the key."""
+    return {k: merged(v) if isinstance(v, dict) else v for k, v in fields.items() if v is not None}
+
+
+def test_status_slo_shows_targets_observed_p99s_attainment_and_budget() -> None:
+    signals = judged(
+        ttft_p99_s=0.31, tpot_p99_s=0.04, p99_latency_s=4.2,
+        slo_judged=200, slo_met=192, slo_missed={"all": 8, "ttft": 6, "tpot": 3},
+        budget_attainment=0.97,
+    )  # fmt: skip
+    fields = slo_fields(signals, LLM)
+    assert fields == {
+        "objective": "ttft<=200ms tpot<=50ms @95%",
+        "ttftMs": 200.0, "tpotMs": 50.0, "e2eMs": None,
+        "attainmentTarget": 0.95,
+        "budgetWindow": "6h",
+        "judged": 200,
+        "attainment": 0.96,
+        "missed": {"all": 8, "ttft": 6, "tpot": 3},
+        "p99TtftMs": 310.0, "p99TpotMs": 40.0, "p99E2eMs": 4200.0,
+        "budgetAttainment": 0.97,
+        "errorBudgetRemaining": 0.4,  # 3% of the allowed 5% spent
+    }  # fmt: skip
+    status = {"slo": merged(fields)}
+    assert refusals({**policy_object("p", "ml", {"slo": {"ttftMs": 200, "tpotMs": 50}}),
+                     "status": status}) == []  # fmt: skip
+
+
+def test_a_window_without_slo_series_writes_nulls_not_stale_values() -> None:
+    fields = slo_fields(judged(p99_latency_s=0.3), Slo(e2e_s=0.5))
+    assert fields["objective"] == "e2e<=500ms @99%" and fields["e2eMs"] == 500.0
+    for key in ("attainment", "judged", "budgetAttainment", "errorBudgetRemaining", "missed"):
+        assert fields[key] is None, key
+
+
+@pytest.mark.parametrize(
+    ("budget_attainment", "remaining"),
+    [(1.0, 1.0), (0.99, 0.8), (0.95, 0.0), (0.90, -1.0), (0.0, -1.0)],
+)
+def test_the_error_budget_left_is_the_share_of_allowed_misses_not_spent(
+    budget_attainment: float, remaining: float
+) -> None:
+    assert error_budget_remaining(budget_attainment, LLM) == pytest.approx(remaining)
+
+
+def test_slo_met_follows_attainment_and_names_the_targets_missed() -> None:
+    below = slo_condition(judged(slo_judged=100, slo_met=90, slo_missed={"all": 10, "tpot": 10}),
+                          LLM)  # fmt: skip
+    assert (below["status"], below["reason"]) == ("False", "BelowAttainment")
+    assert below["message"] == (
+        "90.00% of 100 requests met ttft<=200ms tpot<=50ms @95%; missed: tpot 10"
+    )
+    # a p99 far above the e2e target does not decide when the pods judged requests
+    met = slo_condition(judged(slo_judged=100, slo_met=99, p99_latency_s=9.0),
+                        Slo(e2e_s=1.0))  # fmt: skip
+    assert (met["status"], met["reason"]) == ("True", "WithinSLO")
+
+
+def test_slo_met_falls_back_to_the_p99_for_a_server_without_slo_counters() -> None:
+    above = slo_condition(judged(p99_latency_s=0.8), Slo(e2e_s=0.5))
+    assert (above["status"], above["reason"]) == ("False", "AboveSLO")
+    assert "p99 800 ms, SLO 500 ms" in above["message"]
+    # a TTFT/TPOT policy on such a server cannot be judged
+    unknown = slo_condition(judged(p99_latency_s=0.8), LLM)
+    assert (unknown["status"], unknown["reason"]) == ("Unknown", "NotJudged")
+    thin = slo_condition(Signals(status="no_traffic", detail="no request finished"), LLM)
+    assert (thin["status"], thin["reason"]) == ("Unknown", "NoTraffic")
+
+
+def test_the_stated_part_is_what_reconcile_writes_before_any_round() -> None:
+    assert target_fields(Slo(e2e_s=0.5)) == {
+        "objective": "e2e<=500ms @99%", "ttftMs": None, "tpotMs": None, "e2eMs": 500.0,
+        "attainmentTarget": 0.99, "budgetWindow": "1h",
+    }  # fmt: skip
+    assert target_fields(Slo(tpot_s=0.08, budget_window_s=90))["budgetWindow"] == "90s"
