@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from batchpilot_server import metric_names as names
 
+from tests.support.engine_helpers import requires_c_compiler
 from tests.support.servers import complete, labelled, scrape, serve_on_thread
 
 pytestmark = pytest.mark.timeout(120)
@@ -184,3 +185,22 @@ async def test_the_step_counters_add_up_to_what_was_generated(url: str) -> None:
         "steps": 1 + decodes, "decode_rows": decodes, "prefill_tokens": prompt_tokens,
         "kv_tokens": kv,
     }  # fmt: skip
+
+
+@requires_c_compiler  # prefix caching needs the native decode attention
+async def test_siblings_of_one_prompt_share_its_blocks(url: str) -> None:
+    """`n` choices of one prompt: the first computes it, the others wait a step for its
+    blocks to be published and share them, computing only the block with the prompt's
+    last token (always their own: the logits of their first token come from it)."""
+    n, length, block = 4, 64, 16
+    shared = (length - 1) // block * block  # 48 tokens: three whole blocks
+    hits = (names.PREFIX_CACHE_HITS_TOTAL, "")
+    queries = (names.PREFIX_CACHE_QUERIES_TOTAL, "")
+    async with aiohttp.ClientSession() as session:
+        await put(session, url, {"prefill_token_budget": 2048})
+        before = await scrape(session, url)
+        work = await work_of(session, url, prompt=prompt(length), max_tokens=2, n=n)
+        after = await scrape(session, url)
+    assert after[queries] - before[queries] == n * length
+    assert after[hits] - before[hits] == (n - 1) * shared
+    assert work["prefill_tokens"] == length + (n - 1) * (length - shared)
