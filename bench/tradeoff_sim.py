@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from batchpilot_server.batching_config import BatchingConfig, Mode
@@ -197,7 +197,8 @@ def simulate(
     """Run until every request arriving in [0, window_s) completed; requests keep
     arriving meanwhile (a static batch fills with later arrivals, as it would)."""
     pool = BlockPool(kv_blocks, BLOCK)
-    options = PolicyOptions(prefill_budget=prefill_budget, padded=policy.padded)
+    options = PolicyOptions(padded=policy.padded)
+    config = replace(config, prefill_token_budget=prefill_budget)
     scheduler = new_scheduler(policy.mode, pool, config, frozenset(), options)
     records: dict[Sequence, Record] = {}
     measured: list[Record] = []

@@ -81,6 +81,7 @@ from batchpilot_server.protocol_parse import (
     read_detokenize,
     read_tokenize,
 )
+from batchpilot_server.slo_judge import RequestTiming, judge
 from batchpilot_server.structured_output import StructuredOutput
 from batchpilot_server.tokenizer import ChatTemplate, Tokenizer
 from batchpilot_server.tool_calls import ParsedCall, ToolCallStream, parse_tool_calls
@@ -352,7 +353,7 @@ async def _serve_generation(
     arrival = time.monotonic()
     state.metrics.arrivals.inc()
     state.inflight.enter()
-    end = RequestEnd(state.metrics, arrival)
+    end = RequestEnd(state, arrival)
     try:
         response = await _generate(request, state, arrival, reader, answer_format, end)
         end.record("ok")  # a JSON answer: before aiohttp sends it
@@ -361,7 +362,7 @@ async def _serve_generation(
         end.record("error")
         return ended.response
     except ApiError as err:
-        end.record(err.outcome)
+        end.record(err.outcome, err.status)
         raise
     except web.HTTPException:
         end.record("rejected")
@@ -371,23 +372,39 @@ async def _serve_generation(
         state.inflight.leave()
 
 
-class RequestEnd:
-    """Counts a request's outcome, and an answered one's duration, once. A stream records
-    them before its last bytes go out, so that a client which saw its request end finds
-    it counted in /metrics (a load test reading the server's counters right after)."""
+# answers that are the server's failure to serve (queue full, shutting down or failed,
+# queue timeout): they miss every stated SLO target; a client's own error is not judged
+SLO_FAILURES = frozenset({429, 503, 504})
 
-    def __init__(self, metrics: ServerMetrics, arrival: float) -> None:
-        self.metrics = metrics
-        self.arrival = arrival
+
+class RequestEnd:
+    """Counts a request's outcome, an answered one's duration and TPOT, and its SLO
+    verdict, once. A stream records them before its last bytes go out, so that a client
+    which saw its request end finds it counted in /metrics (a load test reading the
+    server's counters right after)."""
+
+    def __init__(self, state: ServerState, arrival: float) -> None:
+        self.state = state
+        self.timing = RequestTiming(arrival)  # Generation records each token's time here
         self.recorded = False
 
-    def record(self, outcome: str) -> None:
+    def record(self, outcome: str, status: int | None = None) -> None:
+        """`status`: the error's HTTP status (an ApiError's), which says whether a
+        request that did not complete counts against the SLO."""
         if self.recorded:
             return
         self.recorded = True
+        metrics, now = self.state.metrics, time.monotonic()
         if outcome == "ok":
-            self.metrics.request_duration.observe(time.monotonic() - self.arrival)
-        self.metrics.count_request(outcome)
+            metrics.request_duration.observe(now - self.timing.arrival_s)
+            if (tpot := self.timing.tpot_s) is not None:
+                metrics.request_tpot.observe(tpot)
+        metrics.count_request(outcome)
+        targets = self.state.engine.config.slo  # the targets in force as it ends
+        if outcome == "ok":
+            metrics.count_slo(judge(targets, self.timing, now))
+        elif status in SLO_FAILURES:
+            metrics.count_slo(judge(targets, None, now))
 
 
 async def _generate(
@@ -413,7 +430,7 @@ async def _generate(
         assert state.structured is not None  # set once the engine started
         grammar = await state.structured.compile(parsed.grammar)
         parsed = replace(parsed, params=replace(parsed.params, grammar=grammar))
-    generation = Generation(state, parsed, arrival, answer_format.id_prefix)
+    generation = Generation(state, parsed, end.timing, answer_format.id_prefix)
     try:
         if parsed.stream:
             return await _stream(request, generation, answer_format, end)
@@ -436,11 +453,12 @@ class Generation:
     merged in the order they come, and the request's metrics."""
 
     def __init__(
-        self, state: ServerState, parsed: GenerationRequest, arrival: float, id_prefix: str
+        self, state: ServerState, parsed: GenerationRequest, timing: RequestTiming, id_prefix: str
     ) -> None:
         self.state = state
         self.parsed = parsed
-        self.arrival = arrival
+        self.timing = timing
+        self.arrival = timing.arrival_s
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = state.model_name
@@ -448,6 +466,7 @@ class Generation:
         self.speller = TokenSpeller(tokenizer)
         self.outputs: list[ChoiceOutput] = []
         self._streams: list[RequestStream] = []
+        self._prompt_tokens: list[int] = []  # per choice
         self._last_token_at: dict[int, float] = {}
         self._first_token = True
         # the next event of each unfinished choice, awaited together
@@ -471,6 +490,7 @@ class Generation:
                 if parsed.tool_names and parsed.stream:
                     self._tool_streams.append(ToolCallStream(parsed.tool_names))
                 self._streams.append(self._submit(prompt.ids, params))
+                self._prompt_tokens.append(len(prompt.ids))
                 state.metrics.prompt_tokens.inc(len(prompt.ids))
         except ApiError:
             self.close()  # the choices admitted before a refused one end with it
@@ -552,6 +572,7 @@ class Generation:
         elif index in self._last_token_at:
             metrics.inter_token.observe(now - self._last_token_at[index])
         self._last_token_at[index] = now
+        self.timing.token(index, now)
         metrics.generation_tokens.inc()
         output = self.outputs[index]
         delta = output.feed(event)
@@ -566,6 +587,7 @@ class Generation:
         if output.finish_reason is not None:
             self._streams[index].cancel()  # a stop string ends it before the engine does
             metrics.request_generation_tokens.observe(output.completion_tokens)
+            metrics.request_prompt_tokens.observe(self._prompt_tokens[index])
         return delta
 
     def close(self) -> None:
@@ -763,7 +785,7 @@ async def _stream(
             delta = await generation.next_delta()
     except ApiError as err:
         # Headers are gone: the error travels as an event and the request counts as failed.
-        end.record("error")
+        end.record("error", err.status)
         await _send_event(response, err.answer())
         await response.write(b"data: [DONE]\n\n")
         raise _StreamEnded(response) from err

@@ -319,7 +319,6 @@ class Engine:
         """The batching policy `mode` names."""
         options = self._options
         policy = PolicyOptions(
-            prefill_budget=options.prefill_token_budget,
             padded=options.dynamic_execution == "padded",
             max_wait_s=None if options.max_wait_ms is None else options.max_wait_ms / 1000.0,
         )
@@ -466,6 +465,8 @@ class Engine:
             observer.on_batch(plan.batch_size)
         slots = plan.slot_steps()
         observer.on_slot_steps(slots.active, slots.finished, slots.padding)
+        work = plan.work()
+        observer.on_step_work(work.decode_rows, work.prefill_tokens, work.kv_tokens)
         if plan.cache_queried:
             observer.on_prefix_cache(plan.cache_queried, plan.cache_hit)
         rows: list[Sequence] = []
@@ -478,9 +479,9 @@ class Engine:
             (plan.prefill, prefill, 0),
             (plan.decode + plan.pad, runner.decode, len(plan.pad)),
         )
+        began = time.perf_counter()
         for seqs, forward, discarded in forwards:
             if seqs:
-                began = time.perf_counter()
                 logits = forward(seqs)
                 # a prefill chunk that leaves part of its prompt for later samples nothing
                 ready = [seq for seq in seqs[: len(seqs) - discarded] if seq.ready_to_sample]
@@ -490,7 +491,9 @@ class Engine:
                     tokens += sampled.tokens
                     logprobs += sampled.logprobs
                     tops += sampled.top_logprobs
-                observer.on_step(len(seqs), time.perf_counter() - began)
+        # once per step (both forwards): the step count and seconds a step-time model
+        # pairs with the work counters
+        observer.on_step(plan.size + len(plan.pad), time.perf_counter() - began)
         return rows, tokens, logprobs, tops
 
     def _delivery(self, outputs: list[Output]) -> Delivery:

@@ -149,10 +149,6 @@ class EngineOptions:
     threads: int | None = None  # torch intra-op threads; None = torch default
     seed: int = 0  # model weights
     block_size: int = 16  # tokens per KV block
-    # continuous: prompt tokens computed per step; a longer prompt is prefilled in
-    # chunks over several steps while running sequences keep decoding (dynamic mode
-    # prefills its whole batch at once)
-    prefill_token_budget: int = 2048
     attention: AttentionBackend = "auto"
     # CUDA only: size the KV pool as this fraction of free device memory
     # instead of kv_cache_mb (None: kv_cache_mb on every device)
@@ -194,7 +190,14 @@ class EngineObserver(Protocol):
     """Hooks the engine calls (from its own thread) so the server can record metrics."""
 
     def on_scheduled(self, queue_wait_s: float) -> None: ...
-    def on_step(self, batch_size: int, duration_s: float) -> None: ...
+    def on_step(self, batch_size: int, duration_s: float) -> None:
+        """Once per step: its rows, and the seconds of its forwards and sampling."""
+        ...
+
+    def on_step_work(self, decode_rows: int, prefill_tokens: int, kv_tokens: int) -> None:
+        """Once per step, before it runs: what it computes (scheduler.StepWork)."""
+        ...
+
     def on_busy(self, seconds: float) -> None: ...
     def on_batch(self, batch_size: int) -> None: ...
     def on_hostage(self, seconds: float) -> None: ...
@@ -210,6 +213,9 @@ class NullObserver:
         pass
 
     def on_step(self, batch_size: int, duration_s: float) -> None:
+        pass
+
+    def on_step_work(self, decode_rows: int, prefill_tokens: int, kv_tokens: int) -> None:
         pass
 
     def on_busy(self, seconds: float) -> None:

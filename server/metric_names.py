@@ -5,7 +5,15 @@ TIME_TO_FIRST_TOKEN = "batchpilot_time_to_first_token_seconds"
 INTER_TOKEN_LATENCY = "batchpilot_inter_token_latency_seconds"
 QUEUE_WAIT = "batchpilot_queue_wait_seconds"
 BATCH_SIZE = "batchpilot_batch_size"
+# One engine step (its prefill and decode forwards, and sampling): _count is the steps,
+# _sum their seconds, which pair with the step counters below in a step-time model.
 STEP_DURATION = "batchpilot_step_duration_seconds"
+# What the steps computed: rows of decode forwards, prompt tokens of prefill forwards
+# (prefix-cache hits are not computed), and KV tokens attended (each row's context length
+# at its step, summed)
+STEP_DECODE_ROWS_TOTAL = "batchpilot_step_decode_rows_total"
+STEP_PREFILL_TOKENS_TOTAL = "batchpilot_step_prefill_tokens_total"
+STEP_KV_TOKENS_TOTAL = "batchpilot_step_kv_tokens_total"
 # The engine thread's time on steps, forwards and all around them: what the pod is busy.
 ENGINE_BUSY_SECONDS_TOTAL = "batchpilot_engine_busy_seconds_total"
 HOSTAGE = "batchpilot_hostage_seconds"
@@ -19,6 +27,16 @@ PROMPT_TOKENS_TOTAL = "batchpilot_prompt_tokens_total"
 GENERATION_TOKENS_TOTAL = "batchpilot_generation_tokens_total"
 # Output tokens per finished request: the length spread `batching.mode: auto` reads.
 REQUEST_GENERATION_TOKENS = "batchpilot_request_generation_tokens"
+# Prompt tokens per finished request (each choice, as the output lengths).
+REQUEST_PROMPT_TOKENS = "batchpilot_request_prompt_tokens"
+# Each completed request's mean time per output token after its first (the tpot target's
+# quantity; a one-token answer has none).
+REQUEST_TIME_PER_OUTPUT_TOKEN = "batchpilot_request_time_per_output_token_seconds"
+# Requests judged against the config's SLO targets as they end, labels result (met|missed)
+# and target (ttft|tpot|e2e, and all: every stated target held); nothing when none is stated.
+REQUESTS_SLO_TOTAL = "batchpilot_requests_slo_total"
+SLO_RESULTS = ("met", "missed")
+SLO_TARGETS = ("ttft", "tpot", "e2e", "all")
 PREEMPTIONS_TOTAL = "batchpilot_preemptions_total"
 # Tokens of admitted sequences looked up in the prefix cache, and those found there (not
 # computed again); hits / queries is the cache's hit rate.
@@ -31,6 +49,9 @@ STRUCTURED_OUTPUT = "batchpilot_structured_output_seconds"
 STRUCTURED_OUTPUT_PHASES = ("compile", "mask")
 CONFIG_MAX_BATCH_SIZE = "batchpilot_config_max_batch_size"
 CONFIG_BATCH_TIMEOUT = "batchpilot_config_batch_timeout_seconds"
+CONFIG_PREFILL_TOKEN_BUDGET = "batchpilot_config_prefill_token_budget"
+# label target: ttft|tpot|e2e, the stated ones only
+SLO_TARGET = "batchpilot_slo_target_seconds"
 
 # vLLM's names for the same quantities (--metrics-compat vllm), label model_name
 VLLM_REQUESTS_RUNNING = "vllm:num_requests_running"
@@ -40,6 +61,7 @@ VLLM_TIME_TO_FIRST_TOKEN = "vllm:time_to_first_token_seconds"
 VLLM_INTER_TOKEN_LATENCY = "vllm:inter_token_latency_seconds"
 VLLM_E2E_REQUEST_LATENCY = "vllm:e2e_request_latency_seconds"
 VLLM_REQUEST_QUEUE_TIME = "vllm:request_queue_time_seconds"
+VLLM_REQUEST_TIME_PER_OUTPUT_TOKEN = "vllm:request_time_per_output_token_seconds"
 VLLM_PROMPT_TOKENS_TOTAL = "vllm:prompt_tokens_total"
 VLLM_GENERATION_TOKENS_TOTAL = "vllm:generation_tokens_total"
 VLLM_CACHE_CONFIG_INFO = "vllm:cache_config_info"
@@ -113,4 +135,17 @@ GENERATION_TOKEN_BUCKETS = (
     4096,
     6144,
     8192,
+)
+
+# Prompt lengths: the output lengths' buckets, then on to long-context prompts (128k).
+PROMPT_TOKEN_BUCKETS = (
+    *GENERATION_TOKEN_BUCKETS,
+    12288,
+    16384,
+    24576,
+    32768,
+    49152,
+    65536,
+    98304,
+    131072,
 )

@@ -98,7 +98,32 @@ class ServerMetrics:
             "Output tokens of each finished request.",
             names.GENERATION_TOKEN_BUCKETS,
         )
-        self.step_duration = histogram(names.STEP_DURATION, "One model forward.", STEP_BUCKETS)
+        self.request_prompt_tokens = histogram(
+            names.REQUEST_PROMPT_TOKENS,
+            "Prompt tokens of each finished request.",
+            names.PROMPT_TOKEN_BUCKETS,
+        )
+        self.request_tpot = histogram(
+            names.REQUEST_TIME_PER_OUTPUT_TOKEN,
+            "Each completed request's mean time per output token after its first.",
+            latency,
+        )
+        self.step_duration = histogram(
+            names.STEP_DURATION,
+            "One engine step: its prefill and decode forwards and their sampling.",
+            STEP_BUCKETS,
+        )
+        self.step_decode_rows = counter(
+            names.STEP_DECODE_ROWS_TOTAL, "Rows of the steps' decode forwards."
+        )
+        self.step_prefill_tokens = counter(
+            names.STEP_PREFILL_TOKENS_TOTAL,
+            "Prompt tokens the steps' prefill forwards computed (prefix-cache hits left out).",
+        )
+        self.step_kv_tokens = counter(
+            names.STEP_KV_TOKENS_TOTAL,
+            "KV tokens the steps attended: each row's context length at its step, summed.",
+        )
         self.hostage = histogram(
             names.HOSTAGE, "Static, dynamic: a finished sequence's wait for its batch.", latency
         )
@@ -137,6 +162,24 @@ class ServerMetrics:
             phase: structured.labels(**self._values, phase=phase)
             for phase in names.STRUCTURED_OUTPUT_PHASES
         }
+        slo = Counter(
+            names.REQUESTS_SLO_TOTAL.removesuffix("_total"),
+            "Requests judged against the SLO targets in force as they end: per stated "
+            "target met or missed, and target all (every stated target held).",
+            [*labels, "result", "target"],
+            registry=self.registry,
+        )
+        self.slo = {
+            (result, target): slo.labels(**self._values, result=result, target=target)
+            for result in names.SLO_RESULTS
+            for target in names.SLO_TARGETS
+        }
+        self._slo_target = Gauge(
+            names.SLO_TARGET,
+            "The SLO targets in force, in seconds (the stated ones).",
+            [*labels, "target"],
+            registry=self.registry,
+        )
         self.arrivals = counter(names.REQUESTS_ARRIVED_TOTAL, "Generation requests arrived.")
         self.prompt_tokens = counter(names.PROMPT_TOKENS_TOTAL, "Prompt tokens admitted.")
         self.generation_tokens = counter(names.GENERATION_TOKENS_TOTAL, "Tokens generated.")
@@ -157,12 +200,16 @@ class ServerMetrics:
         self.config_batch_timeout = gauge(
             names.CONFIG_BATCH_TIMEOUT, "Batch timeout in force, in seconds."
         )
+        self.config_prefill_token_budget = gauge(
+            names.CONFIG_PREFILL_TOKEN_BUDGET, "prefill_token_budget in force."
+        )
         self.vllm = VllmMetrics(model, self.registry, block_size) if compat == "vllm" else None
         if self.vllm is not None:  # each observation reaches both names
             self.request_duration = Both(self.request_duration, self.vllm.e2e)
             self.ttft = Both(self.ttft, self.vllm.ttft)
             self.inter_token = Both(self.inter_token, self.vllm.inter_token)
             self.queue_wait = Both(self.queue_wait, self.vllm.queue_time)
+            self.request_tpot = Both(self.request_tpot, self.vllm.request_tpot)
             self.prompt_tokens = Both(self.prompt_tokens, self.vllm.prompt_tokens)
             self.generation_tokens = Both(self.generation_tokens, self.vllm.generation_tokens)
 
@@ -173,6 +220,11 @@ class ServerMetrics:
 
     def on_step(self, batch_size: int, duration_s: float) -> None:
         self.step_duration.observe(duration_s)
+
+    def on_step_work(self, decode_rows: int, prefill_tokens: int, kv_tokens: int) -> None:
+        self.step_decode_rows.inc(decode_rows)
+        self.step_prefill_tokens.inc(prefill_tokens)
+        self.step_kv_tokens.inc(kv_tokens)
 
     def on_busy(self, seconds: float) -> None:
         self.engine_busy.inc(seconds)
@@ -201,9 +253,18 @@ class ServerMetrics:
     def count_request(self, outcome: str) -> None:
         self.requests[outcome].inc()
 
+    def count_slo(self, verdict: dict[str, bool]) -> None:
+        """One request's judgement (slo_judge.judge): each target it names, met or missed."""
+        for target, met in verdict.items():
+            self.slo[("met" if met else "missed", target)].inc()
+
     def set_config(self, config: BatchingConfig) -> None:
         self.config_max_batch_size.set(config.max_batch_size)
         self.config_batch_timeout.set(config.batch_timeout_s)
+        self.config_prefill_token_budget.set(config.prefill_token_budget)
+        self._slo_target.clear()  # a target no longer stated leaves the exposition
+        for target, ms in config.slo.stated.items():
+            self._slo_target.labels(**self._values, target=target).set(ms / 1000.0)
 
     def exposition(self, stats: EngineStats) -> bytes:
         """The text format, with the engine gauges read at scrape time."""
@@ -259,6 +320,10 @@ class VllmMetrics:
         )
         self.e2e = histogram(names.VLLM_E2E_REQUEST_LATENCY, "Arrival to last byte.")
         self.queue_time = histogram(names.VLLM_REQUEST_QUEUE_TIME, "Arrival to first scheduled.")
+        self.request_tpot = histogram(
+            names.VLLM_REQUEST_TIME_PER_OUTPUT_TOKEN,
+            "Each completed request's mean time per output token after its first.",
+        )
         self.prompt_tokens = counter(names.VLLM_PROMPT_TOKENS_TOTAL, "Prompt tokens admitted.")
         self.generation_tokens = counter(names.VLLM_GENERATION_TOKENS_TOTAL, "Tokens generated.")
         # vLLM's info gauge: value 1, the cache's configuration in its labels

@@ -21,7 +21,9 @@ from typing import Annotated, Any, Literal
 from batchpilot_server.batching_config import (
     MAX_BATCH_SIZE_LIMIT,
     MAX_BATCH_TIMEOUT_MS,
+    MAX_PREFILL_TOKEN_BUDGET,
     MAX_QUEUE_SIZE_LIMIT,
+    MAX_SLO_TARGET_MS,
     Mode,
 )
 from batchpilot_server.engine_api import GREEDY_BELOW_TEMPERATURE, FinishReason
@@ -374,6 +376,20 @@ class ChatCompletionRequest(SamplingFields):
     web_search_options: None = Field(None, description="Only null: no web search.")
 
 
+# a target in milliseconds; null: not stated
+SloTargetMs = Annotated[float | None, Field(gt=0.0, le=MAX_SLO_TARGET_MS)]
+
+
+class SloUpdate(TypedDict, total=False):
+    """The SLO targets a PUT sets, all together: a target left out (or null) is not
+    stated; `{}` states none, and nothing is judged."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # type: ignore[misc]
+    ttft_ms: SloTargetMs
+    tpot_ms: SloTargetMs
+    e2e_ms: SloTargetMs
+
+
 class BatchingUpdate(TypedDict, total=False):
     """A PUT /admin/batching body: the fields to change."""
 
@@ -383,6 +399,8 @@ class BatchingUpdate(TypedDict, total=False):
     max_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE_LIMIT)]
     batch_timeout_ms: Annotated[float, Field(ge=0.0, le=MAX_BATCH_TIMEOUT_MS)]
     max_queue_size: Annotated[int, Field(ge=1, le=MAX_QUEUE_SIZE_LIMIT)]
+    prefill_token_budget: Annotated[int, Field(ge=1, le=MAX_PREFILL_TOKEN_BUDGET)]
+    slo: SloUpdate
 
 
 class TokenizeRequest(Lenient):
@@ -537,12 +555,22 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class SloState(BaseModel):
+    """The SLO targets in force, in milliseconds; null: not stated."""
+
+    ttft_ms: float | None = Field(description="Arrival to first token.")
+    tpot_ms: float | None = Field(description="Mean time per output token after the first.")
+    e2e_ms: float | None = Field(description="Arrival to last byte.")
+
+
 class BatchingState(BaseModel):
     """The batching config in force."""
 
     max_batch_size: int
     batch_timeout_ms: float
     max_queue_size: int
+    prefill_token_budget: int
+    slo: SloState
     mode: Mode
     version: int = Field(description="Increases with every accepted PUT.")
 

@@ -99,6 +99,30 @@ class StepPlan:
             padding=rectangle - sum(prefill) + len(self.pad),
         )
 
+    def work(self) -> StepWork:
+        """What this step computes, for a step-time model; read before the model runs."""
+        prefill = self.chunks or [seq.num_uncomputed for seq in self.prefill]
+        decode = self.decode + self.pad  # padding rows are computed too
+        contexts = [
+            seq.num_computed + size for seq, size in zip(self.prefill, prefill, strict=True)
+        ]
+        return StepWork(
+            decode_rows=len(decode),
+            prefill_tokens=sum(prefill),
+            kv_tokens=sum(contexts) + sum(seq.num_tokens for seq in decode),
+        )
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """One step's compute: rows of its decode forward, prompt tokens its prefill forward
+    computes (a cached prefix is not), and KV tokens attended (each row's context length
+    once the step computed it, summed)."""
+
+    decode_rows: int
+    prefill_tokens: int
+    kv_tokens: int
+
 
 @dataclass(frozen=True)
 class SlotSteps:

@@ -1,10 +1,11 @@
 """Continuous (iteration-level) scheduling: every step decodes one token for
 each running sequence, and finished sequences leave at once. Prompts are
-prefilled within a per-step token budget (`prefill_token_budget`, chunked
-prefill): sequences part-way through their prompt continue first, oldest first,
-then waiting sequences are admitted while running < `max_batch_size` and the
-free KV blocks hold their whole prompt. A prompt longer than what is left of the
-budget computes a chunk of it now and the rest in later steps, so one long
+prefilled within a per-step token budget (the config's `prefill_token_budget`, live
+like `max_batch_size`; chunked prefill): sequences part-way through their prompt
+continue first, oldest first, then waiting sequences are admitted while running <
+`max_batch_size` and the free KV blocks hold their whole prompt. A prompt longer
+than what is left of the budget computes a chunk of it now and the rest in later
+steps, so one long
 prompt never stalls the running sequences for longer than a budget's worth of
 tokens; only its last chunk yields a token. When blocks run out mid-decode the
 newest running sequence is preempted: its blocks are freed and it is recomputed
@@ -27,17 +28,8 @@ from batchpilot_server.sequence import Sequence, Status
 
 
 class ContinuousScheduler(QueueScheduler):
-    def __init__(
-        self,
-        pool: BlockPool,
-        config: BatchingConfig,
-        eos_ids: frozenset[int],
-        prefill_budget: int,
-    ) -> None:
-        if prefill_budget < 1:
-            raise ValueError(f"the prefill token budget must be positive, got {prefill_budget}")
+    def __init__(self, pool: BlockPool, config: BatchingConfig, eos_ids: frozenset[int]) -> None:
         super().__init__(pool, config, eos_ids)
-        self.prefill_budget = prefill_budget
         self.running: list[Sequence] = []  # oldest first
 
     @property
@@ -51,7 +43,7 @@ class ContinuousScheduler(QueueScheduler):
         # one uncomputed token is the newest one: a decode computes it, also when it
         # is the last of a prompt whose chunks left exactly that
         decode = [seq for seq in self.running if seq.num_uncomputed == 1]
-        budget = self.prefill_budget
+        budget = self.config.prefill_token_budget  # live: a PUT applies from this step
         chunks: list[tuple[Sequence, int]] = []
         for seq in self.running:
             if budget and seq.num_uncomputed > 1:

@@ -15,7 +15,6 @@ from batchpilot_server.scheduler_dynamic import DynamicScheduler, StaticSchedule
 
 @dataclass(frozen=True)
 class PolicyOptions:
-    prefill_budget: int = 2048  # continuous: prompt tokens per step
     padded: bool = False  # static and dynamic: padded execution instead of ragged
     max_wait_s: float | None = None  # static: the safety valve (None: off)
 
@@ -32,5 +31,5 @@ def new_scheduler(
     if mode == "dynamic":
         return DynamicScheduler(pool, config, eos_ids, options.padded)
     if mode == "continuous":
-        return ContinuousScheduler(pool, config, eos_ids, options.prefill_budget)
+        return ContinuousScheduler(pool, config, eos_ids)
     raise ValueError(f"mode must be one of static, dynamic, continuous; got {mode!r}")

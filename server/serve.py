@@ -192,11 +192,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--prefill-token-budget",
         type=int,
-        default=EngineOptions.prefill_token_budget,
+        default=BatchingConfig.prefill_token_budget,
         help="continuous mode: prompt tokens computed per step; a longer prompt is "
         "prefilled in chunks while running requests keep decoding. Lower: steadier "
-        "inter-token latency for running requests, later first token for long prompts "
-        f"(default: {EngineOptions.prefill_token_budget})",
+        "inter-token latency for running requests, later first token for long prompts. "
+        "The initial value: PUT /admin/batching changes it live "
+        f"(default: {BatchingConfig.prefill_token_budget})",
     )
     p.add_argument(
         "--no-prefix-caching",
@@ -270,6 +271,7 @@ def batching_config(args: argparse.Namespace) -> BatchingConfig:
             max_batch_size=args.max_batch_size,
             batch_timeout_ms=args.batch_timeout_ms,
             max_queue_size=args.max_queue_size,
+            prefill_token_budget=args.prefill_token_budget,
         )
         if args.config_file is None:
             return flags
@@ -323,10 +325,6 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
         raise UsageError(f"--threads must be at least 1, got {args.threads}")
     if args.max_model_len is not None and args.max_model_len < 1:
         raise UsageError(f"--max-model-len must be at least 1, got {args.max_model_len}")
-    if args.prefill_token_budget < 1:
-        raise UsageError(
-            f"--prefill-token-budget must be at least 1, got {args.prefill_token_budget}"
-        )
     if args.max_wait_ms is not None and args.mode != "static":
         raise UsageError("--max-wait-ms applies to --mode static only")
     if args.max_wait_ms is not None and args.max_wait_ms < 0:
@@ -346,7 +344,6 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
         gpu_memory_fraction=None if args.kv_cache_mb else GPU_MEMORY_FRACTION,
         threads=default_threads() if args.threads is None else args.threads,
         seed=args.seed,
-        prefill_token_budget=args.prefill_token_budget,
         attention=args.attention,
         dynamic_execution=args.dynamic_execution,
         max_wait_ms=args.max_wait_ms,

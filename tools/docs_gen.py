@@ -307,9 +307,13 @@ def metrics() -> list[Metric]:
     """Every name of the two name modules, in their order, as their registries define it."""
     from batchpilot_operator import policy_metrics
     from batchpilot_server import metric_names
+    from batchpilot_server.batching_config import BatchingConfig, SloTargets
     from batchpilot_server.metrics import ServerMetrics
 
-    server = _registered(ServerMetrics(model="m", mode="continuous").registry, "server")
+    served = ServerMetrics(model="m", mode="continuous")
+    # every SLO target stated, so that the target gauge shows its label
+    served.set_config(BatchingConfig(slo=SloTargets(ttft_ms=1.0, tpot_ms=1.0, e2e_ms=1.0)))
+    server = _registered(served.registry, "server")
     operator = _registered(policy_metrics.PolicyMetrics().registry, "operator")
     out = []
     for module, registered in ((metric_names, server), (policy_metrics, operator)):
@@ -322,7 +326,13 @@ def metrics() -> list[Metric]:
 
 def metrics_page(root: Path) -> str:
     from batchpilot_operator.policy_metrics import LABELS as OPERATOR_LABELS
-    from batchpilot_server.metric_names import COMMON_LABELS, OUTCOMES, SLOT_STATES
+    from batchpilot_server.metric_names import (
+        COMMON_LABELS,
+        OUTCOMES,
+        SLO_RESULTS,
+        SLO_TARGETS,
+        SLOT_STATES,
+    )
 
     def labels(names: tuple[str, ...]) -> str:
         return ", ".join(f"`{n}`" for n in names)
@@ -338,7 +348,10 @@ def metrics_page(root: Path) -> str:
         "The operator's own series (port 8081, `--metrics-port`) carry "
         f"{labels(OPERATOR_LABELS)} and no `model` or `mode`. Outcomes of "
         f"`batchpilot_requests_total`: {labels(OUTCOMES)}; states of "
-        f"`batchpilot_batch_slot_steps_total`: {labels(SLOT_STATES)}. Histograms also "
+        f"`batchpilot_batch_slot_steps_total`: {labels(SLOT_STATES)}; results and targets "
+        f"of `batchpilot_requests_slo_total`: {labels(SLO_RESULTS)}, {labels(SLO_TARGETS)} "
+        "(`all`: every stated target held; no series grows while no target is stated). "
+        "Histograms also "
         "expose `_bucket`, `_sum` and `_count`.",
         "",
         "| name | type | from | labels | meaning |",

@@ -226,7 +226,6 @@ class SimOptions:
     cadence: Cadence = field(default_factory=Cadence)
     kv_blocks: int = 4096
     block_size: int = ENGINE_DEFAULTS.block_size
-    prefill_budget: int = ENGINE_DEFAULTS.prefill_token_budget
     tune: bool = True
     fast_forward: bool = True
     trace: bool = False  # keep every step's batch size, completion's step, request's server
@@ -308,7 +307,7 @@ class SimulatedServer:
         opt = fleet.opt
         self.pool = BlockPool(opt.kv_blocks, opt.block_size)
         # The engine's policy for the mode; no EOS: requests end at max_tokens.
-        policy = PolicyOptions(prefill_budget=opt.prefill_budget)
+        policy = PolicyOptions()  # the prefill budget is the config's (live)
         self.scheduler = new_scheduler(opt.mode, self.pool, fleet.config, frozenset(), policy)
         self.started_s = fleet.now
         self.ready_s = ready_s

@@ -243,13 +243,13 @@ async def test_a_sequence_preempted_mid_prefill_restarts_it_and_completes() -> N
     assert len(tight.scheduled) == len(prompts)  # a preempted request is scheduled only once
 
 
-def test_the_budget_flag_reaches_the_engine_and_must_be_positive(
+def test_the_budget_flag_sets_the_initial_config_and_must_be_positive(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     args = parser().parse_args(["--prefill-token-budget", "256"])
-    assert engine_options(args, batching_config(args)).prefill_token_budget == 256
+    assert engine_options(args, batching_config(args)).config.prefill_token_budget == 256
     assert serve_main(["--prefill-token-budget", "0", "--port", "0"]) == 2
-    assert "--prefill-token-budget must be at least 1, got 0" in capsys.readouterr().err
+    assert "prefill_token_budget must be between 1 and" in capsys.readouterr().err
 
 
 async def test_the_default_pool_caps_smollm2s_context_so_a_chat_without_max_tokens_runs(

@@ -37,7 +37,24 @@ BAD_PUTS: list[tuple[str | None, Any, int, str]] = [
     ("test-token", {"max_batch": 4}, 400, "unknown_field"),
     ("test-token", {}, 400, "invalid_value"),
     ("test-token", [4], 400, "invalid_type"),
+    ("test-token", {"prefill_token_budget": 0}, 400, "invalid_value"),
+    ("test-token", {"prefill_token_budget": 16.0}, 400, "invalid_type"),
+    ("test-token", {"slo": {"ttft_ms": 0}}, 400, "invalid_value"),
+    ("test-token", {"slo": {"tpot_ms": -5}}, 400, "invalid_value"),
+    ("test-token", {"slo": {"e2e_ms": "1s"}}, 400, "invalid_type"),
+    ("test-token", {"slo": {"ttft": 100}}, 400, "unknown_field"),
+    ("test-token", {"slo": 100}, 400, "invalid_type"),
 ]
+# the field each bad value's answer names (`param`), where it names one
+BAD_PARAMS = {
+    "prefill_token_budget": "prefill_token_budget",
+    "slo": "slo",
+}
+DEFAULT_STATE = {
+    "max_batch_size": 8, "batch_timeout_ms": 10, "max_queue_size": 256,
+    "prefill_token_budget": 2048, "slo": {"ttft_ms": None, "tpot_ms": None, "e2e_ms": None},
+    "mode": "continuous", "version": 1,
+}  # fmt: skip
 
 
 async def test_bad_admin_requests_are_refused_and_change_nothing() -> None:
@@ -47,13 +64,13 @@ async def test_bad_admin_requests_are_refused_and_change_nothing() -> None:
             status, answer = await put(session, server.url, body, token)
             assert answer["error"]["message"]
             seen.append((status, answer["error"]["code"]))
+            if isinstance(body, dict) and status == 400 and (field := next(iter(body), None)):
+                # the answer names the field at fault: `slo.ttft_ms` within `slo`
+                assert (answer["error"]["param"] or "").startswith(BAD_PARAMS.get(field, field))
         async with session.get(f"{server.url}/admin/batching") as response:
             config = await response.json()
     assert seen == [(status, code) for _, _, status, code in BAD_PUTS]
-    assert config == {
-        "max_batch_size": 8, "batch_timeout_ms": 10, "max_queue_size": 256,
-        "mode": "continuous", "version": 1,
-    }  # fmt: skip
+    assert config == DEFAULT_STATE
 
 
 async def test_put_is_refused_when_no_token_is_configured() -> None:
@@ -83,10 +100,12 @@ async def test_live_put_changes_batching_while_requests_run(mode: str) -> None:
         )
         answers = await asyncio.gather(*running)
         metrics = await scrape(session, server.url)
-    assert first == (200, {"max_batch_size": 2, "batch_timeout_ms": 10, "max_queue_size": 256,
-                           "mode": mode, "version": 2})  # fmt: skip
-    assert second == (200, {"max_batch_size": 2, "batch_timeout_ms": 25, "max_queue_size": 64,
-                            "mode": mode, "version": 3})  # fmt: skip
+    state = {**DEFAULT_STATE, "mode": mode}
+    assert first == (200, {**state, "max_batch_size": 2, "version": 2})
+    assert second == (
+        200,
+        {**state, "max_batch_size": 2, "batch_timeout_ms": 25, "max_queue_size": 64, "version": 3},
+    )
     assert [status for status, _, _ in answers] == [200] * 24
     assert all(body["usage"]["completion_tokens"] == 24 for _, body, _ in answers)
     assert metrics[(names.CONFIG_MAX_BATCH_SIZE, "")] == 2

@@ -20,8 +20,13 @@ pytestmark = pytest.mark.timeout(90)
 
 async def test_config_file_wins_over_flags(tmp_path: Path) -> None:
     config = tmp_path / "batching.json"
-    config.write_text(json.dumps({"max_batch_size": 3, "batch_timeout_ms": 7}))
-    extra = ["--config-file", str(config)]
+    slo = {"ttft_ms": 500.0, "tpot_ms": None, "e2e_ms": 9000.0}
+    config.write_text(
+        json.dumps(
+            {"max_batch_size": 3, "batch_timeout_ms": 7, "prefill_token_budget": 512, "slo": slo}
+        )
+    )
+    extra = ["--config-file", str(config), "--prefill-token-budget", "64"]
     with spawn_server(tmp_path=tmp_path, mode="dynamic", max_batch_size=8, extra_args=extra) as srv:
         async with aiohttp.ClientSession() as session:
             async with session.get(f"{srv.url}/admin/batching") as response:
@@ -29,9 +34,10 @@ async def test_config_file_wins_over_flags(tmp_path: Path) -> None:
             metrics = await scrape(session, srv.url)
     assert in_force == {
         "max_batch_size": 3, "batch_timeout_ms": 7, "max_queue_size": 256,
-        "mode": "dynamic", "version": 1,
+        "prefill_token_budget": 512, "slo": slo, "mode": "dynamic", "version": 1,
     }  # fmt: skip
     assert metrics[(names.CONFIG_MAX_BATCH_SIZE, "")] == 3
+    assert metrics[(names.CONFIG_PREFILL_TOKEN_BUDGET, "")] == 512
     assert metrics[(names.CONFIG_BATCH_TIMEOUT, "")] == pytest.approx(0.007)
 
 

@@ -40,6 +40,7 @@ class RecordingObserver:
 
     scheduled: list[float] = field(default_factory=list)
     steps: list[tuple[int, float]] = field(default_factory=list)
+    work: list[tuple[int, int, int]] = field(default_factory=list)  # (decode, prefill, kv)
     busy: list[float] = field(default_factory=list)
     batches: list[int] = field(default_factory=list)
     hostage: list[float] = field(default_factory=list)
@@ -58,6 +59,10 @@ class RecordingObserver:
     def on_step(self, batch_size: int, duration_s: float) -> None:
         with self.lock:
             self.steps.append((batch_size, duration_s))
+
+    def on_step_work(self, decode_rows: int, prefill_tokens: int, kv_tokens: int) -> None:
+        with self.lock:
+            self.work.append((decode_rows, prefill_tokens, kv_tokens))
 
     def on_busy(self, seconds: float) -> None:
         with self.lock:
@@ -90,7 +95,6 @@ async def started(
     mode: Mode,
     observer: RecordingObserver | None = None,
     kv_cache_mb: float = 16.0,
-    prefill_token_budget: int = 2048,
     attention: AttentionBackend = "auto",
     dynamic_execution: Execution = "ragged",
     max_wait_ms: float | None = None,
@@ -101,11 +105,11 @@ async def started(
     defaults = {"max_batch_size": 8, "batch_timeout_ms": 20.0, "max_queue_size": 256}
     options = EngineOptions(
         mode=mode,
+        # config: BatchingConfig's fields (prefill_token_budget among them)
         config=BatchingConfig(**{**defaults, **config}),  # type: ignore[arg-type]
         device="cpu",
         kv_cache_mb=kv_cache_mb,
         threads=1,  # two torch threads thrash when the 2-core machine is busy with other tests
-        prefill_token_budget=prefill_token_budget,
         attention=attention,
         dynamic_execution=dynamic_execution,
         max_wait_ms=max_wait_ms,

@@ -276,3 +276,18 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> dict[tuple[str, st
                 continue
             samples[(sample.name, sample.labels.get("outcome", ""))] = sample.value
     return samples
+
+
+async def labelled(
+    session: aiohttp.ClientSession, url: str, sample: str, *labels: str
+) -> dict[tuple[str, ...], float]:
+    """One sample name's series on /metrics as {(its values of `labels`): value}."""
+    async with session.get(f"{url}/metrics") as response:
+        assert response.status == 200
+        text = await response.text()
+    return {
+        tuple(s.labels.get(label, "") for label in labels): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == sample
+    }

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import time
 
+import pytest
 from batchpilot_server.engine_api import Execution, SamplingParams
 
 from tests.support.engine_helpers import RecordingObserver, collect, prompt, started
@@ -177,3 +178,26 @@ async def test_padded_execution_yields_ragged_greedy_outputs_and_counts_its_padd
     # one decode forward per step in both: padded runs 4 rows in each
     assert max(size for size, _ in padded.steps) == 4
     assert [size for size, _ in ragged.steps][-1] == 1
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic", "continuous"])
+async def test_every_step_reports_its_work_once(mode: str) -> None:
+    """Each engine step is one step observation (the step-duration histogram's count)
+    and one work report, whose sums are what the requests computed: each prompt once
+    (short prompts: no full block to find in the prefix cache), then a decode row per
+    token after the first, attending the context so far."""
+    observer = RecordingObserver()
+    outputs = (3, 6, 9)
+    engine = await started(mode, observer, max_batch_size=3, batch_timeout_ms=100)
+    try:
+        prompts = [prompt(engine, n) for n in range(len(outputs))]
+        streams = [engine.submit(ids, forced(n)) for ids, n in zip(prompts, outputs, strict=True)]
+        await asyncio.gather(*(collect(s) for s in streams))
+        steps = engine.stats().steps
+    finally:
+        await engine.shutdown()
+    lengths = [len(ids) for ids in prompts]
+    kv = sum(p + sum(p + j for j in range(1, g)) for p, g in zip(lengths, outputs, strict=True))
+    assert len(observer.steps) == len(observer.work) == steps
+    decode, prefill, attended = (sum(column) for column in zip(*observer.work, strict=True))
+    assert (decode, prefill, attended) == (sum(outputs) - len(outputs), sum(lengths), kv)

@@ -38,9 +38,8 @@ def dynamic(blocks: int = 64) -> DynamicScheduler:
 
 
 def continuous(blocks: int = 64, budget: int = 2048) -> ContinuousScheduler:
-    return ContinuousScheduler(BlockPool(blocks, BLOCK), CONFIG, frozenset({EOS}), budget)
-
-
+    config = replace(CONFIG, prefill_token_budget=budget)
+    return ContinuousScheduler(BlockPool(blocks, BLOCK), config, frozenset({EOS}))
 
 
 def test_the_schedulers_import_without_torch() -> None:

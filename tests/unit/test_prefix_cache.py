@@ -4,6 +4,7 @@ the schedulers sharing cached blocks under a virtual clock."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from batchpilot_server.block_pool import (
@@ -220,7 +221,8 @@ def seq(n: int, prompt: list[int], max_tokens: int = 3, arrival: float = 0.0) ->
 
 
 def cached_continuous(blocks: int = 64, budget: int = 2048) -> ContinuousScheduler:
-    return ContinuousScheduler(BlockPool(blocks, BLOCK, True), CONFIG, frozenset({EOS}), budget)
+    config = replace(CONFIG, prefill_token_budget=budget)
+    return ContinuousScheduler(BlockPool(blocks, BLOCK, True), config, frozenset({EOS}))
 
 
 def serve(scheduler: QueueScheduler, *seqs: Sequence, now: float = 1.0) -> float:
@@ -288,7 +290,7 @@ def test_a_request_waits_for_the_prefix_another_is_computing_then_shares_it() ->
     plan, _ = run(scheduler, 1.01)
     assert plan.prefill == [second] and plan.chunks == [4] and plan.cache_hit == 32
     # without the cache both compute their prompt at once
-    scheduler = ContinuousScheduler(BlockPool(64, BLOCK), CONFIG, frozenset({EOS}), 2048)
+    scheduler = ContinuousScheduler(BlockPool(64, BLOCK), CONFIG, frozenset({EOS}))
     scheduler.add(seq(0, PROMPT))
     scheduler.add(seq(1, PROMPT[:32] + [5] * 4))
     assert len(run(scheduler, 1.0)[0].prefill) == 2
@@ -330,7 +332,7 @@ def test_a_dynamic_batch_hits_what_an_earlier_batch_computed() -> None:
 
 
 def test_without_prefix_caching_the_plan_queries_nothing() -> None:
-    scheduler = ContinuousScheduler(BlockPool(64, BLOCK), CONFIG, frozenset({EOS}), 2048)
+    scheduler = ContinuousScheduler(BlockPool(64, BLOCK), CONFIG, frozenset({EOS}))
     now = serve(scheduler, seq(0, PROMPT))
     scheduler.add(seq(1, PROMPT))
     plan, _ = run(scheduler, now)
