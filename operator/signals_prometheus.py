@@ -22,7 +22,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
-from batchpilot_operator import slo_series
 from batchpilot_operator.signals import (
     MIN_REQUESTS_PER_WINDOW,
     Signals,
@@ -64,12 +63,12 @@ def queries(
     sel = "{" + selector + "}"
 
     def judged(extra: str, window: str = w) -> str:
-        return f"sum(increase({slo_series.SLO_TOTAL}{{{selector},{extra}}}[{window}]))"
+        return f"sum(increase({names.REQUESTS_SLO_TOTAL}{{{selector},{extra}}}[{window}]))"
 
     def increase(counter: str) -> str:
         return f"sum(increase({counter}{sel}[{w}]))"
 
-    every = f'target="{slo_series.SLO_ALL}"'  # each judged request once
+    every = f'target="{names.SLO_ALL}"'  # each judged request once
     met = f'{every},result="met"'
 
     def quantile(q: float, histogram: str) -> str:
@@ -98,22 +97,22 @@ def queries(
         # every pod exports the config it runs: one series each
         "pods": f"count({names.CONFIG_MAX_BATCH_SIZE}{sel})",
         "ttft_p99": quantile(0.99, names.TIME_TO_FIRST_TOKEN),
-        "tpot_p99": quantile(0.99, slo_series.TIME_PER_OUTPUT_TOKEN),
+        "tpot_p99": quantile(0.99, names.REQUEST_TIME_PER_OUTPUT_TOKEN),
         "slo_judged": judged(every),
         "slo_met": judged(met),
         **{
             f"slo_missed_{target}": judged(f'target="{target}",result="missed"')
-            for target in (*slo_series.SLO_TARGETS, slo_series.SLO_ALL)
+            for target in (*names.SLO_STATED, names.SLO_ALL)
         },
         "budget_attainment": f"{judged(met, budget)} / {judged(every, budget)}",
-        "prompt_tokens_p50": quantile(0.5, slo_series.REQUEST_PROMPT_TOKENS),
-        "prompt_tokens_p90": quantile(0.9, slo_series.REQUEST_PROMPT_TOKENS),
-        "prompt_tokens_p99": quantile(0.99, slo_series.REQUEST_PROMPT_TOKENS),
+        "prompt_tokens_p50": quantile(0.5, names.REQUEST_PROMPT_TOKENS),
+        "prompt_tokens_p90": quantile(0.9, names.REQUEST_PROMPT_TOKENS),
+        "prompt_tokens_p99": quantile(0.99, names.REQUEST_PROMPT_TOKENS),
         "steps": increase(f"{names.STEP_DURATION}_count"),
         "step_seconds": increase(f"{names.STEP_DURATION}_sum"),
-        "step_decode_rows": increase(slo_series.STEP_DECODE_ROWS_TOTAL),
-        "step_prefill_tokens": increase(slo_series.STEP_PREFILL_TOKENS_TOTAL),
-        "step_kv_tokens": increase(slo_series.STEP_KV_TOKENS_TOTAL),
+        "step_decode_rows": increase(names.STEP_DECODE_ROWS_TOTAL),
+        "step_prefill_tokens": increase(names.STEP_PREFILL_TOKENS_TOTAL),
+        "step_kv_tokens": increase(names.STEP_KV_TOKENS_TOTAL),
     }
 
 
@@ -212,7 +211,7 @@ class PrometheusSource:
             slo_met=_zero_if_judged(values["slo_met"], values["slo_judged"]),
             slo_missed={
                 target: value
-                for target in (*slo_series.SLO_TARGETS, slo_series.SLO_ALL)
+                for target in (*names.SLO_STATED, names.SLO_ALL)
                 if (value := values[f"slo_missed_{target}"]) is not None
             },
             budget_attainment=values["budget_attainment"],

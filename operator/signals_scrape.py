@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import aiohttp
-from batchpilot_operator import slo_series
 from batchpilot_operator.signals import (
     MIN_REQUESTS_PER_WINDOW,
     Signals,
@@ -46,14 +45,14 @@ SCHEDULING_SLACK_SHARE = 0.05
 BUDGET_MARKS = 60
 HISTOGRAMS = (
     names.REQUEST_DURATION, names.QUEUE_WAIT, names.BATCH_SIZE, names.REQUEST_GENERATION_TOKENS,
-    names.TIME_TO_FIRST_TOKEN, slo_series.TIME_PER_OUTPUT_TOKEN, slo_series.REQUEST_PROMPT_TOKENS,
+    names.TIME_TO_FIRST_TOKEN, names.REQUEST_TIME_PER_OUTPUT_TOKEN, names.REQUEST_PROMPT_TOKENS,
     names.STEP_DURATION,
 )
 COUNTERS = (
     names.REQUESTS_TOTAL, names.REQUESTS_ARRIVED_TOTAL, names.GENERATION_TOKENS_TOTAL,
     names.PREEMPTIONS_TOTAL, names.ENGINE_BUSY_SECONDS_TOTAL,
-    slo_series.STEP_DECODE_ROWS_TOTAL, slo_series.STEP_PREFILL_TOKENS_TOTAL,
-    slo_series.STEP_KV_TOKENS_TOTAL,
+    names.STEP_DECODE_ROWS_TOTAL, names.STEP_PREFILL_TOKENS_TOTAL,
+    names.STEP_KV_TOKENS_TOTAL,
 )
 GAUGES = (names.KV_CACHE_USAGE, names.REQUESTS_WAITING)
 
@@ -111,7 +110,7 @@ def parse_metrics(text: str) -> Totals:
                 _add(totals.counts, name, value)
             elif name in GAUGES:
                 _add(totals.gauges, name, value)
-            elif name == slo_series.SLO_TOTAL:
+            elif name == names.REQUESTS_SLO_TOTAL:
                 key = (sample.labels.get("result", ""), sample.labels.get("target", ""))
                 totals.slo[key] = totals.slo.get(key, 0.0) + value
     return totals
@@ -234,7 +233,7 @@ class ScrapeSource:
         if self.errors:
             detail = "; ".join([detail, *self.errors.values()]).lstrip("; ")
         lengths = _merged_buckets(deltas, names.REQUEST_GENERATION_TOKENS)
-        prompts = _merged_buckets(deltas, slo_series.REQUEST_PROMPT_TOKENS)
+        prompts = _merged_buckets(deltas, names.REQUEST_PROMPT_TOKENS)
         judged, met = _judged(deltas)
         return Signals(
             status=status,
@@ -261,7 +260,7 @@ class ScrapeSource:
                 0.99, _merged_buckets(deltas, names.TIME_TO_FIRST_TOKEN)
             ),
             tpot_p99_s=quantile_from_buckets(
-                0.99, _merged_buckets(deltas, slo_series.TIME_PER_OUTPUT_TOKEN)
+                0.99, _merged_buckets(deltas, names.REQUEST_TIME_PER_OUTPUT_TOKEN)
             ),
             slo_judged=judged,
             slo_met=met,
@@ -272,9 +271,9 @@ class ScrapeSource:
             prompt_tokens_p99=quantile_from_buckets(0.99, prompts),
             steps=_total_if_exported(deltas, names.STEP_DURATION),
             step_seconds=_sum_if_exported(deltas, names.STEP_DURATION),
-            step_decode_rows=_total_if_exported(deltas, slo_series.STEP_DECODE_ROWS_TOTAL),
-            step_prefill_tokens=_total_if_exported(deltas, slo_series.STEP_PREFILL_TOKENS_TOTAL),
-            step_kv_tokens=_total_if_exported(deltas, slo_series.STEP_KV_TOKENS_TOTAL),
+            step_decode_rows=_total_if_exported(deltas, names.STEP_DECODE_ROWS_TOTAL),
+            step_prefill_tokens=_total_if_exported(deltas, names.STEP_PREFILL_TOKENS_TOTAL),
+            step_kv_tokens=_total_if_exported(deltas, names.STEP_KV_TOKENS_TOTAL),
             detail=detail,
         )
 
@@ -325,7 +324,7 @@ def _judged(deltas: Sequence[Totals]) -> tuple[float | None, float | None]:
     """(requests judged, requests that met every target); (None, None) when no server
     exports the SLO counter (an older one, or none has judged a request yet)."""
     every = [(result, n) for t in deltas for (result, target), n in t.slo.items()
-             if target == slo_series.SLO_ALL]  # fmt: skip
+             if target == names.SLO_ALL]  # fmt: skip
     if not every:
         return None, None
     return sum(n for _, n in every), sum(n for result, n in every if result == "met")

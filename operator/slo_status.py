@@ -12,7 +12,7 @@ from typing import Any
 
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.slo import Slo
-from batchpilot_operator.slo_series import SLO_TARGETS
+from batchpilot_server.metric_names import SLO_STATED
 
 ERROR_BUDGET_FLOOR = -1.0
 
@@ -62,7 +62,7 @@ def objective(slo: Slo) -> str:
 
 
 def missed_words(missed: Mapping[str, float]) -> str:
-    by_target = [f"{name} {missed[name]:.0f}" for name in SLO_TARGETS if missed.get(name)]
+    by_target = [f"{name} {missed[name]:.0f}" for name in SLO_STATED if missed.get(name)]
     return f"; missed: {', '.join(by_target)}" if by_target else ""
 
 
@@ -78,7 +78,7 @@ def target_fields(slo: Slo) -> dict[str, Any]:
     a target the spec does not state is null (a merge patch removes it)."""
     return {
         "objective": objective(slo),
-        **{f"{name}Ms": _ms(slo.stated.get(name)) for name in SLO_TARGETS},
+        **{f"{name}Ms": _ms(slo.stated.get(name)) for name in SLO_STATED},
         "attainmentTarget": slo.attainment,
         "budgetWindow": duration_text(slo.budget_window_s),
     }

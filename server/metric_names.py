@@ -36,7 +36,9 @@ REQUEST_TIME_PER_OUTPUT_TOKEN = "batchpilot_request_time_per_output_token_second
 # and target (ttft|tpot|e2e, and all: every stated target held); nothing when none is stated.
 REQUESTS_SLO_TOTAL = "batchpilot_requests_slo_total"
 SLO_RESULTS = ("met", "missed")
-SLO_TARGETS = ("ttft", "tpot", "e2e", "all")
+SLO_STATED = ("ttft", "tpot", "e2e")  # the targets a policy may state
+SLO_ALL = "all"  # every stated target held
+SLO_TARGETS = (*SLO_STATED, SLO_ALL)
 PREEMPTIONS_TOTAL = "batchpilot_preemptions_total"
 # Tokens of admitted sequences looked up in the prefix cache, and those found there (not
 # computed again); hits / queries is the cache's hit rate.

@@ -10,7 +10,6 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
-from batchpilot_operator import slo_series
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_instances
 from batchpilot_operator.signals_scrape import ScrapeSource
 from batchpilot_operator.slo import Slo
@@ -142,7 +141,7 @@ async def test_both_sources_read_the_same_slo_attainment_budget_and_step_totals(
                 for _ in range(5):
                     exporter.engine_step(0.02, rows=6, prefill=256, kv=3000)
                 scraped = await scrape.read(time.monotonic() - started + 1.0)
-                judged = f"sum({slo_series.SLO_TOTAL}{{{selector},target=\"all\"}})"
+                judged = f"sum({names.REQUESTS_SLO_TOTAL}{{{selector},target=\"all\"}})"
                 await asyncio.to_thread(prom.wait_for_value, judged, 40, SETTLE_DEADLINE_S)
                 # one scrape more, so that `increase` has samples after the change
                 await asyncio.to_thread(prom.wait_for_scrapes_after, time.time())

@@ -1,5 +1,5 @@
 """A /metrics endpoint that exports the pods' SLO and step series by their documented
-names (batchpilot_operator.slo_series), driven by the test with known counts.
+names (batchpilot_server.metric_names), driven by the test with known counts.
 
 It lets the signal sources be checked against exact numbers; the real servers'
 series are the same names (the server's own tests check what it counts).
@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
-from batchpilot_operator import slo_series
 from batchpilot_server import metric_names as names
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
@@ -41,7 +40,7 @@ class SloExporter:
         self.ttft.observe(ttft_s)
         self.tpot.observe(tpot_s)
         self.prompts.observe(prompt)
-        self.judged.labels("missed" if missed else "met", slo_series.SLO_ALL).inc()
+        self.judged.labels("missed" if missed else "met", names.SLO_ALL).inc()
         for target in missed:
             self.judged.labels("missed", target).inc()
 
@@ -63,11 +62,11 @@ def serve_slo_exporter() -> Iterator[SloExporter]:
         return Counter(name.removesuffix("_total"), name, registry=registry)
 
     judged = Counter(
-        slo_series.SLO_TOTAL.removesuffix("_total"), "judged", ("result", "target"),
+        names.REQUESTS_SLO_TOTAL.removesuffix("_total"), "judged", ("result", "target"),
         registry=registry,
     )  # fmt: skip
     for result in ("met", "missed"):
-        judged.labels(result, slo_series.SLO_ALL)  # both series exist from the start
+        judged.labels(result, names.SLO_ALL)  # both series exist from the start
     http: WSGIServer
     http, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
     try:
@@ -77,12 +76,12 @@ def serve_slo_exporter() -> Iterator[SloExporter]:
             judged=judged,
             duration=histogram(names.REQUEST_DURATION),
             ttft=histogram(names.TIME_TO_FIRST_TOKEN),
-            tpot=histogram(slo_series.TIME_PER_OUTPUT_TOKEN),
-            prompts=histogram(slo_series.REQUEST_PROMPT_TOKENS, TOKEN_BUCKETS),
+            tpot=histogram(names.REQUEST_TIME_PER_OUTPUT_TOKEN),
+            prompts=histogram(names.REQUEST_PROMPT_TOKENS, TOKEN_BUCKETS),
             step=histogram(names.STEP_DURATION),
-            decode_rows=counter(slo_series.STEP_DECODE_ROWS_TOTAL),
-            prefill_tokens=counter(slo_series.STEP_PREFILL_TOKENS_TOTAL),
-            kv_tokens=counter(slo_series.STEP_KV_TOKENS_TOTAL),
+            decode_rows=counter(names.STEP_DECODE_ROWS_TOTAL),
+            prefill_tokens=counter(names.STEP_PREFILL_TOKENS_TOTAL),
+            kv_tokens=counter(names.STEP_KV_TOKENS_TOTAL),
         )
     finally:
         http.shutdown()

@@ -137,6 +137,10 @@ async def test_the_scrape_reads_the_slo_judgement_lengths_and_step_totals() -> N
 async def test_an_older_server_without_slo_series_leaves_them_none() -> None:
     metrics = ServerMetrics(model="tiny", mode="continuous")
     metrics.request_duration.observe(0.2)
-    totals = parse_metrics(metrics.exposition(EngineStats(0, 0, 10, 0)).decode())
+    today = metrics.exposition(EngineStats(0, 0, 10, 0)).decode().splitlines()
+    newer = (names.REQUESTS_SLO_TOTAL, names.REQUEST_TIME_PER_OUTPUT_TOKEN)
+    older = "\n".join(line for line in today if not any(name in line for name in newer))
+    assert parse_metrics("\n".join(today)).slo  # today's server has the series, at 0
+    totals = parse_metrics(older)
     assert totals.slo == {}
     assert parse_metrics("").slo == {}
