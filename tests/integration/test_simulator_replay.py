@@ -13,6 +13,7 @@ batch size each step records, and the preemptions.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -40,7 +41,8 @@ async def through_the_engine(
     observer = RecordingObserver()
     engine = await started(
         mode, observer, kv_cache_mb=KV_CACHE_MB, prefill_token_budget=PREFILL_BUDGET,
-        attention="torch", **CONFIG.to_dict(),
+        attention="torch", max_batch_size=CONFIG.max_batch_size,
+        batch_timeout_ms=CONFIG.batch_timeout_ms, max_queue_size=CONFIG.max_queue_size,
     )  # fmt: skip
     try:
         streams = [
@@ -65,8 +67,9 @@ def through_the_simulator(
         outputs=np.array([o for _, o in TRACE]),
     )
     options = SimOptions(
-        mode=mode, config=CONFIG, goal=Goal(Slo(e2e_s=10.0)), kv_blocks=blocks,
-        prefill_budget=PREFILL_BUDGET, tune=False, fast_forward=fast_forward, trace=True,
+        mode=mode, config=replace(CONFIG, prefill_token_budget=PREFILL_BUDGET),
+        goal=Goal(Slo(e2e_s=10.0)), kv_blocks=blocks,
+        tune=False, fast_forward=fast_forward, trace=True,
     )  # fmt: skip
     result = simulate_workload(work, options, CURVE, run_s=60.0)
     assert result.completed == len(TRACE)
