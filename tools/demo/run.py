@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from batchpilot_operator.slo import Slo
 from batchpilot_operator.tune_local import TuneOptions, tune_loop
 from batchpilot_operator.tuner import Cadence, Goal
 from batchpilot_tools.demo.exporter import policy_exporter
@@ -55,7 +54,7 @@ def tune_options(
     return TuneOptions(
         servers=tuple(fleet.serving()),
         goal=Goal(
-            Slo(e2e_s=options.slo_p99_ms / 1000.0),
+            options.slo,
             options.batch_bounds,
             replicas=options.replica_bounds,
         ),
