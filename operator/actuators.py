@@ -87,7 +87,9 @@ async def get_batching(session: aiohttp.ClientSession, url: str) -> BatchingConf
     ) as response:
         response.raise_for_status()
         body = await response.json()
-    return BatchingConfig.from_dict({k: body[k] for k in BatchingConfig().to_dict()})
+    # A server that does not report a field (prefill_token_budget, slo: added later) has
+    # its default in force.
+    return BatchingConfig.from_dict({k: body[k] for k in BatchingConfig().to_dict() if k in body})
 
 
 async def held_config(session: aiohttp.ClientSession, url: str) -> BatchingConfig | None:

@@ -290,6 +290,9 @@ def test_a_real_model_gets_a_lighter_load_and_a_longer_slo_unless_told_otherwise
     assert real.base_rate * real.step_factor < tiny.base_rate * tiny.step_factor
     assert real.base_rate * real.surge_factor < tiny.base_rate * tiny.surge_factor
     assert real.slo_p99_ms > tiny.slo_p99_ms
+    # a slow model finishes few requests an interval: longer intervals, a smaller sample
+    assert real.interval_s > tiny.interval_s and real.min_requests < tiny.min_requests
+    assert options_from(["--model", "SmolLM2.gguf", "--interval", "5"]).interval_s == 5.0
     told = options_from(["--model", "SmolLM2.gguf", "--rate", "3", "--slo-p99-ms", "700"])
     assert (told.base_rate, told.slo_p99_ms) == (3.0, 700.0)
     assert told.targets_ms == {"e2e": 700.0}  # a target given replaces the profile's

@@ -52,14 +52,17 @@ EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="batchpilot demo", description=__doc__.splitlines()[0])
-    p.add_argument("--duration", type=float, default=180.0, help="seconds of load (default 180)")
+    tiny, real = TINY_PROFILE, REAL_MODEL_PROFILE
+    p.add_argument(
+        "--duration", type=float,
+        help=f"seconds of load (default {tiny.duration_s:g}, {real.duration_s:g} for a real model)",
+    )  # fmt: skip
     p.add_argument(
         "--model",
         default="tiny",
         help="what the servers serve: a preset, a Hugging Face model directory or a .gguf "
         "file (default tiny; a real model gets the smaller load and longer SLO below)",
     )
-    tiny, real = TINY_PROFILE, REAL_MODEL_PROFILE
     p.add_argument(
         "--slo-p99-ms", "--slo-e2e-ms", dest="slo_p99_ms", type=float,
         help=f"end-to-end latency target (ms; default {tiny.slo_p99_ms:g}, {real.slo_p99_ms:g} "
@@ -81,7 +84,11 @@ def parser() -> argparse.ArgumentParser:
         f"{DEMO_ATTAINMENT:g})",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("batchpilot-demo.png"), help="plot to write")
-    p.add_argument("--interval", type=float, default=5.0, help="seconds between tuner decisions")
+    p.add_argument(
+        "--interval", type=float,
+        help=f"seconds between tuner decisions (default {tiny.interval_s:g}, "
+        f"{real.interval_s:g} for a real model)",
+    )  # fmt: skip
     p.add_argument(
         "--rate", type=float,
         help=f"requests/s before the load step (default {tiny.rate:g}, {real.rate:g} for a "
@@ -122,21 +129,23 @@ def options_from(argv: list[str]) -> DemoOptions:
     profile = profile_for(args.model)
     targets = slo_targets(args, profile)
     rate = profile.rate if args.rate is None else args.rate
+    duration = profile.duration_s if args.duration is None else args.duration
+    interval = profile.interval_s if args.interval is None else args.interval
     step_factor = profile.step_factor if args.step_factor is None else args.step_factor
     surge_factor = profile.surge_factor if args.surge_factor is None else args.surge_factor
     for flag, value in (
-        ("--duration", args.duration),
+        ("--duration", duration),
         *((SLO_FLAGS[name], ms) for name, ms in targets.items() if ms is not None),
-        ("--interval", args.interval),
+        ("--interval", interval),
         ("--rate", rate),
         ("--step-factor", step_factor),
         ("--surge-factor", surge_factor),
     ):
         if value <= 0:
             p.error(f"{flag} must be positive, got {value:g}")
-    if args.duration < 4 * args.interval:
+    if duration < 4 * interval:
         p.error(
-            f"--duration {args.duration:g} is too short for --interval {args.interval:g}: "
+            f"--duration {duration:g} is too short for --interval {interval:g}: "
             "the tuner needs at least 4 intervals"
         )
     if args.max_batch < 1:
@@ -148,13 +157,14 @@ def options_from(argv: list[str]) -> DemoOptions:
     except ValueError as exc:
         p.error(str(exc))
     return DemoOptions(
-        duration_s=args.duration,
+        duration_s=duration,
         slo_p99_ms=targets["e2e"],
         slo_ttft_ms=targets["ttft"],
         slo_tpot_ms=targets["tpot"],
         slo_attainment=args.slo_attainment,
+        min_requests=profile.min_requests,
         out=args.out,
-        interval_s=args.interval,
+        interval_s=interval,
         base_rate=rate,
         step_factor=step_factor,
         surge_factor=surge_factor,

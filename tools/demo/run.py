@@ -30,9 +30,6 @@ from batchpilot_tools.prometheus_local import LocalPrometheus, find_binary
 
 # Each decision reads the last few intervals (trimmed at a change by the tuner).
 WINDOW_INTERVALS = 3
-# Fewer than the operator's default: the demo's intervals are short, and seeing
-# the tuner act beats a statistically careful p99 here.
-MIN_REQUESTS = 30
 REQUEST_TIMEOUT_S = 60.0
 
 
@@ -61,7 +58,7 @@ def tune_options(
         cadence=Cadence(options.interval_s, WINDOW_INTERVALS * options.interval_s),
         prometheus_url=prometheus_url,
         token=ADMIN_TOKEN,
-        min_requests=MIN_REQUESTS,
+        min_requests=options.min_requests,
         config_file=fleet.config_file,
     )
 
