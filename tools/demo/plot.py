@@ -86,8 +86,8 @@ def write_plot(recording: Recording, path: Path) -> None:
         )  # fmt: skip
     fleet = f"{options.replicas} autoscaled" if options.replicas.autoscaled else options.replicas
     fig.suptitle(
-        f"batchpilot demo: {fleet} continuous-batching server(s) of {options.model}, "
-        f"SLO {options.slo_label()}"
+        f"batchpilot demo: {fleet} continuous-batching server(s) of {Path(options.model).name}"
+        f"\nSLO {options.slo_label()}"
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
