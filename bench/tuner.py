@@ -16,8 +16,12 @@ tiny model under the same time-varying load from the load generator, one
 left at the default config, one tuned live by the local tuner with scrape
 signals; their goodput and p99 side by side.
 
-Writes docs/tuner_<mode>.png and the `## Tuning (bench/tuner.py)` section of
-docs/benchmarks.md; prints one JSON line last.
+LLM part (bench/tuner_llm.py): chat, retrieval-augmented and code-completion workloads
+with TTFT+TPOT targets under steady, 3x step, diurnal and bursty load, the tuner
+against the best fixed (batch, timeout, budget, replicas) in hindsight.
+
+Writes docs/tuner_<mode>.png, the `## Tuning (bench/tuner.py)` section of
+docs/benchmarks.md and the LLM table of docs/tuning.md; prints one JSON line last.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import tuner_fleet as fleet
+import tuner_llm as llm
 from batchpilot_operator.actuators import get_batching
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.tune_local import TuneOptions, tune_loop
@@ -66,6 +71,9 @@ CADENCE = Cadence()  # the CRD's defaults
 DURATION_S = 1800.0
 FLEET_DURATION_S = 1200.0
 QUICK_DURATION_S = 600.0
+LLM_DURATION_S = 600.0  # 20 intervals: the step at 6, 14 after it
+LLM_QUICK_DURATION_S = 300.0
+TUNING_MD = DOCS / "tuning.md"
 GRID_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 GRID_TIMEOUTS_MS = (0.0, 10.0, 50.0)
 OUTPUT_TOKENS = 64  # mean; the simulator draws uniform [16, 112]
@@ -140,8 +148,21 @@ def grid() -> list[BatchingConfig]:
     ]
 
 
-def _run(args: tuple[Scenario, SimOptions, StepCurve, int]) -> SimResult:
-    return simulate(*args)
+def _run(args: tuple[Scenario, SimOptions, StepCurve, int]) -> SimResult | str:
+    """The run, or why the tuning loop refused its goal (a rule that cannot take the
+    goal's targets raises ValueError; only the LLM part's tuner runs may)."""
+    try:
+        return simulate(*args)
+    except ValueError as error:
+        if not args[1].tune:
+            raise
+        return f"{type(error).__name__}: {error}"
+
+
+def _sim(result: SimResult | str) -> SimResult:
+    if isinstance(result, str):
+        raise RuntimeError(f"a tuned run failed: {result}")
+    return result
 
 
 @dataclass
@@ -286,7 +307,7 @@ def _knob_plan(setup: Setup, duration_s: float) -> list[tuple[Scenario, Mode]]:
 
 
 def knob_results(
-    setup: Setup, duration_s: float, results: list[SimResult]
+    setup: Setup, duration_s: float, results: list[SimResult | str]
 ) -> list[ScenarioResult]:
     configs = grid()
     # The static default is a grid point: its run is the grid's.
@@ -294,7 +315,7 @@ def knob_results(
     out: list[ScenarioResult] = []
     per = len(configs) + 1
     for k, (scenario, mode) in enumerate(_knob_plan(setup, duration_s)):
-        tuner, *static_runs = results[k * per : (k + 1) * per]
+        tuner, *static_runs = [_sim(r) for r in results[k * per : (k + 1) * per]]
         best = pick_oracle(configs, static_runs, setup.slo_s)
         out.append(
             ScenarioResult(
@@ -317,13 +338,13 @@ def fleet_jobs(
 
 
 def fleet_results(
-    setup: fleet.FleetSetup, duration_s: float, results: list[SimResult]
+    setup: fleet.FleetSetup, duration_s: float, results: list[SimResult | str]
 ) -> list[fleet.FleetResult]:
     configs = fleet.grid(setup, CADENCE)
     per = len(fleet.RULES) + len(configs)
     out: list[fleet.FleetResult] = []
     for k, scenario in enumerate(fleet.fleet_scenarios(setup, duration_s)):
-        chunk = results[k * per : (k + 1) * per]
+        chunk = [_sim(r) for r in results[k * per : (k + 1) * per]]
         runs, static_runs = chunk[: len(fleet.RULES)], chunk[len(fleet.RULES) :]
         best = fleet.pick_oracle(configs, static_runs, setup.slo_s)
         out.append(
@@ -335,22 +356,57 @@ def fleet_results(
     return out
 
 
-def run_all(jobs: list[Job], workers: int) -> list[SimResult]:
+def _llm_plan(curve: StepCurve, duration_s: float) -> list[tuple[llm.LlmSetup, Scenario]]:
+    setups = [llm.LlmSetup.of(name, curve) for name in llm.WORKLOADS]
+    return [(setup, scenario) for setup in setups for scenario in llm.scenarios(setup, duration_s)]
+
+
+def llm_jobs(curve: StepCurve, seed: int, duration_s: float) -> list[Job]:
+    jobs: list[Job] = []
+    for setup, scenario in _llm_plan(curve, duration_s):
+        jobs.append((scenario, llm.tuner_options(setup, CADENCE), curve, seed))
+        jobs += [(scenario, o, curve, seed) for o in llm.grid(setup, scenario, curve, CADENCE)]
+    return jobs
+
+
+def llm_results(
+    curve: StepCurve, duration_s: float, results: list[SimResult | str]
+) -> list[llm.LlmResult]:
+    out: list[llm.LlmResult] = []
+    at = 0
+    for setup, scenario in _llm_plan(curve, duration_s):
+        configs = llm.grid(setup, scenario, curve, CADENCE)
+        tuner, *static_runs = results[at : at + 1 + len(configs)]
+        at += 1 + len(configs)
+        runs = [_sim(r) for r in static_runs]
+        best = llm.pick_oracle(runs)
+        out.append(
+            llm.LlmResult(
+                setup, scenario, runs[best], llm.label(configs[best]),
+                None if isinstance(tuner, str) else tuner,
+                tuner if isinstance(tuner, str) else "", CADENCE.interval_s,
+            )
+        )  # fmt: skip
+    return out
+
+
+def run_all(jobs: list[Job], workers: int) -> list[SimResult | str]:
     # The longest runs first (the fleets', then each scenario's tuner), so no core idles
     # at the end waiting for one.
     order = sorted(range(len(jobs)), key=lambda i: -_cost(jobs[i]))
     with ProcessPoolExecutor(max_workers=workers) as pool:
         done = list(pool.map(_run, [jobs[i] for i in order], chunksize=1))
-    results: list[SimResult | None] = [None] * len(jobs)
+    results: list[SimResult | str | None] = [None] * len(jobs)
     for i, result in zip(order, done, strict=True):
         results[i] = result
     return [r for r in results if r is not None]
 
 
 def _cost(job: Job) -> float:
-    """About how many arrivals a job simulates, tuned runs counted twice (their rounds)."""
+    """About how many tokens a job simulates, tuned runs counted twice (their rounds)."""
     scenario, options = job[0], job[1]
-    return scenario.rate_max * scenario.duration_s * (2 if options.tune else 1)
+    tokens = sum(scenario.prompt_tokens) / 2 / 16 + scenario.output_tokens  # prefill: cheap
+    return scenario.rate_max * scenario.duration_s * tokens * (2 if options.tune else 1)
 
 
 def plot(results: list[ScenarioResult], mode: Mode, path: Path) -> None:
@@ -585,22 +641,39 @@ def main(argv: list[str]) -> int:
         "--quick", action="store_true",
         help="ten minutes per scenario, no real part, nothing written to docs/ (development)",
     )  # fmt: skip
+    ap.add_argument(
+        "--llm-only", action="store_true",
+        help="only the LLM (TTFT+TPOT) scenarios; writes their table to docs/tuning.md",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     started = time.monotonic()
     curve = StepCurve.load()
+    llm_curve = llm.llm_curve(curve)
     setup, fleet_setup = Setup.from_curve(curve), fleet.FleetSetup.from_curve(curve)
     knob_s = QUICK_DURATION_S if args.quick else DURATION_S
     fleet_s = QUICK_DURATION_S if args.quick else FLEET_DURATION_S
-    knobs = knob_jobs(curve, setup, args.seed, knob_s)
-    results = run_all(knobs + fleet_jobs(curve, fleet_setup, args.seed, fleet_s), args.workers)
-    knob_runs = knob_results(setup, knob_s, results[: len(knobs)])
-    fleet_runs = fleet_results(fleet_setup, fleet_s, results[len(knobs) :])
+    llm_s = LLM_QUICK_DURATION_S if args.quick else LLM_DURATION_S
+    knobs = [] if args.llm_only else knob_jobs(curve, setup, args.seed, knob_s)
+    fleets = [] if args.llm_only else fleet_jobs(curve, fleet_setup, args.seed, fleet_s)
+    llms = llm_jobs(llm_curve, args.seed, llm_s)
+    results = run_all(knobs + fleets + llms, args.workers)
+    knob_runs = knob_results(setup, knob_s, results[: len(knobs)]) if knobs else []
+    fleet_runs = (
+        fleet_results(fleet_setup, fleet_s, results[len(knobs) : len(knobs) + len(fleets)])
+        if fleets
+        else []
+    )
+    llm_runs = llm_results(llm_curve, llm_s, results[len(knobs) + len(fleets) :])
     rows = [r.row() for r in knob_runs]
     fleet_rows = [r.row(rule) for r in fleet_runs for rule in fleet.RULES]
-    for row in rows + fleet_rows:
+    llm_rows = [r.row() for r in llm_runs]
+    for row in rows + fleet_rows + llm_rows:
         print(json.dumps(row), file=sys.stderr)
     real = None
+    llm_text = "\n".join(llm.markdown(llm_rows, llm_curve, llm_s))
     if not args.quick:
+        replace_section(TUNING_MD, "tuner-llm", llm_text)
+    if not args.quick and not args.llm_only:
         for mode in MODES:
             plot(knob_runs, mode, DOCS / f"tuner_{mode}.png")
         fleet.plot(fleet_runs, DOCS / "tuner_fleet.png")
@@ -608,15 +681,27 @@ def main(argv: list[str]) -> int:
             real = run_real(args.real_seconds)
         text = markdown(curve, setup, rows, real, knob_s)
         text += "\n" + "\n".join(fleet.markdown(fleet_setup, fleet_rows, fleet_s))
+        text += "\n" + llm_text
         replace_section(BENCHMARKS_MD, "tuner", text)
     summary = {
         "bench": "tuner",
         "slo_s": setup.slo_s,
         "curve": curve.source,
-        **verdict(rows),
+        **(verdict(rows) if rows else {}),
         "scenarios": {f"{r['scenario']}/{r['mode']}": r["ratio_tuner"] for r in rows},
         "fleet_slo_s": fleet_setup.slo_s,
-        **fleet.verdict(fleet_rows),
+        **(fleet.verdict(fleet_rows) if fleet_rows else {}),
+        **llm.verdict(llm_rows),
+        "llm": {
+            f"{r['workload']}/{r['scenario']}": {
+                k: r[k]
+                for k in (
+                    "goodput_ratio", "steady_share", "recover_intervals",
+                    "replica_seconds_ratio", "attainment_oracle", "oracle",
+                )
+            }
+            for r in llm_rows
+        },
         "fleet": {
             f"{r['scenario']}/{r['rule']}": {
                 k: r[k]

@@ -1,6 +1,7 @@
 """`batchpilot tune`: the tuning loop against plain local servers.
 
     batchpilot tune --server http://127.0.0.1:8000 --slo-p99-ms 500 --token-file token
+    batchpilot tune --server http://127.0.0.1:8000 --slo-ttft-ms 800 --slo-tpot-ms 60
 
 Every interval it runs one round of `tuning_loop.TuningLoop` with signals from
 Prometheus (`--prometheus`) or from a scrape of the servers' `/metrics`, the
@@ -27,7 +28,7 @@ from batchpilot_operator.actuators import LocalActuator, get_batching
 from batchpilot_operator.signals import MIN_REQUESTS_PER_WINDOW
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_instances
 from batchpilot_operator.signals_scrape import ScrapeSource
-from batchpilot_operator.slo import KV_HIGH_WATERMARK, Slo
+from batchpilot_operator.slo import DEFAULT_ATTAINMENT, KV_HIGH_WATERMARK, Slo
 from batchpilot_operator.tuner import Bounds, Cadence, Goal
 from batchpilot_operator.tuning_loop import PlugPoints, Scaler, TuneStep, TuningLoop
 from batchpilot_server.batching_config import BatchingConfig, ConfigError
@@ -197,11 +198,21 @@ def step_line(step: TuneStep) -> str:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="batchpilot tune",
-        description="Tune local servers' batching toward the most throughput within a p99 SLO.",
+        description="Tune local servers' batching toward the most throughput within an SLO "
+        "(any of TTFT, TPOT and end-to-end targets, met by --slo-attainment of the requests).",
     )
     ap.add_argument("--server", action="append", required=True, metavar="URL",
                     help="a server's base URL (repeat for several)")
-    ap.add_argument("--slo-p99-ms", type=float, required=True, help="p99 latency SLO, ms")
+    slo = ap.add_argument_group("SLO (state at least one target)")
+    slo.add_argument("--slo-ttft-ms", type=float, help="time to first token target, ms")
+    slo.add_argument("--slo-tpot-ms", type=float,
+                     help="time per output token target (each request's mean after the first), ms")
+    slo.add_argument("--slo-e2e-ms", "--slo-p99-ms", dest="slo_e2e_ms", type=float,
+                     help="end-to-end (arrival to last byte) target, ms; --slo-p99-ms is its "
+                     "older name")
+    slo.add_argument("--slo-attainment", type=float, default=DEFAULT_ATTAINMENT,
+                     help="share of requests that must meet every stated target "
+                     f"(default {DEFAULT_ATTAINMENT:g})")
     ap.add_argument("--prometheus", metavar="URL",
                     help="read signals from this Prometheus (else scrape the servers)")
     cadence, bounds = Cadence(), Bounds()
@@ -214,6 +225,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-batch", type=int, default=bounds.max_batch)
     ap.add_argument("--min-timeout-ms", type=float, default=bounds.min_timeout_ms)
     ap.add_argument("--max-timeout-ms", type=float, default=bounds.max_timeout_ms)
+    ap.add_argument("--min-prefill-budget", type=int, default=bounds.min_prefill_budget,
+                    help="continuous mode: fewest prompt tokens computed per step")
+    ap.add_argument("--max-prefill-budget", type=int, default=bounds.max_prefill_budget,
+                    help="continuous mode: most prompt tokens computed per step")
     ap.add_argument("--kv-high-watermark", type=float, default=KV_HIGH_WATERMARK)
     ap.add_argument("--min-requests", type=int, default=MIN_REQUESTS_PER_WINDOW,
                     help="fewest finished requests in a window to judge its p99")
@@ -237,8 +252,11 @@ def options_from_args(args: argparse.Namespace) -> TuneOptions:
     return TuneOptions(
         servers=tuple(args.server),
         goal=Goal(
-            Slo(e2e_s=args.slo_p99_ms / 1000.0, kv_high_watermark=args.kv_high_watermark),
-            Bounds(args.min_batch, args.max_batch, args.min_timeout_ms, args.max_timeout_ms),
+            slo_from_args(args),
+            Bounds(
+                args.min_batch, args.max_batch, args.min_timeout_ms, args.max_timeout_ms,
+                args.min_prefill_budget, args.max_prefill_budget,
+            ),
         ),
         cadence=Cadence(args.interval, args.window),
         prometheus_url=args.prometheus,
@@ -246,6 +264,34 @@ def options_from_args(args: argparse.Namespace) -> TuneOptions:
         iterations=args.iterations,
         min_requests=args.min_requests,
     )
+
+
+SLO_FLAGS = {"ttft": "--slo-ttft-ms", "tpot": "--slo-tpot-ms", "e2e": "--slo-e2e-ms"}
+
+
+def slo_from_args(args: argparse.Namespace) -> Slo:
+    """The SLO the flags state; raises ValueError naming the flag at fault."""
+    targets = {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms, "e2e": args.slo_e2e_ms}
+    stated = {name: ms for name, ms in targets.items() if ms is not None}
+    if not stated:
+        raise ValueError(
+            "state at least one SLO target: --slo-ttft-ms, --slo-tpot-ms or --slo-e2e-ms "
+            "(--slo-p99-ms)"
+        )
+    for name, ms in stated.items():
+        if ms <= 0:
+            raise ValueError(f"{SLO_FLAGS[name]}: the SLO must be positive, got {ms:g}")
+    if not 0 < args.slo_attainment < 1:
+        raise ValueError(f"--slo-attainment must be in (0, 1), got {args.slo_attainment:g}")
+
+    def seconds(ms: float | None) -> float | None:
+        return None if ms is None else ms / 1000.0
+
+    return Slo(
+        ttft_s=seconds(args.slo_ttft_ms), tpot_s=seconds(args.slo_tpot_ms),
+        e2e_s=seconds(args.slo_e2e_ms), attainment=args.slo_attainment,
+        kv_high_watermark=args.kv_high_watermark,
+    )  # fmt: skip
 
 
 def main(argv: list[str]) -> int:

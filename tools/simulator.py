@@ -42,6 +42,7 @@ import asyncio
 import functools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -100,6 +101,10 @@ class StepCurve:
     batch_sizes: tuple[int, ...]
     seconds: tuple[float, ...]
     source: str = "fallback"
+    # Attention's cost: seconds per KV token a step's rows attend to (their context so
+    # far). 0 keeps the batch-size-only curve the engine benchmark measures; the LLM
+    # scenarios set it, so that long prompts and answers slow every step they share.
+    kv_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.batch_sizes) < 2 or len(self.batch_sizes) != len(self.seconds):
@@ -107,6 +112,9 @@ class StepCurve:
 
     def step_s(self, batch: int) -> float:
         return _step_s(self, batch)
+
+    def with_kv_cost(self, kv_token_s: float) -> StepCurve:
+        return replace(self, kv_token_s=kv_token_s, source=f"{self.source} + KV attention")
 
     @property
     def per_token_s(self) -> float:
@@ -161,11 +169,12 @@ class Scenario:
     name: ScenarioKind
     duration_s: float
     base_rate: float  # requests/s
-    output_tokens: int = 64  # mean; uniform in [mean/4, 7*mean/4]
-    prompt_tokens: tuple[int, int] = (16, 128)
+    output_tokens: int = 64  # mean; uniform in [mean/4, 7*mean/4] unless output_range
+    prompt_tokens: tuple[int, int] = (16, 128)  # uniform in [low, high]
     step_at_s: float | None = None  # load step, flash crowd, longer outputs: when
     peak: float = 3.0  # the step's and the flash crowd's load, times the base
     back_at_s: float | None = None  # when a step falls back to the base (None: never)
+    output_range: tuple[int, int] | None = None  # uniform in [low, high] (scaled in time)
 
     def rate(self, t: float) -> float:
         at = self.step_at_s
@@ -209,13 +218,52 @@ def make_workload(scenario: Scenario, seed: int) -> Workload:
     rates = np.array([scenario.rate(t) for t in times])
     times = times[rng.random(len(times)) < rates / scenario.rate_max]
     means = np.array([scenario.output_mean(t) for t in times])
-    outputs = np.maximum(1, np.round(means * rng.uniform(0.25, 1.75, len(times)))).astype(int)
+    if scenario.output_range is None:
+        spread = rng.uniform(0.25, 1.75, len(times))
+    else:  # the range, stretched as output_mean stretches the mean
+        low, high = scenario.output_range
+        spread = rng.uniform(low, high, len(times)) / scenario.output_tokens
+    outputs = np.maximum(1, np.round(means * spread)).astype(int)
     low, high = scenario.prompt_tokens
     prompts = rng.integers(low, high + 1, len(times))
     return Workload(times, prompts, outputs)
 
 
 Balancer = Literal["round_robin", "least_outstanding"]
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """One finished request's latencies, in seconds; tpot None for a one-token answer."""
+
+    ttft_s: float
+    tpot_s: float | None
+    e2e_s: float
+
+
+def missed_targets(times: RequestTimes, targets: dict[str, float]) -> list[str]:
+    """The stated targets (ttft, tpot, e2e in seconds) the request missed, as a pod
+    judges it; a one-token answer has no TPOT to miss."""
+    observed = {"ttft": times.ttft_s, "tpot": times.tpot_s, "e2e": times.e2e_s}
+    return [
+        name
+        for name, target in targets.items()
+        if (value := observed[name]) is not None and value > target
+    ]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a predictor said an interval would measure under the config it runs."""
+
+    ttft_p99_s: float | None
+    tpot_p99_s: float | None
+    attainment: float | None
+
+
+# The predictor's seam: given the signals a round read, the goal, and the config the
+# round leaves in force, what the next interval will measure. None: no predictor.
+Predictor = Callable[[Signals, Goal, BatchingConfig], Prediction]
 
 
 @dataclass(frozen=True)
@@ -233,6 +281,9 @@ class SimOptions:
     balancer: Balancer = "least_outstanding"
     startup_s: float = STARTUP_S
     controller: ReplicaController | None = None  # a replica rule outside the loop
+    # Asked after each round what the next interval will measure (bench/tuner.py
+    # compares it with what it measured); None: nothing is predicted.
+    predictor: Predictor | None = None
 
 
 @dataclass
@@ -246,6 +297,20 @@ class Interval:
     arrived: int = 0  # admitted or refused
     latencies: list[float] = field(default_factory=list)
     queue_waits: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)  # arrival to first token, per request
+    tpots: list[float] = field(default_factory=list)  # mean after the first (2+ tokens)
+    prompts: list[int] = field(default_factory=list)  # each finished request's prompt
+    # The pods' exact judgement against the config's targets (batchpilot_requests_slo_total)
+    slo_judged: int = 0
+    slo_met: int = 0
+    slo_missed: dict[str, int] = field(default_factory=dict)
+    # The step-time model's inputs, all servers: steps, seconds, decode rows, prompt
+    # tokens computed, KV tokens attended
+    steps: int = 0
+    step_seconds: float = 0.0
+    step_decode_rows: int = 0
+    step_prefill_tokens: int = 0
+    step_kv_tokens: int = 0
     tokens: int = 0
     outputs: list[int] = field(default_factory=list)  # each finished request's tokens
     preemptions: int = 0
@@ -261,6 +326,20 @@ class Interval:
     p99_s: float | None = None
     decision: Decision | None = None
     scale: ScaleDecision | None = None
+    # What a predictor said this interval would measure (`Prediction`), when one is hooked.
+    prediction: Prediction | None = None
+
+    @property
+    def attainment(self) -> float | None:
+        return self.slo_met / self.slo_judged if self.slo_judged else None
+
+    @property
+    def ttft_p99_s(self) -> float | None:
+        return float(np.percentile(self.ttfts, 99)) if self.ttfts else None
+
+    @property
+    def tpot_p99_s(self) -> float | None:
+        return float(np.percentile(self.tpots, 99)) if self.tpots else None
 
 
 @dataclass(frozen=True)
@@ -348,7 +427,11 @@ class SimulatedServer:
         # It read the ConfigMap at start; a change since then reaches it now, as a resync.
         self.ready = True
         self.now = self.ready_s
-        self.scheduler.reconfigure(self.fleet.config)
+        self.reconfigure(self.fleet.config)
+
+    def reconfigure(self, config: BatchingConfig) -> None:
+        """From its next step on, as the engine does (the prefill budget is the config's)."""
+        self.scheduler.reconfigure(config)
 
     def drain(self, now: float) -> None:
         """Out of the balancer; it finishes what it holds (the server's SIGTERM drain)."""
@@ -397,6 +480,8 @@ class SimulatedServer:
             self.fleet.current.kv_max = max(self.fleet.current.kv_max, self.pool.usage_ratio)
             return
         rows = self.rows
+        for seq in rows:  # a recomputed (preempted) sequence's first token came earlier
+            self.fleet.first_token.setdefault(seq, end)
         outputs = self.scheduler.postprocess(
             rows, [SAMPLED_TOKEN] * len(rows), [0.0] * len(rows), end
         )
@@ -405,12 +490,14 @@ class SimulatedServer:
             self._fast_forward([seq for seq in rows if seq.finish_reason is None], end)
 
     def _step_s(self, plan: StepPlan) -> float:
-        seconds = 0.0
+        """The prefill forward as a step of its prompt tokens, the decode forward as a
+        step of its rows, plus attention over the KV tokens every row attends to."""
+        curve = self.fleet.curve
+        seconds = curve.kv_token_s * _kv_tokens(plan)
         if plan.prefill:
-            chunks = plan.chunks or [seq.num_uncomputed for seq in plan.prefill]
-            seconds += self.fleet.curve.step_s(sum(chunks))
+            seconds += curve.step_s(_prefill_tokens(plan))
         if plan.decode:
-            seconds += self.fleet.curve.step_s(len(plan.decode))
+            seconds += curve.step_s(len(plan.decode))
         return seconds
 
     def _observe(self, plan: StepPlan, seconds: float) -> None:
@@ -418,6 +505,11 @@ class SimulatedServer:
         iv = self.fleet.current
         iv.preemptions += len(plan.preempted)
         iv.busy_s += seconds
+        iv.steps += 1
+        iv.step_seconds += seconds
+        iv.step_decode_rows += len(plan.decode)
+        iv.step_prefill_tokens += _prefill_tokens(plan) if plan.prefill else 0
+        iv.step_kv_tokens += _kv_tokens(plan)
         for seq in plan.first_scheduled:
             iv.queue_waits.append((seq.first_scheduled or seq.arrival) - seq.arrival)
         if plan.batch_size:
@@ -435,21 +527,39 @@ class SimulatedServer:
         steps = self._repeats(decode, now)
         if steps <= 0:
             return
+        first_s, growth_s = self._ff_costs(decode)
+        context = sum(seq.num_tokens for seq in decode)
         for seq in decode:
             self.pool.grow(seq.block_table, seq.num_tokens + steps - 1)
             seq.token_ids += [SAMPLED_TOKEN] * steps
             seq.num_computed = seq.num_tokens - 1
         self.scheduler.steps += steps
-        step_s = self.fleet.curve.step_s(len(decode))
+        seconds = steps * first_s + growth_s * steps * (steps - 1) / 2
         if self.fleet.opt.mode == "continuous":  # each continuous step records its rows
             self.fleet.record_batches(len(decode), steps)
-        self.fleet.current.busy_s += steps * step_s
-        self.step_end = now + steps * step_s
+        iv = self.fleet.current
+        iv.busy_s += seconds
+        iv.steps += steps
+        iv.step_seconds += seconds
+        iv.step_decode_rows += steps * len(decode)
+        # step j attends to each row's context so far: the first one's plus j tokens a row
+        iv.step_kv_tokens += steps * context + len(decode) * steps * (steps - 1) // 2
+        self.step_end = now + seconds
         self.forwarding = True
+
+    def _ff_costs(self, decode: list[Sequence]) -> tuple[float, float]:
+        """A repeated decode step's seconds (the first of them) and how much each later one
+        adds (attention over one more token a row)."""
+        curve = self.fleet.curve
+        context = sum(seq.num_tokens for seq in decode)  # what the next step attends to
+        return (
+            curve.step_s(len(decode)) + curve.kv_token_s * context,
+            curve.kv_token_s * len(decode),
+        )
 
     def _repeats(self, decode: list[Sequence], now: float) -> int:
         """How many of the next steps plan exactly `decode` again and finish nothing."""
-        step_s = self.fleet.curve.step_s(len(decode))
+        first_s, growth_s = self._ff_costs(decode)
         limit = min(seq.params.max_tokens - seq.num_output for seq in decode) - 1
         until = [self.fleet.current.end_s]
         if self.fleet.opt.mode == "continuous":
@@ -461,7 +571,7 @@ class SimulatedServer:
                 until.append(self.fleet.arrival_s())
         for at in until:
             if at < math.inf:  # steps that start before `at`
-                limit = min(limit, math.ceil((at - now) / step_s))
+                limit = min(limit, _steps_starting_before(at - now, first_s, growth_s))
         if self.fleet.opt.mode == "continuous":
             limit = self._blocks_allow(decode, limit)
         return limit
@@ -516,6 +626,7 @@ class SimulatedFleet:
         self.now = 0.0
         self.next_arrival = 0
         self.sequences: dict[Sequence, int] = {}  # admitted -> request index
+        self.first_token: dict[Sequence, float] = {}  # when each one's first token came
         self.servers: list[SimulatedServer] = []
         self.desired = options.replicas
         for _ in range(options.replicas):
@@ -552,6 +663,7 @@ class SimulatedFleet:
                 waiting=waiting,
                 pods=pods,
                 detail=status_detail(status, requests, MIN_REQUESTS_PER_WINDOW),
+                **_llm_signals(window),  # evidence for a rule that judges thin windows
             )
         batches = sum(iv.batch_count for iv in window)
         tokens = sum(iv.tokens for iv in window)
@@ -581,6 +693,7 @@ class SimulatedFleet:
             ),
             busy_s_per_token=sum(iv.busy_s for iv in window) / tokens if tokens else None,
             pods=pods,
+            **_llm_signals(window),
         )
 
     async def in_force(self) -> BatchingConfig:
@@ -590,7 +703,7 @@ class SimulatedFleet:
         self.config = config
         live = [s for s in self.servers if s.live]
         for server in live:
-            server.scheduler.reconfigure(config)  # from its next step on, as the engine does
+            server.reconfigure(config)
         return ActuationReport(applied=[Applied(s.name, None) for s in live])
 
     async def resync(self, config: BatchingConfig) -> ActuationReport:
@@ -683,8 +796,7 @@ class SimulatedFleet:
                 raise QueueFullError("no server is ready")
             server.scheduler.add(seq)
         except QueueFullError:
-            self.current.rejected += 1
-            self.rejected += 1
+            self._refuse()
         else:
             self.sequences[seq] = index
         return [] if server is None else [server]
@@ -715,20 +827,54 @@ class SimulatedFleet:
             if not output.final:
                 continue
             index = self.sequences.pop(output.seq)
+            first = self.first_token.pop(output.seq, None)
             if isinstance(output.item, EngineError):  # the engine ended it unserved
-                self.current.rejected += 1
-                self.rejected += 1
+                self._refuse()
                 continue
-            latency = at - output.seq.arrival
+            seq = output.seq
+            latency = at - seq.arrival
+            times = RequestTimes(
+                ttft_s=(at if first is None else first) - seq.arrival,
+                tpot_s=(at - first) / (seq.num_output - 1)
+                if first is not None and seq.num_output > 1
+                else None,
+                e2e_s=latency,
+            )
             iv = self.current
             iv.completed += 1
-            iv.good += latency <= self.opt.goal.slo.e2e_s
+            iv.good += not missed_targets(times, self.opt.goal.slo.stated)
+            self._judge(missed_targets(times, self._pod_targets()))
             iv.latencies.append(latency)
-            iv.tokens += output.seq.num_output
-            iv.outputs.append(output.seq.num_output)
+            iv.ttfts.append(times.ttft_s)
+            if times.tpot_s is not None:
+                iv.tpots.append(times.tpot_s)
+            iv.prompts.append(seq.num_prompt)
+            iv.tokens += seq.num_output
+            iv.outputs.append(seq.num_output)
             self.all_latencies.append(latency)
             if self.opt.trace:
                 self.completions.append(Completion(index, at, output.item.step))
+
+    def _pod_targets(self) -> dict[str, float]:
+        """What the pods judge against (seconds): the config's targets, which the operator
+        hands them with the config; the policy's where the config states none."""
+        stated = self.config.slo.stated
+        if not stated:
+            return self.opt.goal.slo.stated
+        return {name: ms / 1000.0 for name, ms in stated.items()}
+
+    def _judge(self, missed: list[str]) -> None:
+        iv = self.current
+        iv.slo_judged += 1
+        iv.slo_met += not missed
+        for name in [*missed, "all"] if missed else []:
+            iv.slo_missed[name] = iv.slo_missed.get(name, 0) + 1
+
+    def _refuse(self) -> None:
+        """A refused or timed-out request: missed on every stated target."""
+        self.current.rejected += 1
+        self.rejected += 1
+        self._judge(list(self._pod_targets()))
 
     def _serving_through(self, iv: Interval) -> int:
         """Servers the balancer could reach for the whole interval."""
@@ -758,6 +904,9 @@ class SimulatedFleet:
             config=self.config,
             kv_max=max((s.pool.usage_ratio for s in live), default=0.0),
         )
+        if self.opt.predictor is not None:
+            signals = await self.read(self.opt.cadence.window_s)
+            self.current.prediction = self.opt.predictor(signals, self.opt.goal, self.config)
 
     async def _controlled_round(self, controller: ReplicaController) -> None:
         signals = await self.read(self.opt.cadence.window_s)
@@ -774,6 +923,63 @@ class SimulatedFleet:
             min(end_s, math.inf if s.stopped_s is None else s.stopped_s) - s.started_s
             for s in self.servers
         )
+
+
+def _llm_signals(window: list[Interval]) -> dict[str, Any]:
+    """The LLM SLO's fields of Signals over the window's intervals, as the scrape source
+    reads them: quantiles from the server's histogram buckets, counters summed."""
+    ttfts = [x for iv in window for x in iv.ttfts]
+    tpots = [x for iv in window for x in iv.tpots]
+    prompts = [n for iv in window for n in iv.prompts]
+    missed: dict[str, float] = {}
+    for iv in window:
+        for name, count in iv.slo_missed.items():
+            missed[name] = missed.get(name, 0.0) + count
+    prompt_q = {
+        f"prompt_tokens_p{round(q * 100)}": _bucket_quantile(q, prompts, GENERATION_TOKEN_BOUNDS)
+        for q in (0.5, 0.9, 0.99)
+    }
+    return {
+        "ttft_p99_s": _bucket_quantile(0.99, ttfts, BUCKET_BOUNDS),
+        "tpot_p99_s": _bucket_quantile(0.99, tpots, BUCKET_BOUNDS),
+        "slo_judged": float(sum(iv.slo_judged for iv in window)),
+        "slo_met": float(sum(iv.slo_met for iv in window)),
+        "slo_missed": missed,
+        **prompt_q,
+        "steps": float(sum(iv.steps for iv in window)),
+        "step_seconds": sum(iv.step_seconds for iv in window),
+        "step_decode_rows": float(sum(iv.step_decode_rows for iv in window)),
+        "step_prefill_tokens": float(sum(iv.step_prefill_tokens for iv in window)),
+        "step_kv_tokens": float(sum(iv.step_kv_tokens for iv in window)),
+    }
+
+
+def _prefill_tokens(plan: StepPlan) -> int:
+    return sum(plan.chunks or [seq.num_uncomputed for seq in plan.prefill])
+
+
+def _kv_tokens(plan: StepPlan) -> int:
+    """The KV tokens a computed step's rows attend to: each row's context so far."""
+    return sum(seq.num_computed for seq in (*plan.prefill, *plan.decode))
+
+
+def _steps_starting_before(span_s: float, first_s: float, growth_s: float) -> int:
+    """How many back-to-back steps start within `span_s` when the first takes `first_s`
+    and each later one `growth_s` more: the largest k with k-1 steps ending before it."""
+    if growth_s <= 0 or span_s <= 0:
+        return math.ceil(span_s / first_s)
+
+    def ends_s(m: int) -> float:  # the first m steps' seconds
+        return m * first_s + growth_s * m * (m - 1) / 2
+
+    low, high = 0, max(1, math.ceil(span_s / first_s))  # m < high: ends_s(high) >= span
+    while low < high:
+        mid = (low + high + 1) // 2
+        if ends_s(mid) < span_s:
+            low = mid
+        else:
+            high = mid - 1
+    return low + 1
 
 
 def _compute(plan: StepPlan) -> list[Sequence]:

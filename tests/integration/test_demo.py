@@ -15,6 +15,9 @@ import pytest
 from batchpilot_tools.demo.cli import main as demo_main
 from batchpilot_tools.demo.cli import options_from
 from batchpilot_tools.demo.options import DEFAULT_REPLICAS, Replicas
+from batchpilot_tools.demo.plot import write_plot
+from batchpilot_tools.demo.recording import Recording, Sample
+from batchpilot_tools.demo.view import slo_line
 from batchpilot_tools.prometheus_local import find_binary
 
 from tests.support.usage import refused_usage
@@ -112,13 +115,22 @@ def interval_lines(output: str) -> list[str]:
 
 
 def test_short_demo_with_a_fixed_fleet_writes_plot_and_summary(tmp_path: Path) -> None:
-    run = DemoRun(tmp_path, "--duration", "12", "--interval", "3", "--replicas", "2")
+    run = DemoRun(
+        tmp_path, "--duration", "12", "--interval", "3", "--replicas", "2",
+        "--slo-ttft-ms", "800", "--slo-tpot-ms", "90", "--slo-p99-ms", "1000",
+    )  # fmt: skip
     code = run.run_to_exit()
     output = run.output()
     assert code == 0, output
     lines = interval_lines(output)
     assert len(lines) >= 3, output
     assert all(" replicas=2 serving=2 " in line for line in lines), output
+    # each target against its observed p99, and the attainment against its target
+    targets = re.compile(
+        r"TTFT p99 \S+/800 ms  TPOT p99 \S+/90 ms  e2e p99 \S+/1000 ms  attainment \S+/90%"
+    )
+    assert all(targets.search(line) for line in lines), output
+    assert "SLO (TTFT 800 ms, TPOT 90 ms, e2e p99 1000 ms (90% of requests)) met in" in output
     assert "batchpilot demo summary" in output
     assert re.search(r"replicas: 2 \(a fixed fleet\), \d+ replica-seconds over", output), output
     assert "\x1b[" not in output
@@ -278,8 +290,46 @@ def test_a_real_model_gets_a_lighter_load_and_a_longer_slo_unless_told_otherwise
     assert real.base_rate * real.step_factor < tiny.base_rate * tiny.step_factor
     assert real.base_rate * real.surge_factor < tiny.base_rate * tiny.surge_factor
     assert real.slo_p99_ms > tiny.slo_p99_ms
+    # a slow model finishes few requests an interval: longer intervals, a smaller sample
+    assert real.interval_s > tiny.interval_s and real.min_requests < tiny.min_requests
+    assert options_from(["--model", "SmolLM2.gguf", "--interval", "5"]).interval_s == 5.0
     told = options_from(["--model", "SmolLM2.gguf", "--rate", "3", "--slo-p99-ms", "700"])
     assert (told.base_rate, told.slo_p99_ms) == (3.0, 700.0)
+    assert told.targets_ms == {"e2e": 700.0}  # a target given replaces the profile's
+
+
+def test_the_llm_targets_are_stated_for_a_real_model_and_on_request() -> None:
+    real = options_from(["--model", "SmolLM2.gguf"])
+    assert set(real.targets_ms) == {"ttft", "tpot", "e2e"}
+    assert options_from([]).targets_ms == {"e2e": 1000.0}
+    llm = options_from(["--slo-ttft-ms", "500", "--slo-tpot-ms", "40", "--slo-attainment", "0.8"])
+    assert llm.targets_ms == {"ttft": 500.0, "tpot": 40.0}  # no end-to-end target
+    assert (llm.slo.ttft_s, llm.slo.tpot_s, llm.slo.e2e_s) == (0.5, 0.04, None)
+    assert llm.slo.attainment == 0.8
+
+
+def sample(t_s: float, **signals: float | None) -> Sample:
+    return Sample(
+        t_s=t_s, offered_rps=4.0, p99_ms=signals.get("e2e"), kv_usage=0.1, max_batch_size=8,
+        batch_timeout_ms=10.0, action="hold", reason="", replicas=1, serving=1,
+        ttft_p99_ms=signals.get("ttft"), tpot_p99_ms=signals.get("tpot"),
+        attainment=signals.get("attainment"),
+    )  # fmt: skip
+
+
+def test_an_interval_is_judged_by_attainment_else_by_each_targets_p99(tmp_path: Path) -> None:
+    options = options_from(["--slo-ttft-ms", "500", "--slo-tpot-ms", "40", "--out",
+                            str(tmp_path / "demo.png")])  # fmt: skip
+    judged = sample(5.0, ttft=900.0, tpot=30.0, attainment=0.95)
+    assert judged.met(options) is True  # the pods' judgement wins over the p99s
+    assert sample(5.0, ttft=400.0, tpot=30.0, attainment=0.5).met(options) is False
+    assert sample(5.0, ttft=400.0, tpot=30.0).met(options) is True
+    assert sample(5.0, ttft=400.0, tpot=50.0).met(options) is False
+    assert sample(5.0, e2e=100.0).met(options) is None  # no stated target observed
+    assert slo_line(judged, options) == "TTFT p99 900/500 ms  TPOT p99 30/40 ms  attainment 95%/90%"
+    recording = Recording(options, samples=[judged, sample(10.0, ttft=450.0, tpot=35.0)])
+    write_plot(recording, options.out)
+    assert_plot(options.out)
 
 
 @pytest.mark.parametrize(
@@ -292,6 +342,9 @@ def test_a_real_model_gets_a_lighter_load_and_a_longer_slo_unless_told_otherwise
         (["--replicas", "3..1"], "1 <= MIN <= MAX"),
         (["--replicas", "one"], "takes N or MIN..MAX"),
         (["--max-batch", "0"], "--max-batch must be at least 1"),
+        (["--slo-ttft-ms", "0"], "--slo-ttft-ms must be positive"),
+        (["--slo-tpot-ms", "-5"], "--slo-tpot-ms must be positive"),
+        (["--slo-attainment", "1"], "--slo-attainment must be in (0, 1)"),
     ],
 )
 def test_bad_flags_are_explained(

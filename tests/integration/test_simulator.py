@@ -4,6 +4,7 @@ engine itself), and the fleet: routing, startup, drains, replica-seconds, autosc
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -15,10 +16,12 @@ from batchpilot_operator.signals import Signals
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.tuner import Decision, Goal
 from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.scheduler_continuous import ContinuousScheduler
 from batchpilot_tools.simulator import (
     Scenario,
     SimOptions,
     SimResult,
+    SimulatedFleet,
     StepCurve,
     Workload,
     make_workload,
@@ -259,3 +262,113 @@ def test_the_loop_grows_the_batch_then_scales_out_beyond_one_server(surge: SimRe
 def test_the_loop_scales_back_in_after_the_load_falls(surge: SimResult) -> None:
     replicas = [iv.replicas for iv in surge.intervals]
     assert replicas[-1] < max(replicas)
+
+
+# -- the LLM SLO: TTFT, TPOT, the per-request judgement, the prefill budget ----------------
+
+# A flat 10 ms step plus 1 ms per KV token attended: a prefill of P tokens takes 10 + P ms,
+# the decode step at context T takes 10 + T ms, so a request's TTFT and TPOT are exact.
+FLAT = replace(StepCurve.from_points({1: 0.01, 64: 0.01}, "test"), kv_token_s=0.001)
+LLM_SLO = Slo(ttft_s=0.030, tpot_s=0.040)
+# (prompt, output) -> TTFT = 10 + P ms; TPOT = 10 + P + O/2 ms (contexts P+1 .. P+O-1)
+JUDGED = [(5, 5), (25, 2), (5, 61), (25, 41), (5, 1)]
+
+
+def judged_run(requests: list[tuple[int, int]]) -> SimResult:
+    """One request at a time (each arrives 5 s after the last, when it is done), batch 1."""
+    work = Workload(
+        arrivals=np.arange(len(requests), dtype=float) * 5.0,
+        prompts=np.array([p for p, _ in requests]),
+        outputs=np.array([o for _, o in requests]),
+    )
+    config = BatchingConfig(max_batch_size=1, slo=LLM_SLO.targets())
+    opts = SimOptions(mode="continuous", config=config, goal=Goal(LLM_SLO), tune=False)
+    return simulate_workload(work, opts, FLAT, run_s=60.0)
+
+
+def test_each_request_is_judged_exactly_on_ttft_and_tpot() -> None:
+    result = judged_run(JUDGED)
+    ivs = result.intervals
+    ttfts = sorted(x for iv in ivs for x in iv.ttfts)
+    tpots = sorted(x for iv in ivs for x in iv.tpots)
+    assert ttfts == pytest.approx(sorted(0.010 + 0.001 * p for p, _ in JUDGED))
+    # the one-token answer has no TPOT
+    assert tpots == pytest.approx(sorted(0.010 + 0.001 * (p + o / 2) for p, o in JUDGED if o > 1))
+    # (5,5) and (5,1) meet both; (25,2) misses TTFT; (5,61) TPOT; (25,41) both
+    assert sum(iv.slo_judged for iv in ivs) == 5
+    assert sum(iv.slo_met for iv in ivs) == 2 == result.good
+    missed = {name: sum(iv.slo_missed.get(name, 0) for iv in ivs) for name in ("ttft", "tpot")}
+    assert missed == {"ttft": 2, "tpot": 2}
+    assert sum(iv.slo_missed.get("all", 0) for iv in ivs) == 3
+
+
+def test_the_window_signals_carry_the_slo_and_the_step_counters() -> None:
+    result = judged_run(JUDGED)
+    first = result.intervals[0]
+    assert first.attainment == pytest.approx(2 / 5)
+    # steps: one prefill per request, then output - 1 decode steps each
+    assert first.steps == sum(o for _, o in JUDGED)
+    assert first.step_prefill_tokens == sum(p for p, _ in JUDGED)
+    assert first.step_decode_rows == sum(o - 1 for _, o in JUDGED)
+    # prefills attend to their prompt, decode steps to contexts P+1 .. P+O-1
+    kv = sum(p + sum(range(p + 1, p + o)) for p, o in JUDGED)
+    assert first.step_kv_tokens == kv
+    assert first.step_seconds == pytest.approx(0.010 * first.steps + 0.001 * kv)
+
+
+def test_a_refused_request_misses_every_stated_target() -> None:
+    flood = Workload(np.zeros(4), np.full(4, 5), np.full(4, 5))
+    config = BatchingConfig(max_batch_size=1, max_queue_size=2, slo=LLM_SLO.targets())
+    opts = SimOptions(mode="continuous", config=config, goal=Goal(LLM_SLO), tune=False)
+    result = simulate_workload(flood, opts, FLAT, run_s=60.0)
+    ivs = result.intervals
+    assert result.rejected == 2
+    assert sum(iv.slo_judged for iv in ivs) == 4
+    assert sum(iv.slo_missed.get("ttft", 0) for iv in ivs) >= 2
+    assert sum(iv.slo_missed.get("tpot", 0) for iv in ivs) >= 2
+
+
+CHAT = Scenario(
+    "steady", 300.0, 4.0, output_tokens=120, prompt_tokens=(200, 2000), output_range=(20, 220)
+)
+CHAT_CURVE = StepCurve.from_points({1: 0.002, 64: 0.02}, "test").with_kv_cost(2e-7)
+
+
+def chat_p99s(budget: int) -> tuple[float, float]:
+    config = BatchingConfig(max_batch_size=32, prefill_token_budget=budget)
+    result = simulate(CHAT, static(options("continuous"), config), CHAT_CURVE, seed=4)
+    ttft = np.percentile([x for iv in result.intervals for x in iv.ttfts], 99)
+    tpot = np.percentile([x for iv in result.intervals for x in iv.tpots], 99)
+    return float(ttft), float(tpot)
+
+
+def test_a_smaller_prefill_budget_trades_ttft_for_tpot() -> None:
+    small_ttft, small_tpot = chat_p99s(128)
+    large_ttft, large_tpot = chat_p99s(4096)
+    assert small_ttft > large_ttft, (small_ttft, large_ttft)
+    assert small_tpot < large_tpot, (small_tpot, large_tpot)
+
+
+def test_the_prefill_budget_is_live() -> None:
+    work = spaced([8, 8], gap_s=1.0)
+    fleet = SimulatedFleet(work, options("continuous", tune=False), CURVE)
+    asyncio.run(fleet.apply(BatchingConfig(prefill_token_budget=64)))
+    scheduler = fleet.servers[0].scheduler
+    assert isinstance(scheduler, ContinuousScheduler)
+    assert scheduler.prefill_budget == 64
+
+
+def test_fast_forward_with_attention_cost_changes_no_completion() -> None:
+    bursts = Scenario("bursts", 120.0, 25.0, output_tokens=64, prompt_tokens=(8, 32))
+    traced = options("continuous", trace=True, tune=False, config=BatchingConfig(24, 10.0))
+    curve = CURVE.with_kv_cost(1e-5)
+    fast = simulate(bursts, traced, curve, seed=2, drain_s=DRAIN_S)
+    slow = simulate(bursts, replace(traced, fast_forward=False), curve, seed=2, drain_s=DRAIN_S)
+    assert [(c.request, c.step) for c in fast.completions] == [
+        (c.request, c.step) for c in slow.completions
+    ]
+    assert [c.at_s for c in fast.completions] == pytest.approx([c.at_s for c in slow.completions])
+    for name in ("steps", "step_decode_rows", "step_kv_tokens"):
+        assert [getattr(iv, name) for iv in fast.intervals] == [
+            getattr(iv, name) for iv in slow.intervals
+        ], name

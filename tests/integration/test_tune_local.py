@@ -14,7 +14,7 @@ import pytest
 from batchpilot_operator.actuators import get_batching, write_config_file
 from batchpilot_operator.replica_rule import Fleet, ScaleDecision
 from batchpilot_operator.slo import Slo
-from batchpilot_operator.tune_local import TuneOptions, main, tune_loop
+from batchpilot_operator.tune_local import TuneOptions, main, options_from_args, parser, tune_loop
 from batchpilot_operator.tuner import Cadence, Goal
 from batchpilot_operator.tuning_loop import TuneStep
 from batchpilot_server.batching_config import BatchingConfig
@@ -101,6 +101,19 @@ async def test_cli_prints_json_decisions_and_holds_without_traffic(tmp_path: Pat
         assert (line["max_batch_size"], line["batch_timeout_ms"]) == (8, 10.0)
 
 
+def test_the_slo_flags_state_the_targets() -> None:
+    args = parser().parse_args([
+        "--server", "http://127.0.0.1:1", "--slo-ttft-ms", "800", "--slo-tpot-ms", "60",
+        "--slo-attainment", "0.95", "--min-prefill-budget", "256", "--max-prefill-budget", "4096",
+    ])  # fmt: skip
+    goal = options_from_args(args).goal
+    assert (goal.slo.ttft_s, goal.slo.tpot_s, goal.slo.e2e_s) == (0.8, 0.06, None)
+    assert goal.slo.attainment == 0.95
+    assert (goal.bounds.min_prefill_budget, goal.bounds.max_prefill_budget) == (256, 4096)
+    old = parser().parse_args(["--server", "http://127.0.0.1:1", "--slo-p99-ms", "500"])
+    assert options_from_args(old).goal.slo.e2e_s == 0.5  # the older name of --slo-e2e-ms
+
+
 @pytest.mark.parametrize(
     ("args", "code", "message"),
     [
@@ -111,6 +124,11 @@ async def test_cli_prints_json_decisions_and_holds_without_traffic(tmp_path: Pat
         (["--slo-p99-ms", "500", "--token-file", "/nonexistent/token"], 2,
          "cannot read --token-file"),
         (["--slo-p99-ms", "500", "--iterations", "0"], 2, "--iterations must be at least 1"),
+        ([], 2, "state at least one SLO target"),
+        (["--slo-tpot-ms", "-1"], 2, "--slo-tpot-ms: the SLO must be positive"),
+        (["--slo-ttft-ms", "500", "--slo-attainment", "1"], 2, "--slo-attainment must be in"),
+        (["--slo-ttft-ms", "500", "--min-prefill-budget", "4096", "--max-prefill-budget", "256"],
+         2, "prefill token budget bounds"),
     ],
 )
 def test_cli_refuses_bad_options_with_a_clear_message(

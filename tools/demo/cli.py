@@ -13,7 +13,10 @@ what happens; at the end the run is plotted to `batchpilot-demo.png`
 is a run with `--out docs/demo.png`) and summarised.
 
 `--model DIR|FILE.gguf` runs it on a real model instead of `tiny`, with a load
-scaled down to what a real model serves on a few CPU cores.
+scaled down to what a real model serves on a few CPU cores and LLM targets (time to
+first token, time per output token) beside the end-to-end one. `--slo-ttft-ms` and
+`--slo-tpot-ms` state those targets for any model; the view and the plot show each
+target against its observed p99, and the attainment.
 """
 
 from __future__ import annotations
@@ -28,11 +31,13 @@ from typing import TextIO
 from batchpilot_operator.tune_local import TuneError
 from batchpilot_tools.demo.options import (
     DEFAULT_REPLICAS,
+    DEMO_ATTAINMENT,
     DEMO_MAX_BATCH,
     REAL_MODEL_PROFILE,
     SCALE_DOWN_INTERVALS,
     TINY_PROFILE,
     DemoOptions,
+    LoadProfile,
     Replicas,
     profile_for,
 )
@@ -47,21 +52,43 @@ EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="batchpilot demo", description=__doc__.splitlines()[0])
-    p.add_argument("--duration", type=float, default=180.0, help="seconds of load (default 180)")
+    tiny, real = TINY_PROFILE, REAL_MODEL_PROFILE
+    p.add_argument(
+        "--duration", type=float,
+        help=f"seconds of load (default {tiny.duration_s:g}, {real.duration_s:g} for a real model)",
+    )  # fmt: skip
     p.add_argument(
         "--model",
         default="tiny",
         help="what the servers serve: a preset, a Hugging Face model directory or a .gguf "
         "file (default tiny; a real model gets the smaller load and longer SLO below)",
     )
-    tiny, real = TINY_PROFILE, REAL_MODEL_PROFILE
     p.add_argument(
-        "--slo-p99-ms", type=float,
-        help=f"p99 latency SLO (ms; default {tiny.slo_p99_ms:g}, {real.slo_p99_ms:g} for a "
-        "real model)",
+        "--slo-p99-ms", "--slo-e2e-ms", dest="slo_p99_ms", type=float,
+        help=f"end-to-end latency target (ms; default {tiny.slo_p99_ms:g}, {real.slo_p99_ms:g} "
+        "for a real model; with --slo-ttft-ms or --slo-tpot-ms: only if given)",
+    )  # fmt: skip
+    p.add_argument(
+        "--slo-ttft-ms", type=float,
+        help=f"time-to-first-token target (ms; default none, {real.slo_ttft_ms:g} for a real "
+        "model)",
+    )  # fmt: skip
+    p.add_argument(
+        "--slo-tpot-ms", type=float,
+        help=f"time-per-output-token target, each request's mean after the first (ms; default "
+        f"none, {real.slo_tpot_ms:g} for a real model)",
+    )  # fmt: skip
+    p.add_argument(
+        "--slo-attainment", type=float, default=DEMO_ATTAINMENT,
+        help=f"share of requests per interval that must meet every stated target (default "
+        f"{DEMO_ATTAINMENT:g})",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("batchpilot-demo.png"), help="plot to write")
-    p.add_argument("--interval", type=float, default=5.0, help="seconds between tuner decisions")
+    p.add_argument(
+        "--interval", type=float,
+        help=f"seconds between tuner decisions (default {tiny.interval_s:g}, "
+        f"{real.interval_s:g} for a real model)",
+    )  # fmt: skip
     p.add_argument(
         "--rate", type=float,
         help=f"requests/s before the load step (default {tiny.rate:g}, {real.rate:g} for a "
@@ -100,36 +127,44 @@ def options_from(argv: list[str]) -> DemoOptions:
     p = parser()
     args = p.parse_args(argv)
     profile = profile_for(args.model)
-    slo_p99_ms = profile.slo_p99_ms if args.slo_p99_ms is None else args.slo_p99_ms
+    targets = slo_targets(args, profile)
     rate = profile.rate if args.rate is None else args.rate
+    duration = profile.duration_s if args.duration is None else args.duration
+    interval = profile.interval_s if args.interval is None else args.interval
     step_factor = profile.step_factor if args.step_factor is None else args.step_factor
     surge_factor = profile.surge_factor if args.surge_factor is None else args.surge_factor
     for flag, value in (
-        ("--duration", args.duration),
-        ("--slo-p99-ms", slo_p99_ms),
-        ("--interval", args.interval),
+        ("--duration", duration),
+        *((SLO_FLAGS[name], ms) for name, ms in targets.items() if ms is not None),
+        ("--interval", interval),
         ("--rate", rate),
         ("--step-factor", step_factor),
         ("--surge-factor", surge_factor),
     ):
         if value <= 0:
             p.error(f"{flag} must be positive, got {value:g}")
-    if args.duration < 4 * args.interval:
+    if duration < 4 * interval:
         p.error(
-            f"--duration {args.duration:g} is too short for --interval {args.interval:g}: "
+            f"--duration {duration:g} is too short for --interval {interval:g}: "
             "the tuner needs at least 4 intervals"
         )
     if args.max_batch < 1:
         p.error(f"--max-batch must be at least 1, got {args.max_batch}")
+    if not 0 < args.slo_attainment < 1:
+        p.error(f"--slo-attainment must be in (0, 1), got {args.slo_attainment:g}")
     try:
         replicas = Replicas.parse(args.replicas)
     except ValueError as exc:
         p.error(str(exc))
     return DemoOptions(
-        duration_s=args.duration,
-        slo_p99_ms=slo_p99_ms,
+        duration_s=duration,
+        slo_p99_ms=targets["e2e"],
+        slo_ttft_ms=targets["ttft"],
+        slo_tpot_ms=targets["tpot"],
+        slo_attainment=args.slo_attainment,
+        min_requests=profile.min_requests,
         out=args.out,
-        interval_s=args.interval,
+        interval_s=interval,
         base_rate=rate,
         step_factor=step_factor,
         surge_factor=surge_factor,
@@ -138,6 +173,18 @@ def options_from(argv: list[str]) -> DemoOptions:
         replicas=replicas,
         max_batch=args.max_batch,
     )
+
+
+SLO_FLAGS = {"ttft": "--slo-ttft-ms", "tpot": "--slo-tpot-ms", "e2e": "--slo-p99-ms"}
+
+
+def slo_targets(args: argparse.Namespace, profile: LoadProfile) -> dict[str, float | None]:
+    """The targets in ms: the flags given; none given, the model's profile. A TTFT or
+    TPOT flag alone states no end-to-end target (answers' lengths vary)."""
+    given = {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms, "e2e": args.slo_p99_ms}
+    if any(ms is not None for ms in given.values()):
+        return given
+    return {"ttft": profile.slo_ttft_ms, "tpot": profile.slo_tpot_ms, "e2e": profile.slo_p99_ms}
 
 
 def main(argv: list[str]) -> int:

@@ -14,9 +14,10 @@ from batchpilot_tools.demo.options import NAMESPACE, POLICY, DemoOptions
 def policy_exporter(options: DemoOptions) -> Iterator[str]:
     """Serves the gauges on a free port while the block runs; yields host:port."""
     metrics = PolicyMetrics()
-    metrics.publish(
-        NAMESPACE, POLICY, slo_p99_ms=options.slo_p99_ms, kv_high_watermark=KV_HIGH_WATERMARK
-    )
+    if options.slo_p99_ms is not None:  # the gauge holds the end-to-end target only
+        metrics.publish(
+            NAMESPACE, POLICY, slo_p99_ms=options.slo_p99_ms, kv_high_watermark=KV_HIGH_WATERMARK
+        )
     http, thread = metrics.serve(0, addr="127.0.0.1")
     try:
         yield f"127.0.0.1:{http.server_port}"

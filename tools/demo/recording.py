@@ -27,6 +27,28 @@ class Sample:
     serving: int  # servers taking load when the round decided
     scale_action: str = "hold"  # the replica rule's; "hold" for a fixed fleet
     scale_reason: str = ""
+    ttft_p99_ms: float | None = None
+    tpot_p99_ms: float | None = None
+    attainment: float | None = None  # the pods' judgement: share meeting every target
+
+    @property
+    def p99s_ms(self) -> dict[str, float | None]:
+        """Each target's observed p99 by short name (ttft, tpot, e2e)."""
+        return {"ttft": self.ttft_p99_ms, "tpot": self.tpot_p99_ms, "e2e": self.p99_ms}
+
+    def met(self, options: DemoOptions) -> bool | None:
+        """Whether the interval met the SLO: the attainment where the pods judged it, else
+        every stated target's p99 within it; None when nothing was observed."""
+        if self.attainment is not None:
+            return self.attainment >= options.slo_attainment
+        observed = {
+            name: p99
+            for name, p99 in self.p99s_ms.items()
+            if name in options.targets_ms and p99 is not None
+        }
+        if not observed:
+            return None
+        return all(p99 <= options.targets_ms[name] for name, p99 in observed.items())
 
 
 @dataclass
@@ -61,6 +83,10 @@ class Recording:
         return total
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
 def record_step(recording: Recording, step: TuneStep) -> None:
     signals = step.signals
     recording.config = step.decision.config
@@ -72,7 +98,7 @@ def record_step(recording: Recording, step: TuneStep) -> None:
         Sample(
             t_s=elapsed,
             offered_rps=recording.options.offered_rate(elapsed),
-            p99_ms=None if signals.p99_latency_s is None else signals.p99_latency_s * 1000.0,
+            p99_ms=_ms(signals.p99_latency_s),
             kv_usage=signals.kv_usage,
             max_batch_size=recording.config.max_batch_size,
             batch_timeout_ms=recording.config.batch_timeout_ms,
@@ -82,5 +108,8 @@ def record_step(recording: Recording, step: TuneStep) -> None:
             serving=fixed if fleet is None else fleet.ready,
             scale_action="hold" if scale is None else scale.action,
             scale_reason="" if scale is None else scale.reason,
+            ttft_p99_ms=_ms(signals.ttft_p99_s),
+            tpot_p99_ms=_ms(signals.tpot_p99_s),
+            attainment=signals.attainment,
         )
     )

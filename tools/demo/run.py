@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from batchpilot_operator.slo import Slo
 from batchpilot_operator.tune_local import TuneOptions, tune_loop
 from batchpilot_operator.tuner import Cadence, Goal
 from batchpilot_tools.demo.exporter import policy_exporter
@@ -31,9 +30,6 @@ from batchpilot_tools.prometheus_local import LocalPrometheus, find_binary
 
 # Each decision reads the last few intervals (trimmed at a change by the tuner).
 WINDOW_INTERVALS = 3
-# Fewer than the operator's default: the demo's intervals are short, and seeing
-# the tuner act beats a statistically careful p99 here.
-MIN_REQUESTS = 30
 REQUEST_TIMEOUT_S = 60.0
 
 
@@ -55,14 +51,14 @@ def tune_options(
     return TuneOptions(
         servers=tuple(fleet.serving()),
         goal=Goal(
-            Slo(e2e_s=options.slo_p99_ms / 1000.0),
+            options.slo,
             options.batch_bounds,
             replicas=options.replica_bounds,
         ),
         cadence=Cadence(options.interval_s, WINDOW_INTERVALS * options.interval_s),
         prometheus_url=prometheus_url,
         token=ADMIN_TOKEN,
-        min_requests=MIN_REQUESTS,
+        min_requests=options.min_requests,
         config_file=fleet.config_file,
     )
 

@@ -32,11 +32,9 @@ def view_lines(recording: Recording) -> list[str]:
     if last is None:
         lines.append("waiting for the first tuner interval...")
         return lines
-    met = last.p99_ms is not None and last.p99_ms <= options.slo_p99_ms
-    verdict = "n/a" if last.p99_ms is None else ("met" if met else "BREACH")
     kv = "n/a" if last.kv_usage is None else f"{last.kv_usage:.0%}"
     lines += [
-        f"p99 {_ms(last.p99_ms)} ms  SLO {options.slo_p99_ms:.0f} ms  {verdict:<6}  "
+        f"{slo_line(last, options)}  {_verdict(last, options)}",
         f"batch {last.max_batch_size:3d}  timeout {last.batch_timeout_ms:6.1f} ms  KV {kv}  "
         f"replicas {_replicas(last)} of {options.replicas}",
         f"last decision @{last.t_s:5.0f} s: {last.action}: {last.reason}",
@@ -44,6 +42,25 @@ def view_lines(recording: Recording) -> list[str]:
     if options.replicas.autoscaled:
         lines.append(f"replicas @{last.t_s:5.0f} s: {last.scale_action}: {last.scale_reason}")
     return lines
+
+
+TARGET_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "e2e"}
+
+
+def slo_line(sample: Sample, options: DemoOptions) -> str:
+    """Each target against its observed p99, and the attainment:
+    `TTFT p99 812/3000 ms  TPOT p99 95/150 ms  e2e p99 4100/10000 ms  attainment 96%/90%`."""
+    parts = [
+        f"{TARGET_NAMES[name]} p99 {_ms(sample.p99s_ms[name]).strip()}/{target:g} ms"
+        for name, target in options.targets_ms.items()
+    ]
+    attained = "n/a" if sample.attainment is None else f"{sample.attainment:.0%}"
+    return "  ".join([*parts, f"attainment {attained}/{options.slo_attainment:.0%}"])
+
+
+def _verdict(sample: Sample, options: DemoOptions) -> str:
+    met = sample.met(options)
+    return "n/a" if met is None else ("met" if met else "BREACH")
 
 
 def _replicas(sample: Sample) -> str:
@@ -86,7 +103,7 @@ def plain_line(sample: Sample, options: DemoOptions) -> str:
     kv = "n/a" if sample.kv_usage is None else f"{sample.kv_usage:.0%}"
     line = (
         f"t={sample.t_s:5.0f}s offered={sample.offered_rps:5.1f}/s "
-        f"p99={_ms(sample.p99_ms).strip()}ms slo={options.slo_p99_ms:.0f}ms "
+        f"{slo_line(sample, options)} {_verdict(sample, options)} "
         f"batch={sample.max_batch_size} timeout={sample.batch_timeout_ms:.1f}ms kv={kv} "
         f"replicas={sample.replicas} serving={sample.serving} "
         f"{sample.action}: {sample.reason}"
@@ -104,8 +121,8 @@ async def keep_view_fresh(view: LiveView, recording: Recording) -> None:
 
 def summary_lines(recording: Recording, report: LoadReport | None, interrupted: bool) -> list[str]:
     options, samples = recording.options, recording.samples
-    judged = [s for s in samples if s.p99_ms is not None]
-    met = [s for s in judged if s.p99_ms is not None and s.p99_ms <= options.slo_p99_ms]
+    judged = [s for s in samples if s.met(options) is not None]
+    met = [s for s in judged if s.met(options)]
     changes = [s for s in samples if s.action not in ("hold",)]
     lines = ["", "batchpilot demo summary" + (" (interrupted)" if interrupted else "")]
     if report is not None:
@@ -117,7 +134,7 @@ def summary_lines(recording: Recording, report: LoadReport | None, interrupted: 
     lines += [
         f"  tuner: {len(samples)} intervals, {len(changes)} changes "
         f"({undone_next_interval(recording)} undone by the next interval), "
-        f"p99 within the {options.slo_p99_ms:.0f} ms SLO in {len(met)}/{len(judged)} judged",
+        f"SLO ({options.slo_label()}) met in {len(met)}/{len(judged)} judged intervals",
         f"  config: batch {INITIAL.max_batch_size} -> {recording.config.max_batch_size}, "
         f"timeout {INITIAL.batch_timeout_ms:g} -> {recording.config.batch_timeout_ms:g} ms",
         replicas_line(recording),
@@ -170,24 +187,19 @@ def reversals_within_a_phase(recording: Recording) -> int:
 
 
 def recovery_line(recording: Recording, start_s: float, end_s: float, label: str) -> str:
-    """How many intervals after a phase's start the p99 met the SLO again."""
+    """How many intervals after a phase's start the SLO was met again."""
+    options = recording.options
     after = [s for s in recording.samples if start_s <= s.t_s < end_s]
-    slo = recording.options.slo_p99_ms
     head = f"  after the {label} at {start_s:.0f} s:"
-    breached = next((i for i, s in enumerate(after) if s.p99_ms is not None and s.p99_ms > slo),
-                    None)  # fmt: skip
+    breached = next((i for i, s in enumerate(after) if s.met(options) is False), None)
     if breached is None:
-        return f"{head} p99 never broke the SLO in {len(after)} intervals"
-    met = next(
-        (i for i, s in enumerate(after) if i > breached and s.p99_ms is not None
-         and s.p99_ms <= slo),
-        None,
-    )  # fmt: skip
+        return f"{head} the SLO was never breached in {len(after)} intervals"
+    met = next((i for i, s in enumerate(after) if i > breached and s.met(options)), None)
     if met is None:
-        return f"{head} p99 broke the SLO and did not meet it again before the phase ended"
+        return f"{head} the SLO was breached and not met again before the phase ended"
     return (
-        f"{head} p99 met the SLO again in interval {met + 1} after it "
-        f"({after[met].t_s:.0f} s, p99 {after[met].p99_ms:.0f} ms)"
+        f"{head} the SLO was met again in interval {met + 1} after it "
+        f"({after[met].t_s:.0f} s: {slo_line(after[met], options)})"
     )
 
 
