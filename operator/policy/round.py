@@ -23,6 +23,7 @@ mode) always gives the same decision; `tuning_loop.TuningLoop` is its one caller
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import replace
 
@@ -148,10 +149,13 @@ def _error(window: Window, model: StepModel | None, current: BatchingConfig) -> 
     observed = window.observed()
     if prediction is None or not observed:
         return None
-    return max(
-        abs(prediction.p99(name) - seen) / seen if seen > 0 else 0.0
-        for name, seen in observed.items()
-    )
+
+    def off(predicted: float, seen: float) -> float:
+        if math.isinf(predicted):  # a queue that never drains: right where it grows
+            return 0.0 if window.queue_grows else math.inf
+        return abs(predicted - seen) / seen if seen > 0 else 0.0
+
+    return max(off(prediction.p99(name), seen) for name, seen in observed.items())
 
 
 def _untrusted(model: StepModel | None, errors: tuple[float, ...], goal: Goal) -> str | None:

@@ -10,10 +10,11 @@ Pure. From the window's `Signals`, the goal and the rule's memory:
 - the lengths' shape: prompt and output tokens as three points (p50, p90, p99) with
   the weights half, two fifths and a tenth (`length_points`); where a quantile is
   missing its neighbour stands in;
-- per pod: arrivals, completions, and the throughput a pod showed (finished per busy
-  second; a queueing pod is taken as always busy);
-- `queue_grows`: requests wait at the window's end and fewer finished than arrived:
-  evidence, whatever the window's count of finished requests;
+- per pod: the throughput a pod showed (finished per busy second; without a busy
+  share, a queueing pod is taken as always busy);
+- `queue_grows`: more than a request a pod waits at the window's end and clearly
+  fewer finished than arrived: evidence, whatever the window's count of finished
+  requests;
 - `fleet_can_grow`: the goal has replica bounds, the scaler owns the count and it is
   below the maximum.
 """
@@ -30,6 +31,7 @@ from batchpilot_operator.slo import Slo
 
 LENGTH_WEIGHTS = (0.5, 0.4, 0.1)  # the p50, p90 and p99 points' shares of the requests
 QUEUE_SHARE = 0.5  # queue wait >= this share of a p99: queueing is half the story
+GROWTH_SHARE = 0.05  # finished under (1 - share) x arrivals: the queue grows
 
 
 @dataclass(frozen=True)
@@ -87,8 +89,10 @@ class Window:
 
     @property
     def queue_grows(self) -> bool:
+        """More than a request a pod waits at the window's end, and the pods finished
+        clearly less than arrived (by `GROWTH_SHARE`: not the noise of a steady load)."""
         s = self.signals
-        return s.waiting > 0 and s.finished_rate < s.demand_rate
+        return s.waiting > self.pods and s.finished_rate < (1 - GROWTH_SHARE) * s.demand_rate
 
     @property
     def fleet_can_grow(self) -> bool:
@@ -102,7 +106,8 @@ class Window:
         s = self.signals
         if s.finished_rate <= 0:
             return None
-        busy = 1.0 if self.queueing() else s.utilisation
+        # Without a busy share, a queueing pod is taken as always busy.
+        busy = s.utilisation if s.utilisation is not None else (1.0 if self.queueing() else None)
         if busy is None or busy <= 0:
             return None
         return s.finished_rate / (self.pods * min(1.0, busy))
