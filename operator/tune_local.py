@@ -1,6 +1,7 @@
 """`batchpilot tune`: the tuning loop against plain local servers.
 
-    batchpilot tune --server http://127.0.0.1:8000 --slo-p99-ms 500 --token-file token
+    batchpilot tune --server http://127.0.0.1:8000 --slo-ttft-ms 500 --slo-tpot-ms 50 \
+        --token-file token
 
 Every interval it runs one round of `tuning_loop.TuningLoop` with signals from
 Prometheus (`--prometheus`) or from a scrape of the servers' `/metrics`, the
@@ -27,7 +28,7 @@ from batchpilot_operator.actuators import LocalActuator, get_batching
 from batchpilot_operator.signals import MIN_REQUESTS_PER_WINDOW
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_instances
 from batchpilot_operator.signals_scrape import ScrapeSource
-from batchpilot_operator.slo import KV_HIGH_WATERMARK, Slo
+from batchpilot_operator.slo import DEFAULT_ATTAINMENT, KV_HIGH_WATERMARK, Slo
 from batchpilot_operator.tuner import Bounds, Cadence, Goal
 from batchpilot_operator.tuning_loop import PlugPoints, Scaler, TuneStep, TuningLoop
 from batchpilot_server.batching_config import BatchingConfig, ConfigError
@@ -161,9 +162,11 @@ def step_dict(step: TuneStep) -> dict[str, Any]:
         "reason": step.decision.reason,
         "max_batch_size": step.decision.config.max_batch_size,
         "batch_timeout_ms": step.decision.config.batch_timeout_ms,
+        "prefill_token_budget": step.decision.config.prefill_token_budget,
         "before": {
             "max_batch_size": step.before.max_batch_size,
             "batch_timeout_ms": step.before.batch_timeout_ms,
+            "prefill_token_budget": step.before.prefill_token_budget,
         },
         "signals": step.signals.to_dict(),
         "refused": [asdict(r) for r in step.report.refused],
@@ -193,11 +196,16 @@ def step_line(step: TuneStep) -> str:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="batchpilot tune",
-        description="Tune local servers' batching toward the most throughput within a p99 SLO.",
+        description="Tune local servers' batching toward the least cost that meets an SLO "
+        "(any of TTFT, TPOT and end-to-end targets, met by a share of requests).",
     )
     ap.add_argument("--server", action="append", required=True, metavar="URL",
                     help="a server's base URL (repeat for several)")
-    ap.add_argument("--slo-p99-ms", type=float, required=True, help="p99 latency SLO, ms")
+    ap.add_argument("--slo-p99-ms", type=float, help="end-to-end target (arrival to last byte), ms")
+    ap.add_argument("--slo-ttft-ms", type=float, help="time-to-first-token target, ms")
+    ap.add_argument("--slo-tpot-ms", type=float, help="time-per-output-token target, ms")
+    ap.add_argument("--slo-attainment", type=float, default=DEFAULT_ATTAINMENT,
+                    help="share of requests that must meet every stated target")
     ap.add_argument("--prometheus", metavar="URL",
                     help="read signals from this Prometheus (else scrape the servers)")
     cadence, bounds = Cadence(), Bounds()
@@ -230,10 +238,23 @@ def options_from_args(args: argparse.Namespace) -> TuneOptions:
             raise ValueError(f"--token-file {args.token_file} is empty")
     if args.iterations is not None and args.iterations < 1:
         raise ValueError("--iterations must be at least 1")
+    targets = {"--slo-p99-ms": args.slo_p99_ms, "--slo-ttft-ms": args.slo_ttft_ms,
+               "--slo-tpot-ms": args.slo_tpot_ms}  # fmt: skip
+    if all(value is None for value in targets.values()):
+        raise ValueError("give at least one of --slo-p99-ms, --slo-ttft-ms and --slo-tpot-ms")
+    for flag, value in targets.items():
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag}: the SLO must be positive, got {value:g}")
     return TuneOptions(
         servers=tuple(args.server),
         goal=Goal(
-            Slo(e2e_s=args.slo_p99_ms / 1000.0, kv_high_watermark=args.kv_high_watermark),
+            Slo(
+                ttft_s=_seconds(args.slo_ttft_ms),
+                tpot_s=_seconds(args.slo_tpot_ms),
+                e2e_s=_seconds(args.slo_p99_ms),
+                attainment=args.slo_attainment,
+                kv_high_watermark=args.kv_high_watermark,
+            ),
             Bounds(args.min_batch, args.max_batch, args.min_timeout_ms, args.max_timeout_ms),
         ),
         cadence=Cadence(args.interval, args.window),
@@ -242,6 +263,10 @@ def options_from_args(args: argparse.Namespace) -> TuneOptions:
         iterations=args.iterations,
         min_requests=args.min_requests,
     )
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000.0
 
 
 def main(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ from batchpilot_server.batching_config import BatchingConfig
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.policy_support import as_predicted, points, trusted, window
+from tests.support.policy import as_predicted, points, trusted, window
 
 SLO = Slo(ttft_s=0.5, tpot_s=0.05)
 BOUNDS = Bounds(1, 64, 0.0, 50.0, 256, 4096)

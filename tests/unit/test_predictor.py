@@ -14,7 +14,7 @@ from batchpilot_server.batching_config import BatchingConfig
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.unit.policy_support import points, window
+from tests.support.policy import points, window
 
 SLO = Slo(ttft_s=0.5, tpot_s=0.05)
 MODEL = fit(points())

@@ -15,7 +15,7 @@ from batchpilot_operator.policy.step_model import (
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.unit.policy_support import PLANE, points, step_s, window
+from tests.support.policy import PLANE, points, step_s, window
 
 
 def test_the_fit_recovers_known_coefficients() -> None:
