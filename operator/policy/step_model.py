@@ -39,6 +39,7 @@ TRUSTED_POINTS = 4  # windows a trusted fit goes through
 MIN_SPREAD = 1.5  # the most decode rows seen must be this many times the fewest
 VARIES = 0.1  # an input varies when its spread is at least this share of its mean
 TERMS = ("rows", "prefill", "kv")
+NOISE = 1e-9  # relative to the largest step: a coefficient this negative is rounding
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,10 @@ def fit(points: Sequence[StepPoint]) -> StepModel | None:
                 continue
             design = np.column_stack([np.ones(len(points)), x[:, list(subset)]])
             coef, *_ = np.linalg.lstsq(design, y, rcond=None)
-            if np.any(coef < 0):
+            # A coefficient that is zero by nature solves as rounding noise either side.
+            if np.any(coef < -NOISE * float(np.max(np.abs(y)))):
                 continue
+            coef = np.maximum(coef, 0.0)
             sse = float(np.sum((design @ coef - y) ** 2))
             if best is None or sse < best[0] - 1e-18:
                 best = (sse, coef, subset)
