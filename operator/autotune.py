@@ -347,21 +347,25 @@ async def tune_once(
         return interval
     pods = await ready_pods(client, namespace, name)  # the round's one listing
     scaler = KubernetesScaler(client, policy, spec, pods)
+    modes = KubernetesModes(client, policy, spec) if spec.batching.mode == "auto" else None
+    status = StatusRecorder(client, policy, spec, tuner, scaler)
+
+    async def record(step: TuneStep) -> None:
+        await status.record(step)
+        if modes is not None and step.decision.mode is not None:
+            await modes.record(step.decision.mode)
+
     plugs = PlugPoints(
         source=signal_source(spec, memo, session, tuner, pods, namespace, name),
         actuator=KubernetesActuator(client, session, namespace, name, pods),
-        recorder=StatusRecorder(client, policy, spec, tuner, scaler).record,
+        recorder=record,
         scaler=scaler,
-        modes=KubernetesModes(client, policy, spec) if spec.batching.mode == "auto" else None,
+        modes=modes,
     )
     # Without the lock, a reconcile that read the ConfigMap before this round's write
     # could write its old value back: status and pods would then disagree with it.
     lock = lock_of(memo, (namespace, name))
-    step = await tuner.loop.round(spec.goal, spec.cadence, plugs, guard=lock)
-    if step is not None and step.decision.mode is not None:
-        choice = step.decision.mode
-        async with lock:
-            await write_status(client, policy, {"mode": choice.mode, "modeReason": choice.reason})
+    await tuner.loop.round(spec.goal, spec.cadence, plugs, guard=lock)
     return interval
 
 
@@ -379,6 +383,12 @@ class KubernetesModes:
         return builders.serving_mode(
             self.spec, await read_mode(self.client, meta["namespace"], meta["name"])
         )
+
+    async def record(self, choice: ModeChoice) -> None:
+        """`status.mode` and `status.modeReason`, every round, inside the round's lock: a
+        reconcile must not show a new mode beside the old reason."""
+        fields = {"mode": choice.mode, "modeReason": choice.reason}
+        await write_status(self.client, self.policy, fields)
 
     async def switch(self, choice: ModeChoice) -> None:
         await switch_mode(self.client, self.policy, self.spec, choice.mode)
