@@ -21,8 +21,8 @@ spec change takes effect at the next one) it runs one round of
   Scaled); after a round that decided the replica count, `replicaState` (the
   rule's memory) and, on a change, `lastScaling`.
 
-A policy with `batching.mode: auto` also gets the mode choice
-(`mode_choice.choose_mode`) on each round's signals: `status.mode` and
+A policy with `batching.mode: auto` also gets the mode choice inside the
+round (the `KubernetesModes` plug point): `status.mode` and
 `status.modeReason` every round, and on a switch the ConfigMap's record, the
 Deployment's `--mode` (a rolling update, one drained pod at a time) and a
 ModeChanged Event.
@@ -44,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -52,8 +52,8 @@ import kopf
 from batchpilot_operator import builders, kube
 from batchpilot_operator.actuators import KubernetesActuator
 from batchpilot_operator.handlers import client_of, lock_of
-from batchpilot_operator.mode_choice import ModeChoice, ModeState, choose_mode
 from batchpilot_operator.pods import ReadyPod, ready_pods
+from batchpilot_operator.policy.mode import ModeChoice
 from batchpilot_operator.reconcile import now_iso, read_mode, switch_mode, write_status
 from batchpilot_operator.replica_rule import ReplicaState, ScaleDecision
 from batchpilot_operator.scaler import KubernetesScaler
@@ -65,6 +65,7 @@ from batchpilot_operator.slo_status import slo_condition, slo_fields
 from batchpilot_operator.spec import PolicySpec, SpecError, parse_spec
 from batchpilot_operator.tuner import Decision
 from batchpilot_operator.tuning_loop import PlugPoints, SignalSource, TuneStep, TuningLoop
+from batchpilot_server.batching_config import Mode
 
 RETRY_SECONDS = 10.0
 HISTORY_LIMIT = 20  # the CRD allows 50; 20 changes cover hours of tuning
@@ -81,7 +82,6 @@ class PolicyTuner:
     scrape: ScrapeSource | None = None
     resync_refused: str | None = None  # the last resync refusal reported, not to repeat it
     round_failure: str | None = None  # the last failed round reported, not to repeat it
-    mode: ModeState = field(default_factory=ModeState)  # batching.mode auto's evidence
 
 
 # -- pure parts: what a round writes ------------------------------------------------------
@@ -293,9 +293,7 @@ async def first_interval(
         return read
     policy, spec = read
     # The rule's memory from before a restart: a scale step in flight is not repeated.
-    tuner.loop.replica_state = ReplicaState.from_dict(
-        (policy.get("status") or {}).get("replicaState")
-    )
+    tuner.loop.resume(ReplicaState.from_dict((policy.get("status") or {}).get("replicaState")))
     if spec.autotune.enabled and not prometheus_url_of(spec, memo):
         urls = [pod.url for pod in await ready_pods(client, namespace, name)]
         if urls:
@@ -344,48 +342,55 @@ async def tune_once(
         return interval
     pods = await ready_pods(client, namespace, name)  # the round's one listing
     scaler = KubernetesScaler(client, policy, spec, pods)
+    modes = KubernetesModes(client, policy, spec) if spec.batching.mode == "auto" else None
+    status = StatusRecorder(client, policy, spec, tuner, scaler)
+
+    async def record(step: TuneStep) -> None:
+        await status.record(step)
+        if modes is not None and step.decision.mode is not None:
+            await modes.record(step.decision.mode)
+
     plugs = PlugPoints(
         source=signal_source(spec, memo, session, tuner, pods, namespace, name),
         actuator=KubernetesActuator(client, session, namespace, name, pods),
-        recorder=StatusRecorder(client, policy, spec, tuner, scaler).record,
+        recorder=record,
         scaler=scaler,
+        modes=modes,
     )
     # Without the lock, a reconcile that read the ConfigMap before this round's write
     # could write its old value back: status and pods would then disagree with it.
     lock = lock_of(memo, (namespace, name))
-    step = await tuner.loop.round(spec.goal, spec.cadence, plugs, guard=lock)
-    if spec.batching.mode != "auto":
-        tuner.mode = ModeState()  # evidence from an earlier auto spec must not carry over
-    elif step is not None:
-        async with lock:
-            await choose_mode_once(client, policy, spec, step, tuner)
+    await tuner.loop.round(spec.goal, spec.cadence, plugs, guard=lock)
     return interval
 
 
-async def choose_mode_once(
-    client: kube.Client,
-    policy: Mapping[str, Any],
-    spec: PolicySpec,
-    step: TuneStep,
-    tuner: PolicyTuner,
-) -> ModeChoice:
-    """The mode choice on this round's signals; a switch is put in force and announced."""
-    meta = policy["metadata"]
-    current = builders.serving_mode(spec, await read_mode(client, meta["namespace"], meta["name"]))
-    choice = choose_mode(
-        step.signals, current, step.decision.config.max_batch_size, spec.goal.slo, tuner.mode
-    )
-    if choice.switched:
-        await switch_mode(client, policy, spec, choice.mode)
-        # The next window must show the new mode alone, as after a change of the knobs.
-        tuner.loop.state = replace(tuner.loop.state, since_change=0)
-        await client.create_event(
-            policy, "ModeChanged",
-            f"{choice.reason}; the pods roll to --mode {choice.mode} one at a time",
+@dataclass
+class KubernetesModes:
+    """`mode: auto`'s plug point: the mode the Deployment serves, and a switch put in force
+    (the ConfigMap's record, the Deployment's `--mode`) and announced."""
+
+    client: kube.Client
+    policy: Mapping[str, Any]
+    spec: PolicySpec
+
+    async def in_force(self) -> Mode:
+        meta = self.policy["metadata"]
+        return builders.serving_mode(
+            self.spec, await read_mode(self.client, meta["namespace"], meta["name"])
         )
-    tuner.mode = choice.state
-    await write_status(client, policy, {"mode": choice.mode, "modeReason": choice.reason})
-    return choice
+
+    async def record(self, choice: ModeChoice) -> None:
+        """`status.mode` and `status.modeReason`, every round, inside the round's lock: a
+        reconcile must not show a new mode beside the old reason."""
+        fields = {"mode": choice.mode, "modeReason": choice.reason}
+        await write_status(self.client, self.policy, fields)
+
+    async def switch(self, choice: ModeChoice) -> None:
+        await switch_mode(self.client, self.policy, self.spec, choice.mode)
+        await self.client.create_event(
+            self.policy, "ModeChanged",
+            f"{choice.reason}; the pods roll to --mode {choice.mode} one at a time",
+        )  # fmt: skip
 
 
 def signal_source(

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 SignalStatus = Literal["ok", "no_data", "too_little_traffic", "no_traffic"]
 
-# Below this many finished requests in the window a p99 is just the maximum
-# of a handful of samples: the tuner must not act on it.
+# Below this much evidence (requests finished plus requests waiting) a p99 is just
+# the maximum of a handful of samples: the rule must not act on it.
 MIN_REQUESTS_PER_WINDOW = 50
 
 
@@ -130,23 +130,31 @@ def no_data(detail: str, window_s: float = 0.0) -> Signals:
 def traffic_status(
     requests: float, waiting: float, min_requests: int = MIN_REQUESTS_PER_WINDOW
 ) -> SignalStatus:
-    """Classify a window by how much it saw: enough to judge a p99, or not.
+    """Classify a window by the evidence it holds: enough to judge it, or not.
 
-    A window that finished few requests while as many wait is no thin traffic but
-    an overloaded pod: its queue is the evidence, and holding would leave it so.
+    Evidence is what finished and what waits: a queue is requests the pods have not
+    served yet, so `requests + waiting >= min_requests` judges a window in which some
+    request finished (a latency to read), and so does
+    any queue at least as long as what finished (a slow model finishing 10 requests a
+    window while 10 more wait is overloaded, not thinly loaded: holding would leave it
+    so). Only a window with few finished requests and fewer waiting is too thin.
     """
     if requests <= 0 and waiting <= 0:
         return "no_traffic"
-    if requests < min_requests and not (requests > 0 and waiting >= min_requests):
-        return "too_little_traffic"
-    return "ok"
+    if requests > 0 and (requests + waiting >= min_requests or waiting >= requests):
+        return "ok"
+    return "too_little_traffic"
 
 
 def status_detail(status: SignalStatus, requests: float, min_requests: int) -> str:
     if status == "no_traffic":
         return "no request finished in the window and none is waiting"
     if status == "too_little_traffic":
-        return f"only {requests:.0f} requests finished in the window (need {min_requests})"
+        return (
+            f"only {requests:.0f} requests finished in the window and fewer wait "
+            f"(need {min_requests} finished and waiting together, or a queue as long as "
+            "what finished)"
+        )
     return ""
 
 

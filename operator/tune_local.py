@@ -166,9 +166,11 @@ def step_dict(step: TuneStep) -> dict[str, Any]:
         "reason": step.decision.reason,
         "max_batch_size": step.decision.config.max_batch_size,
         "batch_timeout_ms": step.decision.config.batch_timeout_ms,
+        "prefill_token_budget": step.decision.config.prefill_token_budget,
         "before": {
             "max_batch_size": step.before.max_batch_size,
             "batch_timeout_ms": step.before.batch_timeout_ms,
+            "prefill_token_budget": step.before.prefill_token_budget,
         },
         "signals": step.signals.to_dict(),
         "refused": [asdict(r) for r in step.report.refused],

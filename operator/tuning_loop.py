@@ -1,7 +1,8 @@
 """The tuning loop: read signals -> decide -> apply -> record, one round at a time.
 
-Every way of tuning runs this loop, and only this loop calls `tuner.decide`.
-What differs between them are its three plug points and who paces the rounds:
+Every way of tuning runs this loop, and only this loop calls the rule
+(`policy.round.decide`). What differs between them are its plug points and who
+paces the rounds:
 
 - the operator (`autotune.py`): signals from Prometheus or a scrape of the
   round's ready pods; the policy's ConfigMap and pods as actuator; status and
@@ -12,12 +13,14 @@ What differs between them are its three plug points and who paces the rounds:
 - the simulator (`tools/simulator.py`): the simulated server is signal source and
   actuator, each interval's record keeps the decision; a virtual clock.
 
+The rule gives the knobs, the replica count and the mode from one decision.
 A policy whose goal has replica bounds (`Goal.replicas`) and whose plug
-points have a `Scaler` also gets the replica rule (`replica_rule.py`) in the
-same round, after the knobs and on the same signals: the knobs are spent
-before the pod count moves. A scale step restarts the signal window, as a
-change of the knobs does. A scaler that does not own the replica count (an
-HPA does, say) answers no fleet, and the rule stands back.
+points have a `Scaler` gets the replica count from it: the fleet is read
+before the decision and moved after the knobs are applied. A scaler that does
+not own the replica count (an HPA does, say) answers no fleet, and the count
+stays. Plug points with a `ModeSwitch` (a `mode: auto` policy) get the mode
+choice in the same round. The rule's memory has one writer: the decision
+carries the next one, and the loop keeps it.
 
 The config in force is the actuator's config of record: the ConfigMap in the
 operator, the actuator's memory elsewhere. A decision is in force once the
@@ -33,23 +36,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from batchpilot_operator.replica_rule import (
-    Fleet,
-    ReplicaCase,
-    ReplicaState,
-    ScaleDecision,
-    decide_replicas,
-)
+from batchpilot_operator.policy.memory import PolicyMemory
+from batchpilot_operator.policy.mode import ModeChoice
+from batchpilot_operator.policy.round import decide
+from batchpilot_operator.replica_rule import Fleet, ReplicaState, ScaleDecision
 from batchpilot_operator.signals import Signals
-from batchpilot_operator.tuner import (
-    Cadence,
-    Decision,
-    Goal,
-    TunerState,
-    decide,
-    signal_window_s,
-)
-from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_operator.tuner import Cadence, Decision, Goal, signal_window_s
+from batchpilot_server.batching_config import BatchingConfig, Mode
 
 
 @dataclass(frozen=True)
@@ -116,6 +109,16 @@ class Scaler(Protocol):
         ...
 
 
+class ModeSwitch(Protocol):
+    async def in_force(self) -> Mode:
+        """The serving mode the pods run now (the mode choice's `current`)."""
+        ...
+
+    async def switch(self, choice: ModeChoice) -> None:
+        """Put `choice.mode` in force (the pods roll to it) and announce it."""
+        ...
+
+
 @dataclass(frozen=True)
 class TuneStep:
     """One round: what was seen, decided and done."""
@@ -126,8 +129,12 @@ class TuneStep:
     before: BatchingConfig  # in force when the round started
     decision: Decision  # its config is in force after the round
     report: ActuationReport  # apply's after a change, resync's otherwise
-    scale: ScaleDecision | None = None  # None: the round did not decide the replica count
-    fleet: Fleet | None = None  # the fleet the replica rule saw
+    fleet: Fleet | None = None  # the fleet the round saw (None: it does not own the count)
+
+    @property
+    def scale(self) -> ScaleDecision | None:
+        """The replica count's decision; None: the round did not decide it."""
+        return self.decision.scale
 
     @property
     def changed(self) -> bool:
@@ -143,16 +150,21 @@ class PlugPoints:
     actuator: Actuator
     recorder: Recorder
     scaler: Scaler | None = None
+    modes: ModeSwitch | None = None  # `mode: auto` only
 
 
 class TuningLoop:
-    """The tuner's state between rounds, and the round itself; the driver paces it."""
+    """The rule's memory between rounds, and the round itself; the driver paces it."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
-        self.state = TunerState()
-        self.replica_state = ReplicaState()
+        self.memory = PolicyMemory()
         self.rounds = 0
+
+    def resume(self, replicas: ReplicaState) -> None:
+        """Start from the replica count's memory of a previous run (the policy's status),
+        before the first round: a scale step in flight is not repeated."""
+        self.memory = replace(self.memory, replicas=replicas)
 
     async def round(
         self,
@@ -167,57 +179,33 @@ class TuningLoop:
         record (the operator's per-policy lock: a reconcile must not write the
         ConfigMap in between). Reading the signals, the slow part, stays outside.
         """
-        signals = await plugs.source.read(signal_window_s(self.state, cadence))
+        signals = await plugs.source.read(signal_window_s(self.memory, cadence))
         async with guard or contextlib.nullcontext():
             before = await plugs.actuator.in_force()
             if before is None:
                 return None
-            decision = decide(signals, before, goal, self.state)
+            fleet = None
+            if goal.replicas is not None and plugs.scaler is not None:
+                fleet = await plugs.scaler.fleet()
+            mode = None if plugs.modes is None else await plugs.modes.in_force()
+            at = self.clock()
+            decision = decide(signals, before, goal, self.memory, fleet=fleet, now=at, mode=mode)
             if decision.config != before:
                 report = await plugs.actuator.apply(decision.config)
             else:
                 report = await plugs.actuator.resync(before)
             # From here the decision is in force: a failed record must not repeat it.
-            self.state = decision.state
-            at = self.clock()
-            fleet, scale = await self._scale(goal, plugs, signals, decision, at)
-            step = TuneStep(
-                self.rounds, at, signals, before, decision, report, scale=scale, fleet=fleet
-            )
+            self.memory = decision.memory
+            scale = decision.scale
+            if scale is not None and fleet is not None and scale.replicas != fleet.desired:
+                assert plugs.scaler is not None
+                await plugs.scaler.scale(scale)
+            if decision.mode is not None and decision.mode.switched:
+                assert plugs.modes is not None
+                await plugs.modes.switch(decision.mode)
+            step = TuneStep(self.rounds, at, signals, before, decision, report, fleet=fleet)
             self.rounds += 1
             recorded = plugs.recorder(step)
             if recorded is not None:
                 await recorded
         return step
-
-    async def _scale(
-        self, goal: Goal, plugs: PlugPoints, signals: Signals, decision: Decision, at: float
-    ) -> tuple[Fleet | None, ScaleDecision | None]:
-        """The replica rule's round, where the goal and the plug points ask for one."""
-        if goal.replicas is None or plugs.scaler is None:
-            return None, None
-        fleet = await plugs.scaler.fleet()
-        if fleet is None:
-            return None, None
-        p = goal.params
-        scale = decide_replicas(
-            ReplicaCase(
-                signals=signals,
-                slo_s=goal.slo.e2e_s,
-                band=p.band,
-                queue_share=p.queue_share,
-                knobs_spent=decision.spent,
-                capacity=decision.capacity,
-                fleet=fleet,
-                bounds=goal.replicas,
-                state=self.replica_state,
-                now=at,
-            )
-        )
-        if scale.replicas != fleet.desired:
-            await plugs.scaler.scale(scale)
-        if scale.replicas != fleet.desired or scale.settling:
-            # The next window must show the new fleet alone.
-            self.state = replace(self.state, since_change=0)
-        self.replica_state = scale.state
-        return fleet, scale

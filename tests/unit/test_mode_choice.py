@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from batchpilot_operator.mode_choice import ModeParams, ModeState, Workload, choose_mode
+from batchpilot_operator.policy.mode import ModeParams, ModeState, Workload, choose_mode
 from batchpilot_operator.signals import MIN_REQUESTS_PER_WINDOW, Signals, histogram_quantile
 from batchpilot_operator.slo import Slo
 from batchpilot_server import metric_names as names

@@ -63,8 +63,8 @@ def test_quantile_of_nothing_is_none_and_bad_input_is_refused() -> None:
 @pytest.mark.parametrize(
     ("requests", "waiting", "status"),
     [(0, 0, "no_traffic"), (0, 3, "too_little_traffic"), (49, 0, "too_little_traffic"),
-     (50, 0, "ok"), (12, 50, "ok"), (12, 49, "too_little_traffic"),
-     (0, 300, "too_little_traffic")],
+     (50, 0, "ok"), (12, 50, "ok"), (12, 38, "ok"), (12, 5, "too_little_traffic"),
+     (10, 10, "ok"), (10, 9, "too_little_traffic"), (0, 300, "too_little_traffic")],
 )
 def test_traffic_classes(requests: float, waiting: float, status: str) -> None:
     assert traffic_status(requests, waiting, 50) == status

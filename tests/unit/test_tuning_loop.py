@@ -1,5 +1,5 @@
-"""The tuning loop's round with in-memory plug points: what it reads, applies and records,
-under which guard, and what a failure leaves."""
+"""The tuning loop's round with in-memory plug points: what it reads, applies, scales,
+switches and records, under which guard, and what a failure leaves."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import dataclass, field, replace
 
 import pytest
+from batchpilot_operator.policy.mode import ModeChoice
 from batchpilot_operator.replica_rule import Fleet, ReplicaBounds, ScaleDecision
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.slo import Slo
@@ -18,7 +19,7 @@ from batchpilot_operator.tuning_loop import (
     TuneStep,
     TuningLoop,
 )
-from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.batching_config import BatchingConfig, Mode
 
 GOAL = Goal(Slo(e2e_s=1.0))
 CADENCE = Cadence(interval_s=10.0, window_s=30.0)
@@ -89,7 +90,7 @@ async def test_a_change_is_applied_once_recorded_and_in_force_for_the_next_round
     assert (step.index, step.at) == (0, 42.0)
     # Read outside the guard; from the config in force to the record, inside it.
     assert w.calls == [("read", False), ("in_force", True), ("apply", True), ("record", True)]
-    assert loop.state == step.decision.state
+    assert loop.memory == step.decision.memory
 
     held = await loop.round(GOAL, CADENCE, w.plugs, guard=w.guard)
     assert held is not None and not held.changed and held.index == 1
@@ -113,7 +114,7 @@ async def test_a_failed_apply_leaves_the_state_and_the_next_round_decides_again(
     with pytest.raises(ConnectionError):
         await loop.round(GOAL, CADENCE, w.plugs, guard=w.guard)
     assert not w.steps and not w.guard.locked()
-    assert loop.state.since_change > 0 and loop.rounds == 0  # nothing was put in force
+    assert loop.memory.since_change > 0 and loop.rounds == 0  # nothing was put in force
     w.fail_apply = False
     step = await loop.round(GOAL, CADENCE, w.plugs, guard=w.guard)
     assert step is not None and step.changed and step.index == 0
@@ -166,12 +167,13 @@ async def test_the_replica_rule_runs_after_the_knobs_and_restarts_the_window() -
     plugs = replace(w.plugs, scaler=scaler)
     loop = TuningLoop(clock=lambda: 100.0)
     step = await loop.round(AUTOSCALED, CADENCE, plugs)
-    assert step is not None and not step.changed and step.decision.spent
+    assert step is not None and not step.changed
     assert step.scale is not None and step.scale.action == "scale_out"
+    assert "the batch is spent" in step.scale.reason
     assert step.fleet == Fleet(1, 1)
     # 50 req/s over the 20 a saturated pod finished, at 80 % busy: ceil(3.1) = 4
     assert [d.replicas for d in scaler.scaled] == [4] and scaler.desired == 4
-    assert loop.replica_state == step.scale.state
+    assert loop.memory.replicas == step.scale.state
     await loop.round(AUTOSCALED, CADENCE, plugs)
     assert w.windows == [CADENCE.window_s, CADENCE.interval_s]  # the new fleet alone
 
@@ -201,3 +203,45 @@ async def test_a_settling_fleet_restarts_the_window_each_round() -> None:
     # a full window first; then, while a pod starts, each window covers one interval
     assert w.windows == [CADENCE.window_s, CADENCE.interval_s, CADENCE.interval_s]
     assert not scaler.scaled
+
+
+@dataclass
+class Modes:
+    """A mode switch over an in-memory mode."""
+
+    mode: Mode = "continuous"
+    switched: list[ModeChoice] = field(default_factory=list)
+
+    async def in_force(self) -> Mode:
+        return self.mode
+
+    async def switch(self, choice: ModeChoice) -> None:
+        self.switched.append(choice)
+        self.mode = choice.mode
+
+
+# equal output lengths at low load, with room under the SLO: the map's dynamic region
+EQUAL_LOW = Signals(
+    status="ok", window_s=30.0, requests=60, request_rate=2.0, p99_latency_s=0.2,
+    mean_latency_s=0.1, output_tokens_p50=32.0, output_tokens_p90=33.0, kv_usage=0.1,
+)  # fmt: skip
+
+
+async def test_mode_auto_switches_inside_the_round_and_restarts_the_window() -> None:
+    w = world(*[EQUAL_LOW] * 4)
+    modes = Modes()
+    plugs = replace(w.plugs, modes=modes)
+    loop = TuningLoop()
+    steps = [await loop.round(GOAL, CADENCE, plugs) for _ in range(4)]
+    choices = [s.decision.mode for s in steps if s is not None]
+    assert all(c is not None for c in choices)
+    # three agreeing rounds of evidence, then one switch, in force through the plug point
+    assert [c.switched for c in choices if c is not None] == [False, False, True, False]
+    assert [c.mode for c in modes.switched] == ["dynamic"] and modes.mode == "dynamic"
+    assert w.windows[3] == CADENCE.interval_s  # the round after the switch: one interval
+
+
+async def test_without_a_mode_switch_there_is_no_mode_choice() -> None:
+    w = world(EQUAL_LOW)
+    step = await TuningLoop().round(GOAL, CADENCE, w.plugs)
+    assert step is not None and step.decision.mode is None

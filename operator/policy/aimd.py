@@ -1,0 +1,206 @@
+"""The AIMD fallback: the step the rule takes until the step fit is trusted, and whenever
+the fit's recent prediction error is large (round.py says which, in the reason).
+
+Pure. It reads the *binding* target, the stated target whose observed p99 is nearest to
+(or furthest past) it, and, like today's operators of SLO-aware batching (Clipper's
+AIMD), moves the batch by the diagnosis of why that p99 is what it is:
+
+1. KV usage at the watermark or any preemption: cut the batch multiplicatively; that
+   batch becomes a ceiling for growth;
+2. a target broken:
+   - by running alone (TPOT, or a latency whose part outside the queue exceeds its
+     target while nothing queues): back off the batch multiplicatively (ceiling), or
+     hold at the minimum; where requests also queue no batch size helps: hold;
+   - by queueing: halve the timeout where it explains the wait and batches fire
+     underfilled; else grow the batch multiplicatively up to its limit;
+3. with headroom (every p99 under `1 - band` of its target): grow the batch additively
+   while requests queue behind full batches; with ample headroom, no TTFT target, no
+   queue and underfilled batches, let the timeout grow toward fuller batches;
+4. inside the band: grow additively only if queueing is half the p99; else hold.
+
+The pods needed come from the same step: a queueing breach with the batch spent (at
+its limit, or cut this round) needs enough pods that each runs at most
+`SCALE_OUT_UTILISATION` busy at the throughput a pod showed (finished per busy second)
+for the forecast arrivals; with headroom and no queue, the pods that would run at most
+`SCALE_IN_UTILISATION` busy; otherwise the pods there are.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from batchpilot_operator.policy.memory import PolicyMemory
+from batchpilot_operator.policy.reasons import ms
+from batchpilot_operator.policy.replicas import Need
+from batchpilot_operator.policy.sizing import Sizing
+from batchpilot_operator.policy.window import Window
+from batchpilot_operator.replica_rule import SCALE_IN_UTILISATION, SCALE_OUT_UTILISATION
+from batchpilot_operator.tuner import Goal
+from batchpilot_server.batching_config import BatchingConfig
+
+
+def step(window: Window, current: BatchingConfig, goal: Goal, memory: PolicyMemory) -> Sizing:
+    """The AIMD step for this window; see the module docstring."""
+    s, b, p, slo = window.signals, goal.bounds, goal.params, goal.slo
+    batch, timeout = current.max_batch_size, current.batch_timeout_ms
+    limit = _limit(b.min_batch, b.max_batch, memory.ceiling)
+
+    def change(
+        action: str,
+        why: str,
+        spent: bool,
+        ceiling: int | None = None,
+        new_batch: int | None = None,
+        new_timeout: float | None = None,
+    ) -> Sizing:
+        config = replace(
+            current,
+            max_batch_size=batch if new_batch is None else new_batch,
+            batch_timeout_ms=timeout if new_timeout is None else new_timeout,
+        )
+        return Sizing(config, action, why, _need(window, why, spent, goal), ceiling)
+
+    kv = s.kv_usage
+    if (kv is not None and kv >= slo.kv_high_watermark) or s.preemption_rate > 0:
+        cause = (
+            f"KV usage {kv:.2f} >= watermark {slo.kv_high_watermark:.2f}"
+            if kv is not None and kv >= slo.kv_high_watermark
+            else f"{s.preemption_rate:.2f} preemptions/s"
+        )
+        if batch <= b.min_batch:
+            return change("hold", f"{cause} at the minimum batch {batch}", True)
+        cut = _cut(batch, p.kv_cut_factor, b.min_batch)
+        return change("kv_guard", f"{cause}: batch {batch} -> {cut}", True, batch, cut)
+    pressure = window.pressure()
+    if pressure is None:
+        return Sizing(current, "hold", "no p99 of a stated target in the window", None)
+    name, ratio = pressure
+    seen, target = window.observed()[name], slo.stated[name]
+    queue_wait = min(seen, s.queue_wait_p99_s or 0.0) if name != "tpot" else 0.0
+    head = f"{name} p99 {ms(seen)}"
+    if ratio > 1:
+        head += f" > target {ms(target)}"
+        queueing = window.queueing()
+        slow = name == "tpot" or (not queueing and seen - queue_wait > target)
+        if slow and queueing:
+            return change(
+                "hold", f"{head}: overloaded, running and queueing both exceed what the "
+                "target allows; no batch size fixes it", True,
+            )  # fmt: skip
+        if slow:
+            if batch <= b.min_batch:
+                return change("hold", f"{head} while running, at the minimum batch {batch}", True)
+            cut = _cut(batch, p.backoff_factor, b.min_batch)
+            return change(
+                "backoff_batch", f"{head} while running: batch {batch} -> {cut}", True, batch, cut
+            )
+        head += f" from queueing (queue wait p99 {ms(queue_wait)})"
+        if (
+            timeout > b.min_timeout_ms
+            and queue_wait <= p.timeout_explains * timeout / 1000
+            and (_underfilled(window, batch, p.full_batch_share))
+        ):
+            cut_to = _cut_timeout(timeout, p.timeout_cut_factor, b.min_timeout_ms)
+            return change(
+                "shrink_timeout", f"{head}: the timeout explains it: timeout {timeout:g} -> "
+                f"{cut_to:g} ms", False, new_timeout=cut_to,
+            )  # fmt: skip
+        if batch < limit:
+            grown = min(limit, max(batch + p.additive_step, round(batch * p.capacity_factor)))
+            return change(
+                "grow_batch", f"{head}: batch {batch} -> {grown}", grown >= limit, new_batch=grown
+            )
+        return change("hold", f"{head}; batch {batch} is at its limit {limit}", True)
+    queued = queue_wait >= p.queueing_share * target or window.queue_grows
+    if ratio < 1 - p.band:
+        head += f" < {ms((1 - p.band) * target)}"
+        full = s.mean_batch_size is None or s.mean_batch_size >= p.full_batch_share * batch
+        if queued and full and batch < limit:
+            grown = min(limit, batch + p.additive_step)
+            return change(
+                "grow_batch", f"{head}, requests queue behind full batches: batch {batch} -> "
+                f"{grown}", False, new_batch=grown,
+            )  # fmt: skip
+        grown_timeout = _grown_timeout(timeout, target, b.max_timeout_ms)
+        if (
+            "ttft" not in slo.stated and ratio < 0.5 and not queued
+            and _underfilled(window, batch, p.full_batch_share) and grown_timeout > timeout
+        ):  # fmt: skip
+            return change(
+                "grow_timeout", f"{head} and batches fire underfilled: timeout {timeout:g} -> "
+                f"{grown_timeout:g} ms for fuller batches", False, new_timeout=grown_timeout,
+            )  # fmt: skip
+        why = "no queueing: a larger batch would not be used"
+        if queued and batch >= limit:
+            why = f"batch {batch} is at its limit {limit}"
+        return change("hold", f"{head}; {why}", batch >= limit)
+    if queue_wait >= 0.5 * seen and batch < limit:
+        grown = min(limit, batch + p.additive_step)
+        return change(
+            "grow_batch", f"{head} nears the target from queueing (queue wait p99 "
+            f"{ms(queue_wait)}): batch {batch} -> {grown}", False, new_batch=grown,
+        )  # fmt: skip
+    return change(
+        "hold", f"{head} within the band [{ms((1 - p.band) * target)}, {ms(target)}]",
+        batch >= limit,
+    )  # fmt: skip
+
+
+def _need(window: Window, why: str, spent: bool, goal: Goal) -> Need | None:
+    """The pods this step needs (see the module docstring); None without a fleet to size."""
+    fleet = window.fleet
+    if fleet is None or goal.replicas is None:
+        return None
+    desired, per_pod = fleet.desired, window.measured_per_pod_rps()
+    rate = window.forecast.describe()
+    pressure = window.pressure()
+    breach = pressure is not None and pressure[1] > 1 and window.queueing()
+    if breach and not spent:
+        return Need(desired, f"{why}, but the batch can still grow: knobs first")
+    if per_pod is None or per_pod <= 0:
+        return Need(desired, f"{why}; no pod throughput known yet to size the fleet")
+    if breach:
+        wanted = math.ceil(window.forecast_rps / (SCALE_OUT_UTILISATION * per_pod) - 1e-9)
+        return Need(
+            max(desired + 1, wanted),
+            f"{why}, and the batch is spent: {rate} over {per_pod:.2f} req/s per pod "
+            f"(measured: finished per busy second) needs {wanted} at "
+            f"{SCALE_OUT_UTILISATION:.0%} busy",
+        )
+    wanted = math.ceil(window.forecast_rps / (SCALE_IN_UTILISATION * per_pod) - 1e-9)
+    quiet = pressure is not None and pressure[1] < 1 - goal.params.band and not window.queue_grows
+    if quiet and wanted < desired:
+        return Need(
+            wanted,
+            f"{pressure[0]} p99 with headroom: {rate} over {per_pod:.2f} req/s per pod "
+            f"(measured: finished per busy second) needs {wanted} at "
+            f"{SCALE_IN_UTILISATION:.0%} busy",
+        )
+    return Need(desired, f"{desired} pod(s) needed for {rate}")
+
+
+def _limit(low: int, high: int, ceiling: int | None) -> int:
+    return high if ceiling is None else max(low, min(high, ceiling - 1))
+
+
+def _cut(batch: int, factor: float, low: int) -> int:
+    # At least one smaller, so a factor that rounds back to the batch still moves.
+    return max(low, min(batch - 1, math.floor(batch * factor)))
+
+
+def _cut_timeout(timeout: float, factor: float, low: float) -> float:
+    cut = timeout * factor
+    # Below a millisecond a timeout only costs a wake-up: go straight to the floor.
+    return low if cut < 1.0 else max(low, round(cut, 3))
+
+
+def _grown_timeout(timeout: float, target_s: float, high: float) -> float:
+    cap = min(high, 0.1 * target_s * 1000)  # never above a tenth of the target
+    step = max(1.0, 0.02 * target_s * 1000)
+    return max(timeout, round(min(cap, timeout + step), 3))
+
+
+def _underfilled(window: Window, batch: int, share: float) -> bool:
+    mean = window.signals.mean_batch_size
+    return mean is not None and mean < share * batch

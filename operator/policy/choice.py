@@ -1,0 +1,140 @@
+"""The choice: the cheapest candidate config predicted to meet the SLO with a margin.
+
+Pure. Candidates span the bounds: batch sizes at the powers of two between the bounds
+(with the bounds and the batch in force), the timeout's lower bound and the one in
+force, prefill budgets at the powers of two between the bounds (with both bounds and
+the one in force), on every pod count the goal allows (only the pods there are where
+the rule does not own the count). For each, the predictor gives the attainment at the
+window's demand; a candidate is *eligible* when
+
+- its predicted misses are at most `margin_share` of the misses the attainment allows
+  (the stated margin: at 0.99 and a half, predicted attainment >= 0.995),
+- its predicted peak KV use stays under the watermark (where the window tells the
+  pool's size), and
+- it does not preempt: where the window saw preemptions, no batch at or above the one in
+  force is eligible.
+
+Fewest pods first; among those, the highest goodput per pod (at one pod count that is
+the highest attainment, rounded to 0.001 so that noise moves nothing); then the fewest
+knobs moved from the config in force; then the smaller batch and budget. Where no
+candidate on any pod count is eligible, the one with the highest attainment on the
+most pods is taken, and the reason says that none meets the SLO.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchpilot_operator.policy.predictor import (
+    Candidate,
+    attainment_of,
+    kv_use,
+    predict,
+)
+from batchpilot_operator.policy.reasons import action_of, knob_change, targets
+from batchpilot_operator.policy.replicas import Need
+from batchpilot_operator.policy.sizing import Sizing
+from batchpilot_operator.policy.step_model import StepModel
+from batchpilot_operator.policy.window import Window
+from batchpilot_operator.tuner import Bounds, Goal
+from batchpilot_server.batching_config import BatchingConfig
+
+
+@dataclass(frozen=True)
+class _Scored:
+    candidate: Candidate
+    attainment: float
+    eligible: bool
+    moved: int  # knobs moved from the config in force
+
+    def key(self) -> tuple[float, ...]:
+        c = self.candidate
+        return (-round(self.attainment, 3), self.moved, c.max_batch_size,
+                c.prefill_token_budget, c.batch_timeout_ms)  # fmt: skip
+
+
+def knob_candidates(bounds: Bounds, current: BatchingConfig) -> list[tuple[int, float, int]]:
+    """(batch, timeout, budget) triples within the bounds (see the module docstring)."""
+    batches = _powers(bounds.min_batch, bounds.max_batch, current.max_batch_size)
+    timeouts = sorted({bounds.min_timeout_ms, current.batch_timeout_ms})
+    budgets = _powers(
+        bounds.min_prefill_budget, bounds.max_prefill_budget, current.prefill_token_budget
+    )
+    return [(b, t, g) for b in batches for t in timeouts for g in budgets]
+
+
+def _powers(low: int, high: int, current: int) -> list[int]:
+    values = {low, high, min(max(current, low), high)}
+    power = 1
+    while power < high:
+        if power > low:
+            values.add(power)
+        power *= 2
+    return sorted(values)
+
+
+def pod_counts(window: Window) -> list[int]:
+    if window.replicas is None or window.fleet is None:
+        return [window.pods]
+    return list(range(window.replicas.min_replicas, window.replicas.max_replicas + 1))
+
+
+def choose(window: Window, model: StepModel, current: BatchingConfig, goal: Goal) -> Sizing:
+    """The chosen candidate's knobs and pods; see the module docstring."""
+    slo, p = goal.slo, goal.params
+    needed = 1 - p.margin_share * slo.allowed_miss_share
+    preempting = window.signals.preemption_rate > 0
+    knobs = knob_candidates(goal.bounds, current)
+    best: _Scored | None = None
+    for pods in pod_counts(window):
+        tier: list[_Scored] = []
+        for batch, timeout, budget in knobs:
+            candidate = Candidate(batch, timeout, budget, pods)
+            scored = attainment_of(window, model, candidate)
+            if scored is None:
+                return Sizing(current, "hold", "no prompt or output lengths to predict by",
+                              None)  # fmt: skip
+            attainment, _, rows = scored
+            kv = kv_use(window, candidate, rows)
+            eligible = (
+                attainment >= needed
+                and (kv is None or kv <= slo.kv_high_watermark)
+                and not (preempting and batch >= current.max_batch_size)
+            )
+            moved = sum((batch != current.max_batch_size, timeout != current.batch_timeout_ms,
+                         budget != current.prefill_token_budget))  # fmt: skip
+            tier.append(_Scored(candidate, attainment, eligible, moved))
+        eligible = [s for s in tier if s.eligible]
+        best = min(eligible or tier, key=_Scored.key)
+        if eligible:
+            break
+    assert best is not None  # pod_counts is never empty
+    chosen = best.candidate
+    prediction = predict(window, model, chosen)
+    config = chosen.config(current)
+    verdict = (
+        f"meets attainment {slo.attainment:g} with the margin (>= {needed:.4f})"
+        if best.eligible
+        else f"the best there is: no candidate on up to {chosen.replicas} pod(s) meets "
+        f"attainment {slo.attainment:g} ({targets(slo.stated)})"
+    )
+    seen = prediction.describe(slo) if prediction is not None else ""
+    reason = (
+        f"{knob_change(current, config)} on {chosen.replicas} pod(s): predicted {seen}; {verdict}"
+    )
+    return Sizing(config, action_of(current, config), reason, _need(window, chosen, reason),
+                  prediction=prediction)  # fmt: skip
+
+
+def _need(window: Window, chosen: Candidate, reason: str) -> Need | None:
+    fleet = window.fleet
+    if fleet is None or window.replicas is None:
+        return None
+    if chosen.replicas > fleet.desired:
+        return Need(
+            chosen.replicas,
+            f"no config on {fleet.desired} pod(s) meets the SLO, the batch is spent: {reason}",
+        )
+    if chosen.replicas < fleet.desired:
+        return Need(chosen.replicas, f"with headroom: {reason}")
+    return Need(chosen.replicas, f"{chosen.replicas} pod(s) needed: {reason}")

@@ -1,0 +1,36 @@
+"""The rule's memory between rounds. One writer: the round (`round.decide`) returns the
+next memory with its decision, and the loop keeps it; nothing else changes it (a
+restarted operator only seeds the replica part from the policy's status).
+
+- `since_change`: rounds since the knobs, the fleet or the mode last moved (or the
+  fleet was still settling); the next window never reaches back past it;
+- `ceiling`: the batch that last ran too slow or filled the KV cache, which caps the
+  AIMD fallback's growth for `CEILING_TTL` rounds;
+- `points`: the step model's operating points; `errors`: the fit's recent relative
+  prediction errors on the config in force;
+- `replicas` and `mode`: the replica count's and the mode choice's own memories.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from batchpilot_operator.policy.mode import ModeState
+from batchpilot_operator.policy.step_model import StepPoint
+from batchpilot_operator.replica_rule import ReplicaState
+
+SINCE_CHANGE_CAP = 1000
+ERROR_HISTORY = 3  # the fit's last errors kept: the median of three rides out one outlier
+CEILING_TTL = 20  # rounds a ceiling caps the AIMD growth
+
+
+@dataclass(frozen=True)
+class PolicyMemory:
+    # A fresh rule has made no change, so its first window is a full one.
+    since_change: int = SINCE_CHANGE_CAP
+    ceiling: int | None = None
+    ceiling_age: int = 0
+    points: tuple[StepPoint, ...] = ()
+    errors: tuple[float, ...] = ()
+    replicas: ReplicaState = field(default_factory=ReplicaState)
+    mode: ModeState = field(default_factory=ModeState)

@@ -1,0 +1,324 @@
+"""The predictor: p99 TTFT, TPOT and end to end, and the attainment, of one candidate config
+at the window's measured demand, under the fitted step time.
+
+Pure and explainable: a queueing approximation, no simulation. For a candidate
+(max_batch_size B, batch_timeout_ms T, prefill_token_budget G, replicas N), with the
+window's arrivals `lam` per pod (the forecast over N pods), its prompt and output lengths
+as three points (window.py) and the step model `step(rows, prefill, kv)`:
+
+1. The step at this load: each request holds a batch slot for its prefill steps
+   (`ceil(P / G)`) and its `O - 1` decode steps, so the decode rows are
+   `R = lam * (O - 1) * step` (Little's law; at most the slots' decoding share), prompt
+   tokens per step
+   `x = min(G, lam * mean P * step)`, KV tokens per step `R * (mean P + mean O / 2)`;
+   `step` is the fixed point of the three. The pod's capacity `mu` is the same with all
+   B slots busy: `B / slot_s`; `rho = lam / mu`.
+2. The wait for a slot: B servers, Sakasegawa's approximation of the chance to wait,
+   `rho ** (sqrt(2 (B + 1)) - 1)`, and an exponential wait with rate
+   `B (1 - rho) / slot_s` after it. At `rho >= 1` the queue never drains: every TTFT
+   and end-to-end target is missed.
+3. The backlog: the requests that wait now drain at `mu - lam` per pod; those arriving
+   meanwhile (a share `f` of the window's) wait on top up to that drain time (taken as
+   uniform).
+4. TTFT of a prompt of P tokens: the slot wait, plus T (taken as added to every first
+   token), plus its prefill steps, each carrying its chunk and the others' prefill.
+   TPOT of an answer of O tokens: the step at load, plus one prefill chunk of the
+   longest prompts (`min(G, P99)`) beyond the mean, spread over its O - 1 tokens where
+   an arrival lands during its decode: a bigger budget gives lower TTFT and higher
+   TPOT. End to end: TTFT plus `(O - 1) x TPOT`.
+5. Attainment: one less the share that misses each stated target, summed (a union
+   bound: conservative where misses overlap). p99s are read off the same tails.
+6. KV: the peak rows (`R + 3 sqrt(R)`, at most B) times the mean KV tokens a row holds,
+   over the pod's KV capacity in tokens (the window's KV tokens per step over its KV
+   usage); None where the window cannot tell the capacity.
+
+Mode differences (dynamic batches wait to fill) are not modelled; `mode.py` chooses the
+mode from the measured crossover map instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from batchpilot_operator.policy.step_model import StepModel, StepPoint, fit, of_fleet
+from batchpilot_operator.policy.window import LENGTH_WEIGHTS, Window, length_points
+from batchpilot_operator.replica_rule import ReplicaState
+from batchpilot_operator.signals import Signals
+from batchpilot_operator.slo import Slo
+from batchpilot_server.batching_config import BatchingConfig
+
+QUANTILE = 0.99
+FIXED_POINT_ROUNDS = 30
+BACKLOG_NODES = (0.125, 0.375, 0.625, 0.875)  # the uniform backlog wait's quadrature
+MIN_KV_USAGE = 0.05  # below it the KV capacity read off the usage is noise
+
+
+@dataclass(frozen=True)
+class Candidate:
+    max_batch_size: int
+    batch_timeout_ms: float
+    prefill_token_budget: int
+    replicas: int
+
+    def config(self, base: BatchingConfig) -> BatchingConfig:
+        return replace(
+            base,
+            max_batch_size=self.max_batch_size,
+            batch_timeout_ms=self.batch_timeout_ms,
+            prefill_token_budget=self.prefill_token_budget,
+        )
+
+    def describe(self) -> str:
+        return (
+            f"batch {self.max_batch_size}, timeout {self.batch_timeout_ms:g} ms, budget "
+            f"{self.prefill_token_budget} on {self.replicas} pod(s)"
+        )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    candidate: Candidate
+    ttft_p99_s: float
+    tpot_p99_s: float
+    e2e_p99_s: float
+    attainment: float
+    utilisation: float  # rho: arrivals over what a pod carries at this config
+    per_pod_rps: float  # mu
+    step_s: float  # the step at this load
+    kv_use: float | None  # predicted peak KV usage (share of the pool); None: unknown
+
+    @property
+    def goodput_per_pod(self) -> float:
+        """Requests per second per pod predicted to meet every target."""
+        return self.per_pod_rps * min(1.0, self.utilisation) * self.attainment
+
+    def p99(self, target: str) -> float:
+        return {"ttft": self.ttft_p99_s, "tpot": self.tpot_p99_s, "e2e": self.e2e_p99_s}[target]
+
+    def describe(self, slo: Slo) -> str:
+        shown = ", ".join(f"{name} p99 {_ms(self.p99(name))}" for name in slo.stated)
+        kv = "" if self.kv_use is None else f", KV {self.kv_use:.2f}"
+        return f"{shown}, attainment {self.attainment:.3f}, {self.utilisation:.0%} busy{kv}"
+
+
+@dataclass(frozen=True)
+class _Queue:
+    """One candidate's load: what the tails are computed from."""
+
+    lam: float
+    mu: float
+    slots: int
+    slot_s: float
+    backlog_s: float  # the backlog's drain time
+    backlog_share: float  # the share of requests that meet it
+    ttft_svc: tuple[float, ...]  # per prompt point
+    tpot: tuple[float, ...]  # per output point
+    outputs: tuple[float, ...]
+    step_s: float
+    rows: float
+
+    @property
+    def rho(self) -> float:
+        return self.lam / self.mu if self.mu > 0 else math.inf
+
+    def wait_tail(self, t: float) -> float:
+        """P(slot wait > t)."""
+        if t < 0:
+            return 1.0
+        rho = self.rho
+        if rho >= 1:
+            return 1.0
+        if rho <= 0:
+            return 0.0
+        p_wait = rho ** (math.sqrt(2 * (self.slots + 1)) - 1)
+        rate = self.slots * (1 - rho) / self.slot_s
+        return p_wait * math.exp(-rate * t)
+
+    def tail(self, t: float) -> float:
+        """P(slot wait, with the backlog's share, > t)."""
+        f = self.backlog_share
+        steady = self.wait_tail(t)
+        if f <= 0:
+            return steady
+        behind = sum(self.wait_tail(t - u * self.backlog_s) for u in BACKLOG_NODES)
+        return (1 - f) * steady + f * behind / len(BACKLOG_NODES)
+
+    def miss_ttft(self, t: float) -> float:
+        return sum(
+            w * self.tail(t - svc) for w, svc in zip(LENGTH_WEIGHTS, self.ttft_svc, strict=True)
+        )
+
+    def miss_tpot(self, t: float) -> float:
+        return sum(w for w, tpot in zip(LENGTH_WEIGHTS, self.tpot, strict=True) if tpot > t)
+
+    def miss_e2e(self, t: float) -> float:
+        total = 0.0
+        for wp, svc in zip(LENGTH_WEIGHTS, self.ttft_svc, strict=True):
+            for wo, tpot, out in zip(LENGTH_WEIGHTS, self.tpot, self.outputs, strict=True):
+                total += wp * wo * self.tail(t - svc - (out - 1) * tpot)
+        return total
+
+    def miss(self, target: str, t: float) -> float:
+        return {"ttft": self.miss_ttft, "tpot": self.miss_tpot, "e2e": self.miss_e2e}[target](t)
+
+    def attainment(self, slo: Slo) -> float:
+        return max(0.0, 1.0 - sum(self.miss(name, t) for name, t in slo.stated.items()))
+
+    def quantile(self, target: str) -> float:
+        if target == "tpot":
+            return max(self.tpot)
+        if self.rho >= 1:
+            return math.inf
+        share = 1 - QUANTILE
+        lo, hi = 0.0, 1.0
+        while self.miss(target, hi) > share and hi < 1e6:
+            hi *= 2
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if self.miss(target, mid) > share else (lo, mid)
+        return hi
+
+
+def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
+    lengths = _lengths(window.signals)
+    if lengths is None:
+        return None
+    prompts, outputs = lengths
+    mean_p = sum(w * p for w, p in zip(LENGTH_WEIGHTS, prompts, strict=True))
+    mean_o = sum(w * o for w, o in zip(LENGTH_WEIGHTS, outputs, strict=True))
+    kv_row = mean_p + mean_o / 2
+    budget, slots = max(1, c.prefill_token_budget), max(1, c.max_batch_size)
+    chunks = [max(1, math.ceil(p / budget)) for p in prompts]
+    mean_chunks = sum(w * n for w, n in zip(LENGTH_WEIGHTS, chunks, strict=True))
+    hold = mean_chunks + max(0.0, mean_o - 1)  # steps a request holds its slot
+    lam = window.forecast_rps / max(1, c.replicas)
+
+    decoding = max(0.0, mean_o - 1) / hold  # the share of a held slot spent decoding
+
+    def settle(full: bool) -> tuple[float, float, float]:
+        """(step, decode rows, prompt tokens per step) at `lam`, or with every slot held."""
+        step = model.step_s(1, 0, kv_row)
+        rows = prefill = 0.0
+        for _ in range(FIXED_POINT_ROUNDS):
+            rate = slots / max(hold * step, 1e-12) if full else lam
+            rows = (
+                slots * decoding
+                if full
+                else min(slots * decoding, rate * (hold - mean_chunks) * step)
+            )
+            prefill = min(float(budget), rate * mean_p * step)
+            step = max(1e-9, model.step_s(rows, prefill, rows * kv_row))
+        return step, rows, prefill
+
+    step, rows, prefill = settle(False)
+    full_step, _, _ = settle(True)
+    mu = slots / (hold * full_step)
+    spare = mu - lam
+    backlog = window.backlog / max(1, c.replicas)
+    drain_s = backlog / spare if spare > 0 and backlog > 0 else 0.0
+    share = min(1.0, drain_s / max(window.signals.window_s, 1e-9)) if drain_s > 0 else 0.0
+    ttft_svc = tuple(
+        c.batch_timeout_ms / 1000.0
+        + n * model.step_s(rows, min(float(budget), p / n + prefill), rows * kv_row)
+        for p, n in zip(prompts, chunks, strict=True)
+    )
+    spike = max(0.0, min(float(budget), prompts[-1]) - prefill) * model.per_prefill_s
+    tpot = tuple(
+        step + spike * (1 - math.exp(-lam * max(1.0, o - 1) * step)) / max(1.0, o - 1)
+        for o in outputs
+    )
+    return _Queue(lam, mu, slots, hold * step, drain_s, share, ttft_svc, tpot, outputs, step, rows)
+
+
+def _lengths(
+    signals: Signals,
+) -> tuple[tuple[float, float, float], tuple[float, float, float]] | None:
+    """Prompt and output lengths as three points each; prompts fall back to the window's
+    mean prompt tokens computed per request, outputs to its mean tokens per request."""
+    outputs = length_points(signals.output_tokens_p50, signals.output_tokens_p90,
+                      signals.output_tokens_p99)  # fmt: skip
+    if outputs is None:
+        mean = signals.mean_output_tokens
+        if mean is None:
+            return None
+        outputs = (mean, mean, mean)
+    prompts = length_points(signals.prompt_tokens_p50, signals.prompt_tokens_p90,
+                      signals.prompt_tokens_p99)  # fmt: skip
+    if prompts is None:
+        computed = signals.step_prefill_tokens
+        mean = computed / signals.requests if computed and signals.requests > 0 else 0.0
+        prompts = (mean, mean, mean)
+    return prompts, outputs
+
+
+def kv_capacity_tokens(signals: Signals) -> float | None:
+    """A pod's KV pool in tokens: the window's KV tokens per step over its KV usage."""
+    usage, kv, steps = signals.kv_usage, signals.step_kv_tokens, signals.steps
+    if usage is None or usage < MIN_KV_USAGE or not kv or not steps:
+        return None
+    return (kv / steps) / usage
+
+
+def attainment_of(
+    window: Window, model: StepModel, c: Candidate
+) -> tuple[float, float, float] | None:
+    """The candidate's predicted attainment, utilisation and busy rows, cheaply (no p99s)."""
+    queue = _queue(window, model, c)
+    if queue is None:
+        return None
+    return queue.attainment(window.slo), queue.rho, queue.rows
+
+
+def kv_use(window: Window, c: Candidate, rows: float) -> float | None:
+    capacity = kv_capacity_tokens(window.signals)
+    lengths = _lengths(window.signals)
+    if capacity is None or lengths is None:
+        return None
+    prompts, outputs = lengths
+    kv_row = sum(w * (p + o / 2) for w, p, o in zip(LENGTH_WEIGHTS, prompts, outputs, strict=True))
+    peak = min(float(c.max_batch_size), rows + 3 * math.sqrt(max(rows, 0.0)))
+    return peak * kv_row / capacity
+
+
+def predict(window: Window, model: StepModel, c: Candidate) -> Prediction | None:
+    """The candidate's full prediction; None where the window has no lengths to size by."""
+    queue = _queue(window, model, c)
+    if queue is None:
+        return None
+    return Prediction(
+        candidate=c,
+        ttft_p99_s=queue.quantile("ttft"),
+        tpot_p99_s=queue.quantile("tpot"),
+        e2e_p99_s=queue.quantile("e2e"),
+        attainment=queue.attainment(window.slo),
+        utilisation=queue.rho,
+        per_pod_rps=queue.mu,
+        step_s=queue.step_s,
+        kv_use=kv_use(window, c, queue.rows),
+    )
+
+
+def predict_config(
+    signals: Signals,
+    config: BatchingConfig,
+    replicas: int,
+    slo: Slo,
+    points: tuple[StepPoint, ...],
+) -> Prediction | None:
+    """What the rule predicts for `config` on `replicas` pods at this window's demand,
+    with the step model fitted through `points` (the rule's memory: `PolicyMemory.points`)
+    at the window's fleet size; None without a fit or lengths. For comparing predicted
+    against measured per window (bench/tuner.py)."""
+    model = fit(of_fleet(points, signals.pods))
+    if model is None:
+        return None
+    window = Window.of(signals, slo, None, None, ReplicaState())
+    candidate = Candidate(
+        config.max_batch_size, config.batch_timeout_ms, config.prefill_token_budget, replicas
+    )
+    return predict(window, model, candidate)
+
+
+def _ms(seconds: float) -> str:
+    return "never" if math.isinf(seconds) else f"{seconds * 1000:.0f} ms"

@@ -1,0 +1,139 @@
+"""The replica count: the sizing step's pods needed, held to the stabilization rules.
+
+Pure. The round's sizing step (the chosen candidate, or the AIMD fallback) says how
+many pods the window needs and why (`Need`); this part only decides *when* the fleet
+moves there, with the rules an HPA user expects:
+
+1. a count outside `minReplicas..maxReplicas` is brought inside at once;
+2. hold while the fleet is not what was asked for (pods starting or stopping) or the
+   window does not cover every pod yet (`settling`: the loop restarts the window, so
+   the next one shows the settled fleet alone);
+3. more pods needed: scale out at once, unless at maxReplicas or within the scale-up
+   stabilization since the last change;
+4. fewer: each round's count is a recommendation; scale in to the highest one of the
+   scale-down stabilization window, and never before the fleet has been watched that
+   long since the last change (or since the rule's first round: a restarted operator
+   waits a window too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from batchpilot_operator.replica_rule import (
+    ARRIVAL_HISTORY,
+    RECOMMENDATION_LIMIT,
+    Fleet,
+    ReplicaBounds,
+    ReplicaState,
+    ScaleChange,
+    ScaleDecision,
+)
+from batchpilot_operator.signals import Signals
+
+
+@dataclass(frozen=True)
+class Need:
+    """The pods the sizing step needs this round, and why (worded for the direction)."""
+
+    pods: int
+    reason: str
+
+
+def observe(state: ReplicaState, signals: Signals, fleet: Fleet | None, now: float) -> ReplicaState:
+    """The round's arrivals into the history; a scale-out's lead time once its pods serve."""
+    if state.since is None:
+        state = replace(state, since=now)
+    rate = signals.arrival_rate
+    if rate is not None:
+        state = replace(state, arrivals=(*state.arrivals, (now, rate))[-ARRIVAL_HISTORY:])
+    change = state.last_change
+    if (
+        fleet is not None
+        and change is not None
+        and change.after > change.before
+        and change.ready_at is None
+        and fleet.ready >= fleet.desired
+    ):
+        state = replace(state, last_change=replace(change, ready_at=now), startup_s=now - change.at)
+    return state
+
+
+def stabilize(
+    need: Need | None,
+    signals: Signals,
+    fleet: Fleet,
+    bounds: ReplicaBounds,
+    state: ReplicaState,
+    now: float,
+) -> ScaleDecision:
+    """The replica count for this round (see the module docstring); `need` None: the
+    window holds no judgement."""
+    desired = fleet.desired
+    if not bounds.min_replicas <= desired <= bounds.max_replicas:
+        return _change(
+            state, desired, bounds.clamp(desired), now,
+            f"{desired} replicas is outside autoscale's {bounds.min_replicas}.."
+            f"{bounds.max_replicas}",
+        )  # fmt: skip
+    if fleet.ready < desired:
+        return _hold(state, desired, f"{fleet.ready} of {desired} pods ready: waiting for them",
+                     settling=True)  # fmt: skip
+    if signals.pods and signals.pods < desired:
+        return _hold(
+            state, desired, f"the window covers {signals.pods} of {desired} pods: waiting for "
+            "one that shows them all", settling=True,
+        )  # fmt: skip
+    if need is None:
+        why = signals.status.replace("_", " ")
+        return _hold(state, desired, f"no judgement on this window ({why})")
+    wanted = bounds.clamp(need.pods)
+    if need.pods > desired:
+        if desired >= bounds.max_replicas:
+            return _hold(state, desired, f"{need.reason}; at maxReplicas {desired}")
+        change = state.last_change
+        if change is not None and now - change.at < bounds.scale_up_stabilization_s:
+            return _hold(state, desired, f"{need.reason}; scale-up stabilization")
+        return _change(state, desired, wanted, now, need.reason)
+    state = _recommend(state, now, wanted, bounds)
+    if wanted >= desired:
+        return _hold(state, desired, need.reason)
+    window = bounds.scale_down_stabilization_s
+    watched = now - (state.since if state.since is not None else now)
+    if watched < window:
+        return _hold(
+            state, desired, f"{need.reason}; but this fleet has been watched for "
+            f"{watched:.0f} s of the {window:.0f} s scale-down stabilization",
+        )  # fmt: skip
+    highest = max(n for at, n in state.recommendations if at >= now - window)
+    if highest >= desired:
+        return _hold(
+            state, desired, f"{need.reason}; but {highest} were needed within the last "
+            f"{window:.0f} s",
+        )  # fmt: skip
+    return _change(state, desired, highest, now, f"{need.reason} for {window:.0f} s")
+
+
+def _recommend(
+    state: ReplicaState, now: float, replicas: int, bounds: ReplicaBounds
+) -> ReplicaState:
+    keep_from = now - max(bounds.scale_down_stabilization_s, bounds.scale_up_stabilization_s)
+    recent = [(at, n) for at, n in state.recommendations if at >= keep_from]
+    return replace(state, recommendations=(*recent, (now, replicas))[-RECOMMENDATION_LIMIT:])
+
+
+def _hold(state: ReplicaState, desired: int, reason: str, settling: bool = False) -> ScaleDecision:
+    return ScaleDecision(desired, "hold", reason, state, settling=settling)
+
+
+def _change(
+    state: ReplicaState, desired: int, replicas: int, now: float, reason: str
+) -> ScaleDecision:
+    changed = replace(
+        state,
+        last_change=ScaleChange(now, desired, replicas),
+        recommendations=(),  # they described another fleet
+        since=now,
+    )
+    action = "scale_out" if replicas > desired else "scale_in"
+    return ScaleDecision(replicas, action, f"{desired} -> {replicas} replicas: {reason}", changed)

@@ -1,0 +1,172 @@
+"""One round of the rule: the knobs, the replica count and the mode, from one window.
+
+Pure and deterministic: the same (signals, config in force, goal, memory, fleet, now,
+mode) always gives the same decision; `tuning_loop.TuningLoop` is its one caller.
+
+1. The memory takes the window in: its step point (step_model.py), its arrivals and a
+   scale-out's start-up (replicas.py); the AIMD ceiling ages.
+2. The window's derived quantities are computed once (window.py).
+3. One sizing step gives both the knobs and the pods needed:
+   - a config outside the bounds is clamped into them (the pods wait a round);
+   - a window without evidence holds (signals.py `traffic_status`);
+   - where the step fit for this fleet size is trusted and its recent error on the
+     config in force is small, the choice (choice.py) picks the cheapest candidate the
+     predictor (predictor.py) says meets the SLO with the margin;
+   - otherwise the AIMD fallback (aimd.py) steps, and the reason says why the fit was
+     not used.
+4. The pods needed go through the stabilization rules (replicas.py) where the round
+   owns the replica count; the mode choice (mode.py) runs where the policy's mode is
+   auto.
+5. The memory is written once: `since_change` restarts at any move of the knobs, the
+   fleet (or a fleet still settling) or the mode.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import replace
+
+from batchpilot_operator.policy import aimd
+from batchpilot_operator.policy.choice import choose
+from batchpilot_operator.policy.memory import (
+    CEILING_TTL,
+    ERROR_HISTORY,
+    SINCE_CHANGE_CAP,
+    PolicyMemory,
+)
+from batchpilot_operator.policy.mode import ModeChoice, ModeState, choose_mode
+from batchpilot_operator.policy.predictor import Candidate, predict
+from batchpilot_operator.policy.reasons import knob_change
+from batchpilot_operator.policy.replicas import Need, observe, stabilize
+from batchpilot_operator.policy.sizing import Sizing
+from batchpilot_operator.policy.step_model import StepModel, fit, of_fleet, point_of, remember
+from batchpilot_operator.policy.window import Window
+from batchpilot_operator.replica_rule import Fleet
+from batchpilot_operator.signals import Signals
+from batchpilot_operator.tuner import Decision, Goal
+from batchpilot_server.batching_config import BatchingConfig, Mode
+
+
+def decide(
+    signals: Signals,
+    current: BatchingConfig,
+    goal: Goal,
+    memory: PolicyMemory,
+    *,
+    fleet: Fleet | None = None,
+    now: float = 0.0,
+    mode: Mode | None = None,
+) -> Decision:
+    """This round's decision; see the module docstring. `fleet` None: the round does not
+    own the replica count; `mode` None: the policy's mode is not auto."""
+    memory = _taken_in(signals, memory, fleet, now)
+    window = Window.of(signals, goal.slo, fleet, goal.replicas, memory.replicas)
+    sizing, errors = _size(window, current, goal, memory)
+    scale = None
+    if fleet is not None and goal.replicas is not None:
+        scale = stabilize(sizing.need, signals, fleet, goal.replicas, memory.replicas, now)
+    choice: ModeChoice | None = None
+    if mode is not None:
+        choice = choose_mode(signals, mode, sizing.config.max_batch_size, goal.slo, memory.mode)
+    moved = (
+        sizing.config != current
+        or (scale is not None and fleet is not None
+            and (scale.replicas != fleet.desired or scale.settling))
+        or (choice is not None and choice.switched)
+    )  # fmt: skip
+    ceiling, age = memory.ceiling, memory.ceiling_age
+    if sizing.ceiling is not None:
+        ceiling, age = sizing.ceiling, 0
+    memory = replace(
+        memory,
+        since_change=0 if moved else min(memory.since_change + 1, SINCE_CHANGE_CAP),
+        ceiling=ceiling,
+        ceiling_age=age,
+        errors=errors,
+        replicas=scale.state if scale is not None else memory.replicas,
+        mode=choice.state if choice is not None else ModeState(),
+    )
+    return Decision(
+        sizing.config, sizing.action, sizing.reason,  # type: ignore[arg-type]
+        memory, scale, choice, sizing.prediction,
+    )  # fmt: skip
+
+
+def _taken_in(
+    signals: Signals, memory: PolicyMemory, fleet: Fleet | None, now: float
+) -> PolicyMemory:
+    ceiling, age = memory.ceiling, memory.ceiling_age + 1
+    if ceiling is None or age >= CEILING_TTL:
+        ceiling, age = None, 0
+    points = remember(memory.points, point_of(signals)) if signals.ok else memory.points
+    return replace(
+        memory, points=points, ceiling=ceiling, ceiling_age=age,
+        replicas=observe(memory.replicas, signals, fleet, now),
+    )  # fmt: skip
+
+
+def _size(
+    window: Window, current: BatchingConfig, goal: Goal, memory: PolicyMemory
+) -> tuple[Sizing, tuple[float, ...]]:
+    """The sizing step (see the module docstring), and the fit's recent errors."""
+    signals, bounds, errors = window.signals, goal.bounds, memory.errors
+    desired = window.fleet.desired if window.fleet is not None else window.pods
+    if not bounds.contains(current):
+        clamped = bounds.clamp(current)
+        return Sizing(
+            clamped, "clamp", f"config outside the bounds: {knob_change(current, clamped)}",
+            Need(desired, "the knobs were outside their bounds: clamped first"),
+        ), errors  # fmt: skip
+    if not signals.ok:
+        status = signals.status.replace("_", " ")
+        return Sizing(current, "hold", f"{status}: {signals.detail or status}", None), errors
+    model = fit(of_fleet(memory.points, window.pods))
+    error = _error(window, model, current)
+    if error is not None:
+        errors = (*errors, error)[-ERROR_HISTORY:]
+    why = _untrusted(model, errors, goal)
+    if model is not None and why is None:
+        chosen = choose(window, model, current, goal)
+        err = f", error {statistics.median(errors):.0%}" if errors else ""
+        return replace(chosen, reason=f"predicted ({model.describe()}{err}): {chosen.reason}"), (
+            errors
+        )
+    fallback = aimd.step(window, current, goal, memory)
+    return replace(fallback, reason=f"AIMD ({why}): {fallback.reason}"), errors
+
+
+def _error(window: Window, model: StepModel | None, current: BatchingConfig) -> float | None:
+    """The fit's relative error on the config in force: the worst over the stated targets
+    of |predicted - observed| / observed p99; None without a trusted fit or a p99."""
+    if model is None or not model.trusted:
+        return None
+    candidate = Candidate(
+        current.max_batch_size, current.batch_timeout_ms, current.prefill_token_budget,
+        window.pods,
+    )  # fmt: skip
+    prediction = predict(window, model, candidate)
+    observed = window.observed()
+    if prediction is None or not observed:
+        return None
+
+    def off(predicted: float, seen: float) -> float:
+        if math.isinf(predicted):  # a queue that never drains: right where it grows
+            return 0.0 if window.queue_grows else math.inf
+        return abs(predicted - seen) / seen if seen > 0 else 0.0
+
+    return max(off(prediction.p99(name), seen) for name, seen in observed.items())
+
+
+def _untrusted(model: StepModel | None, errors: tuple[float, ...], goal: Goal) -> str | None:
+    """Why the fit is not used this round; None when it is."""
+    if model is None:
+        return "no step fit yet: the window has no step counters or too few points"
+    if not model.trusted:
+        return f"step fit not trusted yet: {model.describe()}"
+    if errors and statistics.median(errors) > goal.params.max_error:
+        return (
+            f"the step fit's recent error {statistics.median(errors):.0%} is over "
+            f"{goal.params.max_error:.0%}"
+        )
+    return None

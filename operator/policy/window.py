@@ -1,0 +1,159 @@
+"""The window's derived quantities, computed once per round and read by every other part.
+
+Pure. From the window's `Signals`, the goal and the rule's memory:
+
+- demand: `arrival_rps` (arrivals alone, where measured, else finished), the
+  `forecast_rps` a pod started now would meet (now's arrivals plus the median rise of
+  the last rounds over the lead time: the last scale-out's start-up and a round; one
+  jump is no trend), and `demand_with_backlog_rps` (the forecast plus the backlog
+  drained within one window);
+- the lengths' shape: prompt and output tokens as three points (p50, p90, p99) with
+  the weights half, two fifths and a tenth (`length_points`); where a quantile is
+  missing its neighbour stands in;
+- per pod: the throughput a pod showed (finished per busy second; without a busy
+  share, a queueing pod is taken as always busy);
+- `queue_grows`: more than a request a pod waits at the window's end and clearly
+  fewer finished than arrived: evidence, whatever the window's count of finished
+  requests;
+- `fleet_can_grow`: the goal has replica bounds, the scaler owns the count and it is
+  below the maximum.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from dataclasses import dataclass
+
+from batchpilot_operator.replica_rule import ARRIVAL_HISTORY, Fleet, ReplicaBounds, ReplicaState
+from batchpilot_operator.signals import Signals
+from batchpilot_operator.slo import Slo
+
+LENGTH_WEIGHTS = (0.5, 0.4, 0.1)  # the p50, p90 and p99 points' shares of the requests
+QUEUE_SHARE = 0.5  # queue wait >= this share of a p99: queueing is half the story
+GROWTH_SHARE = 0.05  # finished under (1 - share) x arrivals: the queue grows
+
+
+@dataclass(frozen=True)
+class Forecast:
+    now_rps: float
+    rise_per_s: float = 0.0
+    lead_s: float = 0.0
+
+    @property
+    def rps(self) -> float:
+        return self.now_rps + self.rise_per_s * self.lead_s
+
+    def describe(self) -> str:
+        if self.rise_per_s <= 0:
+            return f"{self.now_rps:.2f} req/s"
+        return f"{self.now_rps:.2f} req/s, rising to {self.rps:.2f} req/s in {self.lead_s:.0f} s"
+
+
+@dataclass(frozen=True)
+class Window:
+    signals: Signals
+    slo: Slo
+    pods: int  # pods the window covers (at least 1)
+    forecast: Forecast
+    fleet: Fleet | None
+    replicas: ReplicaBounds | None
+
+    @classmethod
+    def of(
+        cls,
+        signals: Signals,
+        slo: Slo,
+        fleet: Fleet | None,
+        replicas: ReplicaBounds | None,
+        memory: ReplicaState,
+    ) -> Window:
+        pods = max(1, signals.pods or (fleet.ready if fleet is not None else 1))
+        return cls(signals, slo, pods, forecast(signals.demand_rate, memory), fleet, replicas)
+
+    @property
+    def arrival_rps(self) -> float:
+        return self.signals.demand_rate
+
+    @property
+    def forecast_rps(self) -> float:
+        return self.forecast.rps
+
+    @property
+    def backlog(self) -> float:
+        return self.signals.waiting
+
+    @property
+    def demand_with_backlog_rps(self) -> float:
+        return self.forecast_rps + self.backlog / max(self.signals.window_s, 1e-9)
+
+    @property
+    def queue_grows(self) -> bool:
+        """More than a request a pod waits at the window's end, and the pods finished
+        clearly less than arrived (by `GROWTH_SHARE`: not the noise of a steady load)."""
+        s = self.signals
+        return s.waiting > self.pods and s.finished_rate < (1 - GROWTH_SHARE) * s.demand_rate
+
+    @property
+    def fleet_can_grow(self) -> bool:
+        return (
+            self.replicas is not None and self.fleet is not None
+            and self.fleet.desired < self.replicas.max_replicas
+        )  # fmt: skip
+
+    def measured_per_pod_rps(self) -> float | None:
+        """What each pod finished over the share of the window it was busy."""
+        s = self.signals
+        if s.finished_rate <= 0:
+            return None
+        # Without a busy share, a queueing pod is taken as always busy.
+        busy = s.utilisation if s.utilisation is not None else (1.0 if self.queueing() else None)
+        if busy is None or busy <= 0:
+            return None
+        return s.finished_rate / (self.pods * min(1.0, busy))
+
+    def queueing(self) -> bool:
+        """The wait for a slot is half the p99, or the queue grows."""
+        s = self.signals
+        p99 = s.p99_latency_s or 0.0
+        return self.queue_grows or (s.queue_wait_p99_s or 0.0) >= QUEUE_SHARE * p99 > 0
+
+    def observed(self) -> dict[str, float]:
+        """The window's p99 of each stated target (those measured)."""
+        s = self.signals
+        values = {"ttft": s.ttft_p99_s, "tpot": s.tpot_p99_s, "e2e": s.p99_latency_s}
+        return {k: v for k, v in values.items() if k in self.slo.stated and v is not None}
+
+    def pressure(self) -> tuple[str, float] | None:
+        """The stated target whose observed p99 is closest to (or furthest past) its
+        target, and that ratio; None where none is measured."""
+        ratios = {k: v / self.slo.stated[k] for k, v in self.observed().items()}
+        if not ratios:
+            return None
+        worst = max(ratios, key=lambda k: ratios[k])
+        return worst, ratios[worst]
+
+
+def length_points(
+    p50: float | None, p90: float | None, p99: float | None
+) -> tuple[float, float, float] | None:
+    """Three quantiles as the p50, p90, p99 points, a missing one taken from its neighbour;
+    None where none is known."""
+    known = [v for v in (p50, p90, p99) if v is not None and v > 0]
+    if not known:
+        return None
+    a = p50 if p50 else known[0]
+    b = p90 if p90 else max(a, known[-1])
+    c = p99 if p99 else b
+    return (float(a), float(max(a, b)), float(max(a, b, c)))
+
+
+def forecast(now_rps: float, memory: ReplicaState) -> Forecast:
+    """Now's arrivals plus the recent rise over the lead time (see the module docstring)."""
+    history = memory.arrivals
+    rises = [(b - a) / (tb - ta) for (ta, a), (tb, b) in itertools.pairwise(history) if tb > ta]
+    if len(rises) < ARRIVAL_HISTORY - 1:
+        return Forecast(now_rps)
+    gap = (history[-1][0] - history[0][0]) / (len(history) - 1)
+    startup = memory.startup_s if memory.startup_s is not None else gap
+    return Forecast(now_rps, max(0.0, statistics.median(rises)), gap + startup)

@@ -1,0 +1,123 @@
+"""The round: the predictive choice (fewest pods, KV as a constraint, within the bounds) and
+when it falls back to AIMD, with the reason saying why."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from batchpilot_operator.policy.memory import PolicyMemory
+from batchpilot_operator.policy.round import decide
+from batchpilot_operator.replica_rule import Fleet, ReplicaBounds
+from batchpilot_operator.slo import Slo
+from batchpilot_operator.tuner import Bounds, Goal
+from batchpilot_server.batching_config import BatchingConfig
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.support.policy import as_predicted, points, trusted, window
+
+SLO = Slo(ttft_s=0.5, tpot_s=0.05)
+BOUNDS = Bounds(1, 64, 0.0, 50.0, 256, 4096)
+GOAL = Goal(SLO, BOUNDS, replicas=ReplicaBounds(1, 6, scale_down_stabilization_s=0.0))
+CURRENT = BatchingConfig(max_batch_size=16, batch_timeout_ms=0.0, prefill_token_budget=1024)
+
+
+def seen(rate: float, pods: int = 1, **changes: object):
+    """A window the fit predicts well for the config in force."""
+    return as_predicted(window(rate, pods=pods, **changes), CURRENT, SLO)
+
+
+def test_one_pod_is_chosen_where_one_suffices() -> None:
+    decision = decide(seen(2.0, pods=3), CURRENT, GOAL, trusted(3), fleet=Fleet(3, 3), now=1e4)
+    assert decision.prediction is not None
+    assert decision.prediction.candidate.replicas == 1
+    assert decision.reason.startswith("predicted (step fit")
+    assert decision.scale is not None and decision.scale.replicas == 1
+    assert decision.scale.action == "scale_in" and "with headroom" in decision.scale.reason
+
+
+def test_more_pods_are_chosen_where_one_cannot_carry_the_load() -> None:
+    # arrivals past what one pod finishes, and a queue growing: the fit says it never drains
+    growing = seen(25.0, requests=1200.0, waiting=5.0)
+    decision = decide(growing, CURRENT, GOAL, trusted(), fleet=Fleet(1, 1), now=1e4)
+    assert decision.prediction is not None and decision.prediction.candidate.replicas > 1
+    assert decision.prediction.attainment >= 1 - 0.5 * SLO.allowed_miss_share
+    assert decision.scale is not None and decision.scale.action == "scale_out"
+    assert "the batch is spent" in decision.scale.reason
+
+
+def test_the_kv_watermark_excludes_candidates() -> None:
+    roomy = decide(seen(3.0, kv_usage=None), CURRENT, GOAL, trusted(), fleet=Fleet(1, 1))
+    # A pool that 3000 tokens fill to 0.8: a handful of chat rows passes the watermark.
+    tight = decide(seen(3.0, kv_usage=0.8), CURRENT, GOAL, trusted(), fleet=Fleet(1, 1))
+    assert roomy.prediction is not None and tight.prediction is not None
+    assert roomy.prediction.kv_use is None
+    assert tight.prediction.kv_use is not None and tight.prediction.kv_use <= 0.9
+    assert tight.prediction.candidate.replicas > roomy.prediction.candidate.replicas
+
+
+def test_preemptions_exclude_the_batch_in_force_and_above() -> None:
+    decision = decide(seen(2.0, preemption_rate=0.5), CURRENT, GOAL, trusted())
+    assert decision.config.max_batch_size < CURRENT.max_batch_size
+
+
+def test_aimd_steps_until_the_fit_is_trusted_and_says_so() -> None:
+    queueing = window(25.0, p99_latency_s=9.0, queue_wait_p99_s=8.0, ttft_p99_s=8.0,
+                      waiting=200.0, requests=600.0)  # fmt: skip
+    young = PolicyMemory(points=points()[:2])
+    decision = decide(queueing, CURRENT, GOAL, young)
+    assert decision.reason.startswith("AIMD (step fit not trusted yet")
+    assert decision.action == "grow_batch" and decision.prediction is None
+    none_yet = decide(replace(queueing, steps=None), CURRENT, GOAL, PolicyMemory())
+    assert none_yet.reason.startswith("AIMD (no step fit yet")
+
+
+def test_aimd_takes_over_after_a_large_prediction_error_and_says_so() -> None:
+    # The pods measure a TTFT twenty times what the fit predicts for the config in force.
+    wrong = window(2.0, ttft_p99_s=2.0, tpot_p99_s=0.2)
+    memory = trusted()
+    for _ in range(2):
+        decision = decide(wrong, CURRENT, GOAL, memory)
+        memory = decision.memory
+    assert decision.reason.startswith("AIMD (the step fit's recent error")
+    assert len(memory.errors) == 2 and min(memory.errors) > GOAL.params.max_error
+    # A fit that predicts the window well is used.
+    good = decide(seen(2.0), CURRENT, GOAL, trusted())
+    assert good.reason.startswith("predicted")
+
+
+def test_the_memory_has_one_writer_and_since_change_restarts_on_any_move() -> None:
+    first = decide(seen(2.0, pods=3), CURRENT, GOAL, trusted(3), fleet=Fleet(3, 3), now=1e4)
+    assert first.scale is not None and first.scale.replicas == 1
+    assert first.config == CURRENT and first.memory.since_change == 0  # the fleet moved
+    held = decide(seen(2.0), CURRENT, GOAL, first.memory, fleet=Fleet(1, 1), now=1e4 + 30)
+    assert held.action == "hold" and held.scale is not None and held.scale.action == "hold"
+    assert held.memory.since_change == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rate=st.floats(0.1, 60.0),
+    low=st.integers(1, 32),
+    span=st.integers(0, 32),
+    budget_low=st.integers(64, 2048),
+    budget_span=st.integers(0, 4096),
+    batch=st.integers(1, 128),
+    budget=st.integers(1, 10000),
+    trusting=st.booleans(),
+)
+def test_the_chosen_config_is_always_within_the_bounds(
+    rate: float, low: int, span: int, budget_low: int, budget_span: int, batch: int,
+    budget: int, trusting: bool,
+) -> None:  # fmt: skip
+    bounds = Bounds(low, low + span, 0.0, 20.0, budget_low, budget_low + budget_span)
+    goal = replace(GOAL, bounds=bounds)
+    current = BatchingConfig(max_batch_size=batch, prefill_token_budget=budget)
+    memory = trusted() if trusting else PolicyMemory()
+    config = current
+    for _ in range(2):  # a clamp first where the config in force is outside
+        decision = decide(window(rate), config, goal, memory, fleet=Fleet(1, 1), now=1e4)
+        config, memory = decision.config, decision.memory
+    assert bounds.contains(config)
+    assert decision.scale is not None
+    assert 1 <= decision.scale.replicas <= 6

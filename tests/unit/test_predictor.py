@@ -1,0 +1,84 @@
+"""The predictor: monotone where it must be, unstable where the pods cannot keep up, and the
+function the benchmark compares against measured windows."""
+
+from __future__ import annotations
+
+import math
+
+from batchpilot_operator.policy.predictor import Candidate, predict, predict_config
+from batchpilot_operator.policy.step_model import fit
+from batchpilot_operator.policy.window import Window
+from batchpilot_operator.replica_rule import ReplicaState
+from batchpilot_operator.slo import Slo
+from batchpilot_server.batching_config import BatchingConfig
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.support.policy import points, window
+
+SLO = Slo(ttft_s=0.5, tpot_s=0.05)
+MODEL = fit(points())
+assert MODEL is not None
+
+
+def predicted(rate: float, batch: int = 32, budget: int = 1024, pods: int = 1, **changes: object):
+    w = Window.of(window(rate, **changes), SLO, None, None, ReplicaState())
+    result = predict(w, MODEL, Candidate(batch, 0.0, budget, pods))
+    assert result is not None
+    return result
+
+
+def test_more_pods_give_a_lower_ttft() -> None:
+    ttfts = [predicted(20.0, pods=n).ttft_p99_s for n in (2, 3, 4, 6)]
+    assert ttfts == sorted(ttfts, reverse=True) and ttfts[0] > ttfts[-1]
+
+
+def test_a_bigger_budget_gives_a_lower_ttft_and_a_higher_tpot() -> None:
+    runs = [predicted(10.0, budget=g, pods=3) for g in (256, 512, 1024, 2048, 4096)]
+    ttfts = [r.ttft_p99_s for r in runs]
+    tpots = [r.tpot_p99_s for r in runs]
+    assert ttfts == sorted(ttfts, reverse=True) and ttfts[0] > ttfts[-1]
+    assert tpots == sorted(tpots) and tpots[0] < tpots[-1]
+
+
+def test_a_pod_that_cannot_keep_up_misses_every_latency_target() -> None:
+    over = predicted(20.0, pods=1)
+    assert over.utilisation >= 1
+    assert math.isinf(over.ttft_p99_s) and math.isinf(over.e2e_p99_s)
+    assert over.attainment == 0.0
+    assert "ttft p99 never" in over.describe(SLO)
+
+
+def test_a_backlog_raises_the_predicted_ttft() -> None:
+    calm = predicted(10.0, pods=3)
+    behind = predicted(10.0, pods=3, waiting=300.0)
+    assert behind.ttft_p99_s > calm.ttft_p99_s
+    assert behind.attainment <= calm.attainment
+
+
+def test_predict_config_needs_a_fit_at_the_windows_fleet_size() -> None:
+    config = BatchingConfig(max_batch_size=32, batch_timeout_ms=0.0, prefill_token_budget=1024)
+    got = predict_config(window(10.0, pods=1), config, 3, SLO, points(pods=1))
+    assert got is not None and got.candidate.replicas == 3
+    assert got.ttft_p99_s == predicted(10.0, pods=3).ttft_p99_s
+    assert predict_config(window(10.0, pods=2), config, 3, SLO, points(pods=1)) is None
+    no_lengths = window(10.0, output_tokens_p50=None, output_tokens_p90=None,
+                        output_tokens_p99=None, tokens_per_s=0.0)  # fmt: skip
+    assert predict_config(no_lengths, config, 1, SLO, points()) is None
+
+
+@given(
+    rate=st.floats(0.5, 40.0),
+    batch=st.integers(1, 64),
+    budget=st.integers(64, 8192),
+    pods=st.integers(1, 8),
+)
+def test_predictions_are_sane_and_more_pods_never_hurt(
+    rate: float, batch: int, budget: int, pods: int
+) -> None:
+    one = predicted(rate, batch, budget, pods)
+    more = predicted(rate, batch, budget, pods + 1)
+    assert 0.0 <= one.attainment <= 1.0
+    assert one.tpot_p99_s > 0 and one.ttft_p99_s > 0
+    assert more.ttft_p99_s <= one.ttft_p99_s * (1 + 1e-9)
+    assert more.attainment >= one.attainment - 1e-9

@@ -1,0 +1,84 @@
+"""The step-time model: the fit recovers known costs, stays non-negative, says which terms it
+could tell apart, and is trusted only across distinct operating points."""
+
+from __future__ import annotations
+
+import pytest
+from batchpilot_operator.policy.step_model import (
+    MAX_POINTS,
+    StepPoint,
+    fit,
+    of_fleet,
+    point_of,
+    remember,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.support.policy import PLANE, points, step_s, window
+
+
+def test_the_fit_recovers_known_coefficients() -> None:
+    model = fit(points())
+    assert model is not None and model.trusted
+    got = (model.fixed_s, model.per_row_s, model.per_prefill_s, model.per_kv_s)
+    assert got == pytest.approx(PLANE, rel=1e-6)
+    assert model.used == ("rows", "prefill", "kv")
+    assert "over 5 windows" in model.describe()
+
+
+@given(
+    st.tuples(
+        st.floats(0.0, 0.05), st.floats(0.0, 0.001), st.floats(0.0, 1e-4), st.floats(0.0, 1e-5)
+    )
+)
+def test_any_non_negative_plane_is_recovered(plane: tuple[float, float, float, float]) -> None:
+    model = fit(points(plane=plane))
+    assert model is not None
+    for rows, prefill, kv in [(3, 100, 700), (12, 20, 4000)]:
+        assert model.step_s(rows, prefill, kv) == pytest.approx(
+            step_s(rows, prefill, kv, plane), rel=1e-6, abs=1e-9
+        )
+
+
+def test_noise_that_reads_as_a_negative_cost_is_fitted_as_none() -> None:
+    # Step times that fall with the rows: a flat curve's noise, not a free row.
+    noisy = [StepPoint(r, 100, 1000, 0.01 - 0.0001 * r, 1) for r in (1, 2, 4, 8)]
+    model = fit(noisy)
+    assert model is not None
+    assert min(model.fixed_s, model.per_row_s, model.per_prefill_s, model.per_kv_s) >= 0
+    assert model.per_row_s == 0
+
+
+def test_a_term_that_did_not_vary_is_left_out_and_named() -> None:
+    steady = [StepPoint(r, 100, 1000, step_s(r, 100, 1000), 1) for r in (1, 2, 4, 8)]
+    model = fit(steady)
+    assert model is not None and model.used == ("rows",)
+    assert "prefill, kv did not vary" in model.describe()
+    assert model.step_s(6, 100, 1000) == pytest.approx(step_s(6, 100, 1000))
+
+
+def test_trust_needs_enough_windows_across_distinct_operating_points() -> None:
+    few = fit(points()[:3])
+    assert few is not None and not few.trusted
+    one_level = [StepPoint(4, p, 1000, step_s(4, p, 1000), 1) for p in (10, 100, 300, 900)]
+    flat = fit(one_level)
+    assert flat is not None and not flat.trusted  # the rows never moved
+    assert fit(points()[:1]) is None
+
+
+def test_a_window_gives_its_mean_step_and_bands_keep_one_point_each() -> None:
+    point = point_of(window())
+    assert point is not None
+    assert (point.rows, point.prefill, point.kv) == (8.0, 50.0, 3000.0)
+    assert point.step_s == pytest.approx(step_s(8, 50, 3000))
+    assert point_of(window(steps=None)) is None
+    kept = remember((), point)
+    again = remember(kept, point)
+    assert again == kept  # the same band: replaced, not added
+    many: tuple[StepPoint, ...] = ()
+    for pods in range(1, 4):
+        for rows in range(1, 40):
+            many = remember(many, StepPoint(rows, 10, 10, 0.01, pods))
+    assert len(many) == MAX_POINTS
+    assert {p.pods for p in of_fleet(many, 3)} == {3}
