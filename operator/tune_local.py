@@ -19,7 +19,7 @@ import json
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -88,7 +88,10 @@ async def tune_loop(
         return None if on_step is None else on_step(step)
 
     async with aiohttp.ClientSession() as session:
-        in_force = await _config_in_force(session, options.servers)
+        # The servers judge each request against the targets they hold: the record
+        # carries the goal's, so the first round's resync hands them over.
+        held = await _config_in_force(session, options.servers)
+        in_force = replace(held, slo=options.goal.slo.targets())
         source = _source(options, session)
         if isinstance(source, ScrapeSource):
             await source.scrape()  # the baseline the first window is measured from
