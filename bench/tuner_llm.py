@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+from batchpilot_operator.policy.predictor import predict_config
 from batchpilot_operator.replica_rule import ReplicaBounds
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.tuner import Bounds, Cadence, Goal
@@ -133,11 +134,10 @@ def goal(setup: LlmSetup) -> Goal:
     return Goal(setup.slo, bounds, replicas=ReplicaBounds(1, MAX_REPLICAS))
 
 
-def predictor() -> Predictor | None:
-    """THE PREDICTOR HOOK: the policy package's prediction function, adapted to the
-    simulator's `Predictor` (signals, goal, config in force -> `Prediction`). Until
-    operator/policy/ exposes one, nothing is predicted and the error columns read '-'."""
-    return None
+def predictor() -> Predictor:
+    """The policy package's own prediction: what the rule expects of the config in force
+    (None until its step fit exists: those intervals' error columns read '-')."""
+    return predict_config
 
 
 def tuner_options(setup: LlmSetup, cadence: Cadence) -> SimOptions:

@@ -48,6 +48,8 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import numpy as np
+from batchpilot_operator.policy.predictor import Prediction
+from batchpilot_operator.policy.step_model import StepPoint
 from batchpilot_operator.replica_rule import Fleet, ReplicaState, ScaleDecision
 from batchpilot_operator.signals import (
     MIN_REQUESTS_PER_WINDOW,
@@ -56,6 +58,7 @@ from batchpilot_operator.signals import (
     status_detail,
     traffic_status,
 )
+from batchpilot_operator.slo import Slo
 from batchpilot_operator.tuner import Cadence, Decision, Goal
 from batchpilot_operator.tuning_loop import (
     ActuationReport,
@@ -252,18 +255,12 @@ def missed_targets(times: RequestTimes, targets: dict[str, float]) -> list[str]:
     ]
 
 
-@dataclass(frozen=True)
-class Prediction:
-    """What a predictor said an interval would measure under the config it runs."""
-
-    ttft_p99_s: float | None
-    tpot_p99_s: float | None
-    attainment: float | None
-
-
-# The predictor's seam: given the signals a round read, the goal, and the config the
-# round leaves in force, what the next interval will measure. None: no predictor.
-Predictor = Callable[[Signals, Goal, BatchingConfig], Prediction]
+# The predictor's seam: given the signals a round read, the config the round leaves in
+# force, the replicas, the SLO and the rule's step points, what the next interval will
+# measure (the policy's `predict_config`). None: no predictor.
+Predictor = Callable[
+    [Signals, BatchingConfig, int, Slo, tuple[StepPoint, ...]], Prediction | None
+]
 
 
 @dataclass(frozen=True)
@@ -906,7 +903,9 @@ class SimulatedFleet:
         )
         if self.opt.predictor is not None:
             signals = await self.read(self.opt.cadence.window_s)
-            self.current.prediction = self.opt.predictor(signals, self.opt.goal, self.config)
+            self.current.prediction = self.opt.predictor(
+                signals, self.config, self.desired, self.opt.goal.slo, self.loop.memory.points
+            )
 
     async def _controlled_round(self, controller: ReplicaController) -> None:
         signals = await self.read(self.opt.cadence.window_s)
