@@ -450,7 +450,11 @@ async def measure_peer(url: str, args: argparse.Namespace) -> dict[str, Any]:
     runs = [await batch32(url) for _ in range(args.batch_rounds)]
     best32 = max(runs, key=lambda r: r.decode_tokens_per_s)
     print(f"  batch {BATCH}: {best32.decode_tokens_per_s:.0f} tokens/s decoding", flush=True)
-    cap = await capacity(url, best32.overall_tokens_per_s, args)
+    cap = (
+        await capacity(url, best32.overall_tokens_per_s, args)
+        if args.capacity
+        else Capacity(0.0, False, [])
+    )
     return {
         "batch1_tokens_per_s": round(best1, 1),
         "batch1_rounds": [round(r, 1) for r in rounds1],
@@ -482,6 +486,8 @@ def measure_all(peers: list[Peer], args: argparse.Namespace) -> dict[str, dict[s
                 results[peer.name] = {"error": f"{type(exc).__name__}: {exc}"[-1500:]}
                 print(f"  failed: {results[peer.name]['error']}", flush=True)
             results[peer.name]["seconds"] = round(time.monotonic() - t0)
+            # the machine may be shared: the 1-minute load average as this server ended
+            results[peer.name]["load_average"] = round(os.getloadavg()[0], 2)
     return results
 
 
@@ -523,25 +529,28 @@ def tables(results: dict[str, dict[str, Any]], peers: list[Peer], args: argparse
         f"{args.rate_duration:g} s per rate point; `+`: every point met the SLO, the "
         "capacity is higher).",
         "",
-        "| server | weights | batch 1 tokens/s | batch 32 tokens/s | capacity req/s |",
-        "|---|---|---:|---:|---:|",
+        "| server | weights | batch 1 tokens/s | batch 32 tokens/s | capacity req/s "
+        "| load average |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for name, row in results.items():
         peer = by_name[name]
         label = name if peer.family == "batchpilot" else peer.server
         if "error" in row:
-            lines.append(f"| {label} | {peer.weights} | not run: {row['error'][:120]} | | |")
+            lines.append(f"| {label} | {peer.weights} | not run: {row['error'][:120]} | | | |")
             continue
         ceiling = "+" if row["capacity_at_ceiling"] else ""
+        capacity = f"{row['capacity_rps']:g}{ceiling}" if args.capacity else "not measured"
         lines.append(
             f"| {label} | {peer.weights} | {row['batch1_tokens_per_s']:.1f} "
             f"| {row['batch32_decode_tokens_per_s']:.0f} "
             f"({row['batch32_overall_tokens_per_s']:.0f}) "
-            f"| {row['capacity_rps']:g}{ceiling} |"
+            f"| {capacity} | {row['load_average']:g} |"
         )
-    lines += ["", "Rate points (offered req/s: ok/sent, p99 s):", ""]
+    if args.capacity:
+        lines += ["", "Rate points (offered req/s: ok/sent, p99 s):", ""]
     for name, row in results.items():
-        if "error" not in row:
+        if "error" not in row and args.capacity:
             points = "; ".join(
                 f"{p['rate']:g}: {p['ok']}/{p['sent']}, {_p99(p['p99_s'])}"
                 for p in row["capacity_points"]
@@ -604,6 +613,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-points", type=int, default=6, help="rate points at most, per server")
     p.add_argument("--quick", action="store_true", help="shorter rate points, fewer rounds")
     p.add_argument("--no-doc", action="store_true", help="write neither docs/peers.md nor the plot")
+    p.add_argument(
+        "--no-capacity",
+        dest="capacity",
+        action="store_false",
+        help="measure batch 1 and batch 32 only (the capacity search takes minutes a server)",
+    )
     return p
 
 

@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from batchpilot_server.models import PRESETS, build_model, get_spec, resolve_device
+from batchpilot_server.models import (
+    PRESETS,
+    RMSNorm,
+    apply_rope,
+    apply_rope_,
+    build_model,
+    get_spec,
+    resolve_device,
+)
 from batchpilot_server.weights import load_model, spec_from_config
 from tokenizers import Tokenizer as Pipeline
 from tokenizers.models import WordLevel
@@ -27,6 +35,26 @@ def test_presets_and_their_errors() -> None:
     with pytest.raises(ValueError, match="auto, cpu or cuda"):
         resolve_device("tpu")
     assert resolve_device("auto") in ("cpu", "cuda") and set(PRESETS) >= {"tiny"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fewer_op_layer_math_is_transformers_arithmetic_bit_for_bit(dtype: torch.dtype) -> None:
+    """In-place RoPE over a view of the fused q/k/v buffer and RMSNorm through
+    F.rms_norm round exactly as transformers' out-of-place formulas do."""
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(3, 2, 15, 64, generator=generator).to(dtype)
+    cos, sin = (torch.randn(3, 2, 1, 64, generator=generator).to(dtype) for _ in range(2))
+    expected = apply_rope(qkv[:, :, :12], cos, sin)
+    untouched = qkv[:, :, 12:].clone()
+    apply_rope_(qkv[:, :, :12], cos, sin)
+    assert torch.equal(qkv[:, :, :12], expected)
+    assert torch.equal(qkv[:, :, 12:], untouched), "RoPE wrote past q and k into v"
+
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.data = torch.randn(64, generator=generator).to(dtype)
+    h = qkv.float()
+    reference = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    assert torch.equal(norm(qkv), reference)
 
 
 def test_weights_come_from_the_seed() -> None:
