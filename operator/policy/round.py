@@ -141,6 +141,10 @@ def _error(window: Window, model: StepModel | None, current: BatchingConfig) -> 
     of |predicted - observed| / observed p99; None without a trusted fit or a p99."""
     if model is None or not model.trusted:
         return None
+    if window.backlog > window.pods:
+        # The window's p99 holds the wait behind a queue built before it, which a steady
+        # state prediction does not describe: judge the fit on windows without one.
+        return None
     candidate = Candidate(
         current.max_batch_size, current.batch_timeout_ms, current.prefill_token_budget,
         window.pods,
