@@ -355,7 +355,7 @@ def test_the_prefill_budget_is_live() -> None:
     asyncio.run(fleet.apply(BatchingConfig(prefill_token_budget=64)))
     scheduler = fleet.servers[0].scheduler
     assert isinstance(scheduler, ContinuousScheduler)
-    assert scheduler.prefill_budget == 64
+    assert scheduler.config.prefill_token_budget == 64
 
 
 def test_fast_forward_with_attention_cost_changes_no_completion() -> None:
