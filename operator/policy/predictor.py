@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from batchpilot_operator.policy.step_model import StepModel, StepPoint, fit, of_fleet
+from batchpilot_operator.policy.step_model import StepModel, StepPoint, fit_for
 from batchpilot_operator.policy.window import LENGTH_WEIGHTS, Window, length_points
 from batchpilot_operator.replica_rule import ReplicaState
 from batchpilot_operator.signals import Signals
@@ -310,7 +310,7 @@ def predict_config(
     with the step model fitted through `points` (the rule's memory: `PolicyMemory.points`)
     at the window's fleet size; None without a fit or lengths. For comparing predicted
     against measured per window (bench/tuner.py)."""
-    model = fit(of_fleet(points, signals.pods))
+    model = fit_for(points, signals.pods)
     if model is None:
         return None
     window = Window.of(signals, slo, None, None, ReplicaState())

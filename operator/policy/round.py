@@ -40,7 +40,7 @@ from batchpilot_operator.policy.predictor import Candidate, predict
 from batchpilot_operator.policy.reasons import knob_change
 from batchpilot_operator.policy.replicas import Need, observe, stabilize
 from batchpilot_operator.policy.sizing import Sizing
-from batchpilot_operator.policy.step_model import StepModel, fit, of_fleet, point_of, remember
+from batchpilot_operator.policy.step_model import StepModel, fit_for, point_of, remember
 from batchpilot_operator.policy.window import Window
 from batchpilot_operator.replica_rule import Fleet
 from batchpilot_operator.signals import Signals
@@ -121,7 +121,7 @@ def _size(
     if not signals.ok:
         status = signals.status.replace("_", " ")
         return Sizing(current, "hold", f"{status}: {signals.detail or status}", None), errors
-    model = fit(of_fleet(memory.points, window.pods))
+    model = fit_for(memory.points, window.pods)
     error = _error(window, model, current)
     if error is not None:
         errors = (*errors, error)[-ERROR_HISTORY:]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from batchpilot_operator.signals import Signals
@@ -96,6 +96,19 @@ def of_fleet(points: Sequence[StepPoint], pods: int) -> tuple[StepPoint, ...]:
     return tuple(p for p in points if p.pods == pods)
 
 
+def fit_for(points: Sequence[StepPoint], pods: int) -> StepModel | None:
+    """The fit at this fleet size; where that is not trusted (a steady load at a new size
+    shows one operating point), the fit through every size's points if that one is: a
+    pod's step is the same work whatever the fleet, and the reason names the fit used."""
+    own = fit(of_fleet(points, pods))
+    if own is not None and own.trusted:
+        return own
+    every = fit(points)
+    if every is not None and every.trusted and len(every_size := {p.pods for p in points}) > 1:
+        return replace(every, scope=f"across fleets of {', '.join(map(str, sorted(every_size)))}")
+    return own
+
+
 @dataclass(frozen=True)
 class StepModel:
     """A fitted plane; coefficients in seconds (per row, per prompt token, per KV token)."""
@@ -108,6 +121,7 @@ class StepModel:
     used: tuple[str, ...]  # the terms the fit could tell apart (TERMS' names)
     trusted: bool
     rms_error: float = 0.0  # seconds, over the points
+    scope: str = ""  # empty: this fleet size's points; else which sizes' points
 
     def step_s(self, rows: float, prefill: float, kv: float) -> float:
         return (
@@ -122,7 +136,8 @@ class StepModel:
         parts += [f"{values[t] * 1e6:.2f} us/{names[t]}" for t in TERMS if t in self.used]
         unused = [t for t in TERMS if t not in self.used]
         left = f"; {', '.join(unused)} did not vary" if unused else ""
-        return f"step fit {' + '.join(parts)} over {self.points} windows{left}"
+        scope = f" {self.scope}" if self.scope else ""
+        return f"step fit {' + '.join(parts)} over {self.points} windows{scope}{left}"
 
 
 def fit(points: Sequence[StepPoint]) -> StepModel | None:
