@@ -32,6 +32,13 @@ from tests.support.policies import policy_object
 TOKEN = "chaos-token"
 INTERVAL_S = 5  # the CRD's minimum
 MAX_BATCH = 5  # one grow step (1 -> 5) reaches it: then the tuner holds
+SLO_MS = 1000.0
+# The one PUT a pod takes: the decision's knobs, with the budget and the SLO targets it
+# judges requests by.
+DECIDED_PUT = {
+    "max_batch_size": MAX_BATCH, "batch_timeout_ms": 0.0, "prefill_token_budget": 2048,
+    "slo": {"ttft_ms": None, "tpot_ms": None, "e2e_ms": SLO_MS},
+}  # fmt: skip
 DEADLINE_S = 40.0
 # Kopf re-watches each of its five kinds with backoff (1, 1, 2, 3, 5 ... s) and the
 # operator retries every 10 s: a few calls per second at worst. A hot loop makes hundreds.
@@ -170,7 +177,7 @@ def policy(namespace: str, **autotune: Any) -> dict[str, Any]:
             "maxBatchSize": {"initial": 1, "min": 1, "max": MAX_BATCH},
             "batchTimeoutMs": {"initial": 0, "min": 0, "max": 50},
         },
-        "slo": {"p99LatencyMs": 1000},
+        "slo": {"p99LatencyMs": SLO_MS},
         "autotune": {"intervalSeconds": INTERVAL_S, "windowSeconds": 10, **autotune},
     })  # fmt: skip
 
@@ -263,7 +270,7 @@ async def test_prometheus_faults_hold_the_config_and_are_reported(
             ns, "llm", "MetricsAvailable", "True", "MetricsRead", DEADLINE_S
         )
         recovered = time.monotonic() - during
-        assert world.pod.applied == [{"max_batch_size": MAX_BATCH, "batch_timeout_ms": 0.0}]
+        assert world.pod.applied == [DECIDED_PUT]
     assert api_rate < HOT_LOOP_CALLS_PER_S
     report(f"prometheus {mode}", seen_after_s=detected, prometheus_queries=queries,
            fault_s=during - start, api_calls_per_s=api_rate, recovered_after_s=recovered)
@@ -309,7 +316,7 @@ async def test_a_pod_refusing_or_hanging_on_the_admin_put_is_reported_and_caught
         await next_round(world, "a round after the catch-up")
         await wait_events(cluster, ns, "Tuned")
     # Applied once, by the resync: neither the refusals nor the rounds after repeat it.
-    assert world.pod.applied == [{"max_batch_size": MAX_BATCH, "batch_timeout_ms": 0.0}]
+    assert world.pod.applied == [DECIDED_PUT]
     assert world.pod.config["max_batch_size"] == MAX_BATCH
     assert len(await events(cluster, ns, "Tuned")) == 1
     assert hang_rate < HOT_LOOP_CALLS_PER_S
@@ -418,7 +425,7 @@ async def test_conflicts_while_applying_a_decision_never_apply_it_twice(
     finally:
         cluster.emulator.faults.remove(conflict)
     assert conflict.hits == 2
-    assert world.pod.applied == [{"max_batch_size": MAX_BATCH, "batch_timeout_ms": 0.0}]
+    assert world.pod.applied == [DECIDED_PUT]
     assert len(await events(cluster, ns, "Tuned")) == 1
     assert "409" in reported[0]["message"], reported
     assert failed["reason"] == "Enabled"

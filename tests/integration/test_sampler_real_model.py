@@ -52,12 +52,13 @@ def reference(smollm2_dir: Path) -> PreTrainedModel:
 async def engine(smollm2_dir: Path) -> AsyncIterator[Engine]:
     options = EngineOptions(
         mode="continuous",
-        config=BatchingConfig(max_batch_size=8, batch_timeout_ms=20),
+        config=BatchingConfig(
+            max_batch_size=8, batch_timeout_ms=20, prefill_token_budget=PREFILL_BUDGET
+        ),
         model=str(smollm2_dir),
         device="cpu",
         dtype="float32",  # compared with transformers in float32
         threads=1,
-        prefill_token_budget=PREFILL_BUDGET,
     )
     engine = Engine(options)
     await engine.start()

@@ -6,6 +6,7 @@ Read from the source with `ast`, so an import inside a function counts too.
 from __future__ import annotations
 
 import ast
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -119,3 +120,15 @@ def defined_functions(path: Path) -> set[str]:
         for node in ast.walk(tree)
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
     }
+
+
+def test_every_package_folder_is_installed() -> None:
+    """A sub-package pyproject does not list is missing from a wheel (the editable
+    install of development finds it anyway, so only a fresh install would show it)."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    for package, folder in PACKAGES.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            name = ".".join((package, *parts))
+            assert name in listed, f"{name} ({init.parent}) is not in pyproject's packages"
