@@ -2,8 +2,10 @@
 
 Most tests time real servers, loads and Prometheus against each other on two cores, so
 they run one at a time, in collection order, in the main lane, as they do without xdist.
-The tests beside it run the operator, or its API client, against the API emulator with
-fake pods or none: they mostly wait for its rounds (5 s apart) on a tenth of a core.
+The tests beside it either run the operator, or its API client, against the API emulator
+with fake pods or none (they mostly wait for its rounds, 5 s apart, on a tenth of a core),
+or check values against a reference and time nothing (real-model parity, lm-eval,
+structured output, promtool), which a busy core slows without changing what they assert.
 
 The controller sees test ids only, so a lane is chosen by module, or by test where a
 module's other tests run servers. (xdist_group marks and `--dist loadgroup` would say
@@ -33,6 +35,18 @@ BESIDE_THE_SERVERS = frozenset({
     # Minutes of pip installing into a fresh virtualenv, then one server and the shortest
     # demo: it times nothing, so it waits beside the main lane rather than in it.
     "test_install.py",
+    # Correctness against a reference (transformers, lm-eval, promtool, the schema): they
+    # compare values, never time anything, so a busy core slows them without changing
+    # what they assert.
+    "test_eval_clients.py",
+    "test_real_model.py",
+    "test_weight_modes.py",
+    "test_structured_output.py",
+    "test_engine_kv.py",
+    "test_logprob_values.py",
+    "test_sampler_real_model.py",
+    "test_prefix_cache_equality.py",
+    "test_prometheus_rules.py",
 })  # fmt: skip
 
 
