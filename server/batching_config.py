@@ -60,11 +60,7 @@ class SloTargets:
     def from_dict(cls, data: Any) -> SloTargets:
         if not isinstance(data, dict):
             raise ConfigError("slo must be a JSON object of ttft_ms, tpot_ms and e2e_ms")
-        unknown = sorted(set(data) - set(SLO_TARGETS))
-        if unknown:
-            raise ConfigError(
-                f"unknown slo field(s): {', '.join(unknown)}; allowed: {', '.join(SLO_TARGETS)}"
-            )
+        _refuse_unknown("slo", data, SLO_TARGETS)
         return cls(**data)
 
 
@@ -97,11 +93,7 @@ class BatchingConfig:
         """This config with `changes` applied; rejects unknown keys and bad values."""
         if not isinstance(changes, dict):
             raise ConfigError("batching config must be a JSON object")
-        unknown = sorted(set(changes) - set(FIELDS))
-        if unknown:
-            raise ConfigError(
-                f"unknown batching field(s): {', '.join(unknown)}; allowed: {', '.join(FIELDS)}"
-            )
+        _refuse_unknown("batching", changes, FIELDS)
         return replace(self, **changes)
 
     @classmethod
@@ -128,6 +120,14 @@ def brief(value: Any) -> str:
         return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _refuse_unknown(section: str, data: dict[str, Any], allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise ConfigError(
+            f"unknown {section} field(s): {', '.join(unknown)}; allowed: {', '.join(allowed)}"
+        )
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> None:
