@@ -134,6 +134,9 @@ async def test_both_sources_read_the_same_slo_attainment_budget_and_step_totals(
                 scrape = ScrapeSource([exporter.url], session, min_requests=1)
                 await scrape.scrape()
                 started = time.monotonic()
+                # A sample of the counters at zero inside every window read below: then a
+                # scrape that lands amid the requests cannot split what `increase` sees.
+                await asyncio.to_thread(prom.wait_for_scrapes_after, time.time())
                 for index in range(40):
                     missed = ("ttft",) if index % 8 == 0 else ()  # 5 of 40 miss
                     exporter.request(ttft_s=0.9 if missed else 0.05, tpot_s=0.01, e2e_s=0.5,

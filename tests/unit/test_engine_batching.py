@@ -78,7 +78,9 @@ async def test_dynamic_fires_a_partial_batch_at_the_timeout() -> None:
     finally:
         await engine.shutdown()
     assert observer.batches == [3]
-    assert min(observer.scheduled) >= engine.config.batch_timeout_s
+    # the batch fired once the oldest had waited the timeout; the others arrived after it,
+    # by as long as a busy machine takes between the submits
+    assert max(observer.scheduled) >= engine.config.batch_timeout_s
 
 
 async def test_dynamic_cuts_a_batch_that_would_overflow_the_kv_pool() -> None:
