@@ -17,6 +17,9 @@ SignalStatus = Literal["ok", "no_data", "too_little_traffic", "no_traffic"]
 # Below this much evidence (requests finished plus requests waiting) a p99 is just
 # the maximum of a handful of samples: the rule must not act on it.
 MIN_REQUESTS_PER_WINDOW = 50
+# The quantiles of prompt and output tokens per request every source reads (the low
+# one shows the short answers, whose time per output token a long prompt moves most).
+LENGTH_QUANTILES = (0.1, 0.5, 0.9, 0.99)
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,9 @@ class Signals:
     tokens_per_s: float = 0.0
     mean_batch_size: float | None = None  # sequences per executed step/batch
     mean_latency_s: float | None = None  # arrival to last byte, mean of finished requests
-    # Output tokens per finished request: the median, the 90th and the 99th percentile.
+    # Output tokens per finished request: the 10th percentile, the median, the 90th and
+    # the 99th (LENGTH_QUANTILES).
+    output_tokens_p10: float | None = None
     output_tokens_p50: float | None = None
     output_tokens_p90: float | None = None
     output_tokens_p99: float | None = None
@@ -63,7 +68,8 @@ class Signals:
     # Attainment over the SLO's longer budget window (None: not measured), for the
     # error budget left.
     budget_attainment: float | None = None
-    # Prompt tokens per finished request: the median, the 90th and the 99th percentile.
+    # Prompt tokens per finished request, at the same quantiles.
+    prompt_tokens_p10: float | None = None
     prompt_tokens_p50: float | None = None
     prompt_tokens_p90: float | None = None
     prompt_tokens_p99: float | None = None

@@ -88,6 +88,7 @@ def queries(
         "tokens_per_s": f"sum(rate({names.GENERATION_TOKENS_TOTAL}{sel}[{w}]))",
         "mean_batch_size": mean(names.BATCH_SIZE),
         "mean_latency": mean(names.REQUEST_DURATION),
+        "output_tokens_p10": quantile(0.1, names.REQUEST_GENERATION_TOKENS),
         "output_tokens_p50": quantile(0.5, names.REQUEST_GENERATION_TOKENS),
         "output_tokens_p90": quantile(0.9, names.REQUEST_GENERATION_TOKENS),
         "output_tokens_p99": quantile(0.99, names.REQUEST_GENERATION_TOKENS),
@@ -105,6 +106,7 @@ def queries(
             for target in (*names.SLO_STATED, names.SLO_ALL)
         },
         "budget_attainment": f"{judged(met, budget)} / {judged(every, budget)}",
+        "prompt_tokens_p10": quantile(0.1, names.REQUEST_PROMPT_TOKENS),
         "prompt_tokens_p50": quantile(0.5, names.REQUEST_PROMPT_TOKENS),
         "prompt_tokens_p90": quantile(0.9, names.REQUEST_PROMPT_TOKENS),
         "prompt_tokens_p99": quantile(0.99, names.REQUEST_PROMPT_TOKENS),
@@ -198,6 +200,7 @@ class PrometheusSource:
             tokens_per_s=values["tokens_per_s"] or 0.0,
             mean_batch_size=values["mean_batch_size"],
             mean_latency_s=values["mean_latency"],
+            output_tokens_p10=values["output_tokens_p10"],
             output_tokens_p50=values["output_tokens_p50"],
             output_tokens_p90=values["output_tokens_p90"],
             output_tokens_p99=values["output_tokens_p99"],
@@ -215,6 +218,7 @@ class PrometheusSource:
                 if (value := values[f"slo_missed_{target}"]) is not None
             },
             budget_attainment=values["budget_attainment"],
+            prompt_tokens_p10=values["prompt_tokens_p10"],
             prompt_tokens_p50=values["prompt_tokens_p50"],
             prompt_tokens_p90=values["prompt_tokens_p90"],
             prompt_tokens_p99=values["prompt_tokens_p99"],

@@ -52,6 +52,7 @@ from batchpilot_operator.policy.predictor import Prediction
 from batchpilot_operator.policy.step_model import StepPoint
 from batchpilot_operator.replica_rule import Fleet, ReplicaState, ScaleDecision
 from batchpilot_operator.signals import (
+    LENGTH_QUANTILES,
     MIN_REQUESTS_PER_WINDOW,
     Signals,
     histogram_quantile,
@@ -685,9 +686,7 @@ class SimulatedFleet:
             else None,
             # the newer half of the window, as both signal sources read it
             arrival_rate=sum(iv.arrived for iv in newer) / (len(newer) * interval_s),
-            output_tokens_p99=_bucket_quantile(
-                0.99, [n for iv in window for n in iv.outputs], GENERATION_TOKEN_BOUNDS
-            ),
+            **_length_quantiles("output", [n for iv in window for n in iv.outputs]),
             busy_s_per_token=sum(iv.busy_s for iv in window) / tokens if tokens else None,
             pods=pods,
             **_llm_signals(window),
@@ -924,6 +923,15 @@ class SimulatedFleet:
         )
 
 
+def _length_quantiles(kind: str, lengths: list[int]) -> dict[str, float | None]:
+    """Prompt or output tokens per finished request at the quantiles both signal sources
+    read, from the server's buckets."""
+    return {
+        f"{kind}_tokens_p{round(q * 100)}": _bucket_quantile(q, lengths, GENERATION_TOKEN_BOUNDS)
+        for q in LENGTH_QUANTILES
+    }
+
+
 def _llm_signals(window: list[Interval]) -> dict[str, Any]:
     """The LLM SLO's fields of Signals over the window's intervals, as the scrape source
     reads them: quantiles from the server's histogram buckets, counters summed."""
@@ -934,17 +942,13 @@ def _llm_signals(window: list[Interval]) -> dict[str, Any]:
     for iv in window:
         for name, count in iv.slo_missed.items():
             missed[name] = missed.get(name, 0.0) + count
-    prompt_q = {
-        f"prompt_tokens_p{round(q * 100)}": _bucket_quantile(q, prompts, GENERATION_TOKEN_BOUNDS)
-        for q in (0.5, 0.9, 0.99)
-    }
     return {
         "ttft_p99_s": _bucket_quantile(0.99, ttfts, BUCKET_BOUNDS),
         "tpot_p99_s": _bucket_quantile(0.99, tpots, BUCKET_BOUNDS),
         "slo_judged": float(sum(iv.slo_judged for iv in window)),
         "slo_met": float(sum(iv.slo_met for iv in window)),
         "slo_missed": missed,
-        **prompt_q,
+        **_length_quantiles("prompt", prompts),
         "steps": float(sum(iv.steps for iv in window)),
         "step_seconds": sum(iv.step_seconds for iv in window),
         "step_decode_rows": float(sum(iv.step_decode_rows for iv in window)),
