@@ -15,8 +15,9 @@ as three points (window.py) and the step model `step(rows, prefill, kv)`:
    B slots busy: `B / slot_s`; `rho = lam / mu`.
 2. The wait for a slot: B servers, Sakasegawa's approximation of the chance to wait,
    `rho ** (sqrt(2 (B + 1)) - 1)`, and an exponential wait with rate
-   `B (1 - rho) / slot_s` after it. At `rho >= 1` the queue never drains: every TTFT
-   and end-to-end target is missed.
+   `B (1 - rho) / slot_s` after it, its mean scaled by Allen-Cunneen's `(1 + cv^2) / 2`
+   (cv: the spread of the steps a request holds its slot; Poisson arrivals). At
+   `rho >= 1` the queue never drains: every TTFT and end-to-end target is missed.
 3. The backlog: the requests that wait now drain at `mu - lam` per pod; those arriving
    meanwhile (a share `f` of the window's) wait on top up to that drain time (taken as
    uniform).
@@ -41,8 +42,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import numpy as np
 from batchpilot_operator.policy.step_model import StepModel, StepPoint, fit_for
-from batchpilot_operator.policy.window import LENGTH_WEIGHTS, Window, length_points
+from batchpilot_operator.policy.window import Lengths, Window, length_grid, mean_length
 from batchpilot_operator.replica_rule import ReplicaState
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.slo import Slo
@@ -110,11 +112,14 @@ class _Queue:
     mu: float
     slots: int
     slot_s: float
+    wait_scale: float  # Allen-Cunneen: (1 + the slot time's squared CV) / 2
     backlog_s: float  # the backlog's drain time
     backlog_share: float  # the share of requests that meet it
-    ttft_svc: tuple[float, ...]  # per prompt point
-    tpot: tuple[float, ...]  # per output point
-    outputs: tuple[float, ...]
+    prompts: Lengths
+    ttft_svc: tuple[float, ...]  # per prompt length
+    outputs: Lengths
+    tpot: tuple[float, ...]  # per output length, its mean (for end to end)
+    tpot_tail: TpotTail
     step_s: float
     rows: float
 
@@ -132,7 +137,7 @@ class _Queue:
         if rho <= 0:
             return 0.0
         p_wait = rho ** (math.sqrt(2 * (self.slots + 1)) - 1)
-        rate = self.slots * (1 - rho) / self.slot_s
+        rate = self.slots * (1 - rho) / (self.slot_s * self.wait_scale)
         return p_wait * math.exp(-rate * t)
 
     def tail(self, t: float) -> float:
@@ -146,16 +151,16 @@ class _Queue:
 
     def miss_ttft(self, t: float) -> float:
         return sum(
-            w * self.tail(t - svc) for w, svc in zip(LENGTH_WEIGHTS, self.ttft_svc, strict=True)
+            w * self.tail(t - svc) for (w, _), svc in zip(self.prompts, self.ttft_svc, strict=True)
         )
 
     def miss_tpot(self, t: float) -> float:
-        return sum(w for w, tpot in zip(LENGTH_WEIGHTS, self.tpot, strict=True) if tpot > t)
+        return self.tpot_tail.miss(t)
 
     def miss_e2e(self, t: float) -> float:
         total = 0.0
-        for wp, svc in zip(LENGTH_WEIGHTS, self.ttft_svc, strict=True):
-            for wo, tpot, out in zip(LENGTH_WEIGHTS, self.tpot, self.outputs, strict=True):
+        for (wp, _), svc in zip(self.prompts, self.ttft_svc, strict=True):
+            for (wo, out), tpot in zip(self.outputs, self.tpot, strict=True):
                 total += wp * wo * self.tail(t - svc - (out - 1) * tpot)
         return total
 
@@ -167,7 +172,7 @@ class _Queue:
 
     def quantile(self, target: str) -> float:
         if target == "tpot":
-            return max(self.tpot)
+            return self.tpot_tail.quantile(QUANTILE)
         if self.rho >= 1:
             return math.inf
         share = 1 - QUANTILE
@@ -180,17 +185,80 @@ class _Queue:
         return hi
 
 
+@dataclass(frozen=True)
+class TpotTail:
+    """The distribution of a request's time per output token (step 4's TPOT, in full).
+
+    A request of O tokens decodes for n = O - 1 steps. Each step costs the decode part
+    at this load (`decode_s`), plus the prompt tokens computed beside it: those of the
+    requests arriving while it decodes, k of them (Poisson, `arrivals_per_s` x n x the
+    step), k prompts' tokens in all, and, as often as the pod computes prompts, the
+    rest of the one under way when its decode starts (half a prompt), at most `budget`
+    a step. So its TPOT is `decode_s + per_prefill_s x min(budget, tokens / n)`: a short
+    answer that meets one long prompt under a large budget misses, which no mean shows.
+
+    The arrays are over (prompt under way or not, output length, k, prompt length):
+    `tpot_s` is each cell's TPOT, `weight` its probability.
+    """
+
+    tpot_s: np.ndarray
+    weight: np.ndarray
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        decode_s: float,
+        per_prefill_s: float,
+        budget: float,
+        arrivals_per_s: float,
+        step_s: float,
+        outputs: Lengths,
+        prompts: Lengths,
+    ) -> TpotTail:
+        w_out = np.array([w for w, _ in outputs])[:, None, None]
+        n = np.maximum(1.0, np.array([o for _, o in outputs]) - 1)[:, None, None]
+        w_prompt = np.array([w for w, _ in prompts])[None, None, :]
+        prompt = np.array([p for _, p in prompts])[None, None, :]
+        mean_prompt = float(np.sum(w_prompt * prompt))
+        m = arrivals_per_s * n * step_s  # arrivals expected while it decodes
+        k_max = math.ceil(float(np.max(m)) + 6 * math.sqrt(float(np.max(m))) + 6)
+        k = np.arange(k_max + 1, dtype=float)[None, :, None]
+        log_fact = np.concatenate(([0.0], np.cumsum(np.log(np.arange(1, k_max + 1)))))
+        with np.errstate(divide="ignore"):
+            log_pk = k * np.log(m) - m - log_fact[None, :, None]
+        pk = np.where(m > 0, np.exp(log_pk), (k == 0).astype(float))
+        # k arrivals: the last one's prompt at each point, the others at the mean
+        tokens = np.where(k > 0, (k - 1) * mean_prompt + prompt, 0.0)
+        weight = w_out * pk * np.where(k > 0, w_prompt, 1.0 / prompt.shape[2])
+        # and, as often as the pod is computing prompts, the rest of the one under way
+        # when its decode starts: half a prompt on average
+        busy = min(1.0, arrivals_per_s * mean_prompt * per_prefill_s)
+        tokens = np.stack([tokens, tokens + mean_prompt / 2])
+        weight = np.stack([weight * (1 - busy), weight * busy])
+        tpot = decode_s + per_prefill_s * np.minimum(budget, tokens / n)
+        return cls(tpot.ravel(), weight.ravel() / max(float(np.sum(weight)), 1e-300))
+
+    def miss(self, t: float) -> float:
+        return float(np.sum(self.weight[self.tpot_s > t]))
+
+    def quantile(self, q: float) -> float:
+        order = np.argsort(self.tpot_s)
+        cumulative = np.cumsum(self.weight[order])
+        index = min(int(np.searchsorted(cumulative, q)), len(order) - 1)
+        return float(self.tpot_s[order][index])
+
+
 def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
     lengths = _lengths(window.signals)
     if lengths is None:
         return None
     prompts, outputs = lengths
-    mean_p = sum(w * p for w, p in zip(LENGTH_WEIGHTS, prompts, strict=True))
-    mean_o = sum(w * o for w, o in zip(LENGTH_WEIGHTS, outputs, strict=True))
+    mean_p, mean_o = mean_length(prompts), mean_length(outputs)
     kv_row = mean_p + mean_o / 2
     budget, slots = max(1, c.prefill_token_budget), max(1, c.max_batch_size)
-    chunks = [max(1, math.ceil(p / budget)) for p in prompts]
-    mean_chunks = sum(w * n for w, n in zip(LENGTH_WEIGHTS, chunks, strict=True))
+    chunks = [max(1, math.ceil(p / budget)) for _, p in prompts]
+    mean_chunks = sum(w * n for (w, _), n in zip(prompts, chunks, strict=True))
     hold = mean_chunks + max(0.0, mean_o - 1)  # steps a request holds its slot
     lam = window.forecast_rps / max(1, c.replicas)
 
@@ -221,34 +289,48 @@ def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
     ttft_svc = tuple(
         c.batch_timeout_ms / 1000.0
         + n * model.step_s(rows, min(float(budget), p / n + prefill), rows * kv_row)
-        for p, n in zip(prompts, chunks, strict=True)
+        for (_, p), n in zip(prompts, chunks, strict=True)
     )
-    spike = max(0.0, min(float(budget), prompts[-1]) - prefill) * model.per_prefill_s
+    spike = max(0.0, min(float(budget), prompts[-1][1]) - prefill) * model.per_prefill_s
     tpot = tuple(
         step + spike * (1 - math.exp(-lam * max(1.0, o - 1) * step)) / max(1.0, o - 1)
-        for o in outputs
+        for _, o in outputs
     )
-    return _Queue(lam, mu, slots, hold * step, drain_s, share, ttft_svc, tpot, outputs, step, rows)
+    tail = TpotTail.of(
+        decode_s=model.step_s(rows, 0.0, rows * kv_row),
+        per_prefill_s=model.per_prefill_s,
+        budget=float(budget),
+        arrivals_per_s=lam,
+        step_s=step,
+        outputs=outputs,
+        prompts=prompts,
+    )
+    held = [n + max(0.0, o - 1) for (_, o) in outputs for n in chunks]
+    weights = [wo * wp for (wo, _) in outputs for (wp, _) in prompts]
+    cv2 = sum(w * (h - hold) ** 2 for w, h in zip(weights, held, strict=True)) / hold**2
+    return _Queue(
+        lam, mu, slots, hold * step, (1 + cv2) / 2, drain_s, share, prompts, ttft_svc,
+        outputs, tpot, tail, step, rows,
+    )  # fmt: skip
 
 
-def _lengths(
-    signals: Signals,
-) -> tuple[tuple[float, float, float], tuple[float, float, float]] | None:
-    """Prompt and output lengths as three points each; prompts fall back to the window's
-    mean prompt tokens computed per request, outputs to its mean tokens per request."""
-    outputs = length_points(signals.output_tokens_p50, signals.output_tokens_p90,
-                      signals.output_tokens_p99)  # fmt: skip
+def _lengths(signals: Signals) -> tuple[Lengths, Lengths] | None:
+    """Prompt and output lengths over the window's quantile slices; prompts fall back to
+    the window's mean prompt tokens computed per request, outputs to its mean tokens per
+    request."""
+    outputs = length_grid(signals.output_tokens_p10, signals.output_tokens_p50,
+                          signals.output_tokens_p90, signals.output_tokens_p99)  # fmt: skip
     if outputs is None:
         mean = signals.mean_output_tokens
         if mean is None:
             return None
-        outputs = (mean, mean, mean)
-    prompts = length_points(signals.prompt_tokens_p50, signals.prompt_tokens_p90,
-                      signals.prompt_tokens_p99)  # fmt: skip
+        outputs = ((1.0, mean),)
+    prompts = length_grid(signals.prompt_tokens_p10, signals.prompt_tokens_p50,
+                          signals.prompt_tokens_p90, signals.prompt_tokens_p99)  # fmt: skip
     if prompts is None:
         computed = signals.step_prefill_tokens
         mean = computed / signals.requests if computed and signals.requests > 0 else 0.0
-        prompts = (mean, mean, mean)
+        prompts = ((1.0, mean),)
     return prompts, outputs
 
 
@@ -276,7 +358,7 @@ def kv_use(window: Window, c: Candidate, rows: float) -> float | None:
     if capacity is None or lengths is None:
         return None
     prompts, outputs = lengths
-    kv_row = sum(w * (p + o / 2) for w, p, o in zip(LENGTH_WEIGHTS, prompts, outputs, strict=True))
+    kv_row = mean_length(prompts) + mean_length(outputs) / 2
     peak = min(float(c.max_batch_size), rows + 3 * math.sqrt(max(rows, 0.0)))
     return peak * kv_row / capacity
 

@@ -7,9 +7,9 @@ Pure. From the window's `Signals`, the goal and the rule's memory:
   the last rounds over the lead time: the last scale-out's start-up and a round; one
   jump is no trend), and `demand_with_backlog_rps` (the forecast plus the backlog
   drained within one window);
-- the lengths' shape: prompt and output tokens as three points (p50, p90, p99) with
-  the weights half, two fifths and a tenth (`length_points`); where a quantile is
-  missing its neighbour stands in;
+- the lengths' shape: prompt and output tokens over quantile slices, from the p10, p50,
+  p90 and p99 the pods' histograms give (`length_grid`); where a quantile is missing its
+  neighbour stands in;
 - per pod: the throughput a pod showed (finished per busy second; without a busy
   share, a queueing pod is taken as always busy);
 - `queue_grows`: more than a request a pod waits at the window's end and clearly
@@ -25,11 +25,11 @@ import itertools
 import statistics
 from dataclasses import dataclass
 
+import numpy as np
 from batchpilot_operator.replica_rule import ARRIVAL_HISTORY, Fleet, ReplicaBounds, ReplicaState
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.slo import Slo
 
-LENGTH_WEIGHTS = (0.5, 0.4, 0.1)  # the p50, p90 and p99 points' shares of the requests
 QUEUE_SHARE = 0.5  # queue wait >= this share of a p99: queueing is half the story
 GROWTH_SHARE = 0.05  # finished under (1 - share) x arrivals: the queue grows
 
@@ -126,26 +126,52 @@ class Window:
 
     def pressure(self) -> tuple[str, float] | None:
         """The stated target whose observed p99 is closest to (or furthest past) its
-        target, and that ratio; None where none is measured."""
+        target, and that ratio; None where none is measured. Where the pods judged the
+        window's requests and at least the objective's share met every target, the SLO
+        holds: a p99 past its target is the allowed misses, so the ratio is at most 1."""
         ratios = {k: v / self.slo.stated[k] for k, v in self.observed().items()}
         if not ratios:
             return None
         worst = max(ratios, key=lambda k: ratios[k])
+        attained = self.signals.attainment
+        if attained is not None and attained >= self.slo.attainment:
+            return worst, min(1.0, ratios[worst])
         return worst, ratios[worst]
 
 
-def length_points(
-    p50: float | None, p90: float | None, p99: float | None
-) -> tuple[float, float, float] | None:
-    """Three quantiles as the p50, p90, p99 points, a missing one taken from its neighbour;
-    None where none is known."""
-    known = [v for v in (p50, p90, p99) if v is not None and v > 0]
+# Lengths as (share of requests, tokens) over quantile slices, finest at the short end
+# (a long prompt's prefill spreads over the fewest tokens of the shortest answers).
+LENGTH_SLICES = ((0.0, 0.02), (0.02, 0.05), (0.05, 0.1), (0.1, 0.3), (0.3, 0.6),
+                 (0.6, 0.9), (0.9, 0.99), (0.99, 1.0))  # fmt: skip
+Lengths = tuple[tuple[float, float], ...]
+
+
+def length_grid(
+    p10: float | None, p50: float | None, p90: float | None, p99: float | None
+) -> Lengths | None:
+    """Lengths over `LENGTH_SLICES` from four quantiles: the quantile function through
+    them, linear between, extended below p10 by the p10-p50 slope (at least one token)
+    and flat above p99; a missing quantile is taken from its neighbour. None where none
+    is known. The slices' midpoints, not the quantiles themselves, stand for them, so a
+    mean over the grid is not biased long."""
+    given = [v if v is not None and v > 0 else None for v in (p10, p50, p90, p99)]
+    known = [v for v in given if v is not None]
     if not known:
         return None
-    a = p50 if p50 else known[0]
-    b = p90 if p90 else max(a, known[-1])
-    c = p99 if p99 else b
-    return (float(a), float(max(a, b)), float(max(a, b, c)))
+    filled: list[float] = []
+    for i, v in enumerate(given):
+        if v is None:
+            after = [u for u in given[i:] if u is not None]
+            v = filled[-1] if filled else after[0]
+        filled.append(max(v, filled[-1]) if filled else v)
+    q10, q50, q90, q99 = filled
+    low = max(1.0, q10 - 0.25 * (q50 - q10))
+    qs, values = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0), (low, q10, q50, q90, q99, q99)
+    return tuple((b - a, float(np.interp((a + b) / 2, qs, values))) for a, b in LENGTH_SLICES)
+
+
+def mean_length(lengths: Lengths) -> float:
+    return sum(w * n for w, n in lengths)
 
 
 def forecast(now_rps: float, memory: ReplicaState) -> Forecast:
