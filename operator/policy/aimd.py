@@ -3,14 +3,20 @@ the fit's recent prediction error is large (round.py says which, in the reason).
 
 Pure. It reads the *binding* target, the stated target whose observed p99 is nearest to
 (or furthest past) it, and, like today's operators of SLO-aware batching (Clipper's
-AIMD), moves the batch by the diagnosis of why that p99 is what it is:
+AIMD), moves the knobs by the diagnosis of why that p99 is what it is. A p99 past its
+target in a window whose attainment met the objective is the misses the SLO allows: it
+counts as inside the band (`Window.pressure`).
 
 1. KV usage at the watermark or any preemption: cut the batch multiplicatively; that
    batch becomes a ceiling for growth;
 2. a target broken:
    - by running alone (TPOT, or a latency whose part outside the queue exceeds its
-     target while nothing queues): back off the batch multiplicatively (ceiling), or
-     hold at the minimum; where requests also queue no batch size helps: hold;
+     target while nothing queues): first the prefill budget where it can help (TPOT:
+     cut it to a quarter, so a long prompt's chunk no longer fills the steps the
+     running rows wait for; TTFT: double it while the longest prompts are longer, so
+     they take fewer steps to their first token); else back off the batch
+     multiplicatively (ceiling), or hold at the minimum; where requests also queue no
+     batch size helps: hold;
    - by queueing: halve the timeout where it explains the wait and batches fire
      underfilled; else grow the batch multiplicatively up to its limit;
 3. with headroom (every p99 under `1 - band` of its target): grow the batch additively
@@ -18,11 +24,16 @@ AIMD), moves the batch by the diagnosis of why that p99 is what it is:
    queue and underfilled batches, let the timeout grow toward fuller batches;
 4. inside the band: grow additively only if queueing is half the p99; else hold.
 
-The pods needed come from the same step: a queueing breach with the batch spent (at
-its limit, or cut this round) needs enough pods that each runs at most
-`SCALE_OUT_UTILISATION` busy at the throughput a pod showed (finished per busy second)
-for the forecast arrivals; with headroom and no queue, the pods that would run at most
-`SCALE_IN_UTILISATION` busy; otherwise the pods there are.
+The pods needed come from the same step. A queueing breach:
+- with the batch still growing: a batch grown by a factor raises a pod's throughput by
+  that factor at most, so where even that best leaves the demand and the backlog
+  (drained within a window) over `SCALE_OUT_UTILISATION` busy at the throughput a pod
+  showed (finished per busy second), the pods that carry it are needed now, beside
+  the growth; else the pods there are ("knobs first");
+- with the batch spent (at its limit, or cut this round): the pods that each run at
+  most `SCALE_OUT_UTILISATION` busy for the forecast arrivals.
+With headroom and no queue, the pods that would run at most `SCALE_IN_UTILISATION`
+busy; otherwise the pods there are.
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ from batchpilot_operator.policy.replicas import Need
 from batchpilot_operator.policy.sizing import Sizing
 from batchpilot_operator.policy.window import Window
 from batchpilot_operator.replica_rule import SCALE_IN_UTILISATION, SCALE_OUT_UTILISATION
-from batchpilot_operator.tuner import Goal
+from batchpilot_operator.tuner import Bounds, Goal
 from batchpilot_server.batching_config import BatchingConfig
 
 
@@ -44,6 +55,7 @@ def step(window: Window, current: BatchingConfig, goal: Goal, memory: PolicyMemo
     """The AIMD step for this window; see the module docstring."""
     s, b, p, slo = window.signals, goal.bounds, goal.params, goal.slo
     batch, timeout = current.max_batch_size, current.batch_timeout_ms
+    budget = current.prefill_token_budget
     limit = _limit(b.min_batch, b.max_batch, memory.ceiling)
 
     def change(
@@ -53,13 +65,16 @@ def step(window: Window, current: BatchingConfig, goal: Goal, memory: PolicyMemo
         ceiling: int | None = None,
         new_batch: int | None = None,
         new_timeout: float | None = None,
+        new_budget: int | None = None,
     ) -> Sizing:
         config = replace(
             current,
             max_batch_size=batch if new_batch is None else new_batch,
             batch_timeout_ms=timeout if new_timeout is None else new_timeout,
+            prefill_token_budget=budget if new_budget is None else new_budget,
         )
-        return Sizing(config, action, why, _need(window, why, spent, goal), ceiling)
+        growth = config.max_batch_size / batch
+        return Sizing(config, action, why, _need(window, why, spent, goal, growth), ceiling)
 
     kv = s.kv_usage
     if (kv is not None and kv >= slo.kv_high_watermark) or s.preemption_rate > 0:
@@ -89,6 +104,12 @@ def step(window: Window, current: BatchingConfig, goal: Goal, memory: PolicyMemo
                 "target allows; no batch size fixes it", True,
             )  # fmt: skip
         if slow:
+            moved = _budget_step(name, budget, window, b)
+            if moved is not None:
+                return change(
+                    "set_budget", f"{head} while running: prefill budget {budget} -> {moved} "
+                    f"({_BUDGET_WHY[name]})", False, new_budget=moved,
+                )  # fmt: skip
             if batch <= b.min_batch:
                 return change("hold", f"{head} while running, at the minimum batch {batch}", True)
             cut = _cut(batch, p.backoff_factor, b.min_batch)
@@ -141,14 +162,20 @@ def step(window: Window, current: BatchingConfig, goal: Goal, memory: PolicyMemo
             "grow_batch", f"{head} nears the target from queueing (queue wait p99 "
             f"{ms(queue_wait)}): batch {batch} -> {grown}", False, new_batch=grown,
         )  # fmt: skip
+    if seen > target:  # the window's attainment met the objective (Window.pressure)
+        return change(
+            "hold", f"{head} over its target {ms(target)}, but attainment "
+            f"{s.attainment:.3f} >= {slo.attainment:g}: the SLO holds", batch >= limit,
+        )  # fmt: skip
     return change(
         "hold", f"{head} within the band [{ms((1 - p.band) * target)}, {ms(target)}]",
         batch >= limit,
     )  # fmt: skip
 
 
-def _need(window: Window, why: str, spent: bool, goal: Goal) -> Need | None:
-    """The pods this step needs (see the module docstring); None without a fleet to size."""
+def _need(window: Window, why: str, spent: bool, goal: Goal, growth: float) -> Need | None:
+    """The pods this step needs (see the module docstring); None without a fleet to size.
+    `growth`: the step's batch over the one in force."""
     fleet = window.fleet
     if fleet is None or goal.replicas is None:
         return None
@@ -156,10 +183,23 @@ def _need(window: Window, why: str, spent: bool, goal: Goal) -> Need | None:
     rate = window.forecast.describe()
     pressure = window.pressure()
     breach = pressure is not None and pressure[1] > 1 and window.queueing()
-    if breach and not spent:
-        return Need(desired, f"{why}, but the batch can still grow: knobs first")
     if per_pod is None or per_pod <= 0:
         return Need(desired, f"{why}; no pod throughput known yet to size the fleet")
+    if breach and not spent:
+        # A batch grown by a factor raises a pod's throughput by that factor at most: the
+        # pods that carry the demand and drain the backlog even at that best, now, rather
+        # than a round and a start-up later.
+        demand = window.demand_with_backlog_rps
+        best = SCALE_OUT_UTILISATION * per_pod * max(1.0, growth)
+        wanted = math.ceil(demand / best - 1e-9)
+        if wanted <= desired:
+            return Need(desired, f"{why}, and the grown batch can carry it: knobs first")
+        return Need(
+            wanted,
+            f"{why}, but even a batch grown {growth:.2g}x carries at most {best:.2f} req/s "
+            f"per pod at {SCALE_OUT_UTILISATION:.0%} busy: {demand:.2f} req/s with the "
+            f"backlog needs {wanted}",
+        )
     if breach:
         wanted = math.ceil(window.forecast_rps / (SCALE_OUT_UTILISATION * per_pod) - 1e-9)
         return Need(
@@ -178,6 +218,31 @@ def _need(window: Window, why: str, spent: bool, goal: Goal) -> Need | None:
             f"{SCALE_IN_UTILISATION:.0%} busy",
         )
     return Need(desired, f"{desired} pod(s) needed for {rate}")
+
+
+# Why the budget moves for a target broken while running: each step carries up to the
+# budget's prompt tokens beside its decode rows, so a long prompt's chunk lengthens the
+# step every running row waits for (TPOT); and a prompt takes ceil(P / budget) steps to
+# its first token (TTFT).
+_BUDGET_WHY = {
+    "tpot": "smaller chunks of the long prompts in each decode step",
+    "ttft": "the long prompts in fewer steps",
+}
+BUDGET_CUT = 0.25  # multiplicative: a long prompt's chunk is most of a step
+BUDGET_GROWTH = 2
+
+
+def _budget_step(name: str, budget: int, window: Window, bounds: Bounds) -> int | None:
+    """The prefill budget's step for a target broken while running (see `_BUDGET_WHY`);
+    None where the budget cannot help: at its bound, or no prompt is longer than the
+    budget it would move to (a chunk that splits nothing changes nothing)."""
+    longest = window.signals.prompt_tokens_p99
+    if name == "tpot" and budget > bounds.min_prefill_budget:
+        cut = max(bounds.min_prefill_budget, math.floor(budget * BUDGET_CUT))
+        return cut if longest is None or longest > cut else None
+    if name == "ttft" and budget < bounds.max_prefill_budget and (longest or 0) > budget:
+        return min(bounds.max_prefill_budget, budget * BUDGET_GROWTH)
+    return None
 
 
 def _limit(low: int, high: int, ceiling: int | None) -> int:

@@ -18,7 +18,8 @@ Fewest pods first; among those, the highest goodput per pod (at one pod count th
 the highest attainment, rounded to 0.001 so that noise moves nothing); then the fewest
 knobs moved from the config in force; then the smaller batch and budget. Where no
 candidate on any pod count is eligible, the one with the highest attainment on the
-most pods is taken, and the reason says that none meets the SLO.
+most pods is taken, among those within the KV watermark and not preempting where there
+are any (the constraints hold even then), and the reason says that none meets the SLO.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from batchpilot_server.batching_config import BatchingConfig
 class _Scored:
     candidate: Candidate
     attainment: float
-    eligible: bool
+    feasible: bool  # within the KV watermark and not preempting
+    eligible: bool  # feasible and meets the attainment with the margin
     moved: int  # knobs moved from the config in force
 
     def key(self) -> tuple[float, ...]:
@@ -96,16 +98,16 @@ def choose(window: Window, model: StepModel, current: BatchingConfig, goal: Goal
                               None)  # fmt: skip
             attainment, _, rows = scored
             kv = kv_use(window, candidate, rows)
-            eligible = (
-                attainment >= needed
-                and (kv is None or kv <= slo.kv_high_watermark)
-                and not (preempting and batch >= current.max_batch_size)
+            feasible = (kv is None or kv <= slo.kv_high_watermark) and not (
+                preempting and batch >= current.max_batch_size
             )
             moved = sum((batch != current.max_batch_size, timeout != current.batch_timeout_ms,
                          budget != current.prefill_token_budget))  # fmt: skip
-            tier.append(_Scored(candidate, attainment, eligible, moved))
+            tier.append(
+                _Scored(candidate, attainment, feasible, feasible and attainment >= needed, moved)
+            )
         eligible = [s for s in tier if s.eligible]
-        best = min(eligible or tier, key=_Scored.key)
+        best = min(eligible or [s for s in tier if s.feasible] or tier, key=_Scored.key)
         if eligible:
             break
     assert best is not None  # pod_counts is never empty

@@ -3,6 +3,8 @@ end-to-end SLO moves as before, TTFT- and TPOT-only SLOs are read by their own p
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from batchpilot_operator.policy.memory import PolicyMemory
 from batchpilot_operator.policy.round import decide
@@ -107,3 +109,55 @@ def test_a_spent_batch_under_queueing_scales_out_by_measured_throughput() -> Non
     assert d.action == "hold" and d.scale is not None
     assert d.scale.action == "scale_out" and d.scale.replicas == 4
     assert "the batch is spent" in d.scale.reason
+
+
+def test_a_growing_batch_that_cannot_carry_the_demand_scales_out_beside_it() -> None:
+    # 20 finished a second by a pod always busy (it queues); 60 arrive and 300 wait: even a batch grown 1.5x
+    # carries 24 at 80 % busy, so 60 + 300/30 = 70 a second needs 3 pods now
+    goal = Goal(Slo(e2e_s=1.0), Bounds(1, 64), replicas=ReplicaBounds(1, 4))
+    behind = signals(p99_latency_s=3.0, queue_wait_p99_s=2.5, arrival_rate=60.0,
+                     waiting=300.0)  # fmt: skip
+    d = step(behind, goal, fleet=Fleet(1, 1), now=100.0)
+    assert d.action == "grow_batch" and d.config.max_batch_size == 12
+    assert d.scale is not None and d.scale.action == "scale_out" and d.scale.replicas == 3
+    assert "even a batch grown 1.5x" in d.scale.reason
+    # where the grown batch can carry it, the knobs go first
+    light = signals(p99_latency_s=3.0, queue_wait_p99_s=2.5, arrival_rate=22.0)
+    first = step(light, goal, fleet=Fleet(1, 1), now=100.0)
+    assert first.scale is not None and first.scale.replicas == 1
+    assert "knobs first" in first.scale.reason
+
+
+LONG_PROMPTS = {"prompt_tokens_p50": 1000.0, "prompt_tokens_p99": 3000.0}
+BUDGETS = Bounds(1, 64, 0.0, 200.0, min_prefill_budget=256, max_prefill_budget=4096)
+
+
+def test_a_tpot_broken_while_running_cuts_the_prefill_budget_before_the_batch() -> None:
+    goal = Goal(Slo(tpot_s=0.02), BUDGETS)
+    broken = signals(tpot_p99_s=0.05, ttft_p99_s=0.1, **LONG_PROMPTS)
+    d = step(broken, goal, BatchingConfig(max_batch_size=8, prefill_token_budget=2048))
+    assert d.action == "set_budget" and d.config.prefill_token_budget == 512
+    assert d.config.max_batch_size == 8 and "prefill budget 2048 -> 512" in d.reason
+    # at the budget's floor the batch backs off as before
+    floor = step(broken, goal, BatchingConfig(max_batch_size=8, prefill_token_budget=256))
+    assert floor.action == "backoff_batch" and floor.config.prefill_token_budget == 256
+    # prompts shorter than the cut budget: the budget splits nothing, the batch backs off
+    short = step(replace(broken, prompt_tokens_p99=200.0), goal,
+                 BatchingConfig(max_batch_size=8, prefill_token_budget=1024))  # fmt: skip
+    assert short.action == "backoff_batch"
+
+
+def test_a_ttft_broken_while_running_grows_the_budget_for_prompts_longer_than_it() -> None:
+    goal = Goal(Slo(ttft_s=0.5), BUDGETS)
+    slow = signals(ttft_p99_s=2.0, queue_wait_p99_s=0.0, **LONG_PROMPTS)
+    d = step(slow, goal, BatchingConfig(max_batch_size=8, prefill_token_budget=512))
+    assert d.action == "set_budget" and d.config.prefill_token_budget == 1024
+
+
+def test_a_p99_past_its_target_with_the_attainment_met_holds() -> None:
+    goal = Goal(Slo(tpot_s=0.02, attainment=0.95), BUDGETS)
+    met = signals(tpot_p99_s=0.05, slo_judged=600.0, slo_met=580.0, **LONG_PROMPTS)
+    d = step(met, goal, BatchingConfig(max_batch_size=8, prefill_token_budget=2048))
+    assert d.action == "hold" and "attainment 0.967 >= 0.95: the SLO holds" in d.reason
+    missed = replace(met, slo_met=540.0)
+    assert step(missed, goal, BatchingConfig(prefill_token_budget=2048)).action == "set_budget"

@@ -56,6 +56,15 @@ def test_the_kv_watermark_excludes_candidates() -> None:
     assert tight.prediction.candidate.replicas > roomy.prediction.candidate.replicas
 
 
+def test_the_kv_watermark_holds_even_where_no_candidate_meets_the_slo() -> None:
+    # Far more than six pods carry, and a pool that a few chat rows fill: no candidate
+    # meets the SLO, and the best there is stays under the watermark all the same.
+    over = seen(200.0, kv_usage=0.8, requests=6000.0, waiting=500.0)
+    decision = decide(over, CURRENT, GOAL, trusted(), fleet=Fleet(1, 1), now=1e4)
+    assert decision.prediction is not None and "the best there is" in decision.reason
+    assert decision.prediction.kv_use is not None and decision.prediction.kv_use <= 0.9
+
+
 def test_preemptions_exclude_the_batch_in_force_and_above() -> None:
     decision = decide(seen(2.0, preemption_rate=0.5), CURRENT, GOAL, trusted())
     assert decision.config.max_batch_size < CURRENT.max_batch_size
