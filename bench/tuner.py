@@ -370,9 +370,12 @@ def llm_jobs(curve: StepCurve, seed: int, duration_s: float) -> list[Job]:
 
 
 def llm_results(
-    curve: StepCurve, duration_s: float, results: list[SimResult | str]
+    curve: StepCurve, duration_s: float, results: list[SimResult | str], seed: int, workers: int
 ) -> list[llm.LlmResult]:
+    """The LLM part's results, each with its cold-start reference run (a second pass: it
+    takes the oracle's config)."""
     out: list[llm.LlmResult] = []
+    references: list[Job] = []
     at = 0
     for setup, scenario in _llm_plan(curve, duration_s):
         configs = llm.grid(setup, scenario, curve, CADENCE)
@@ -387,6 +390,9 @@ def llm_results(
                 tuner if isinstance(tuner, str) else "", CADENCE.interval_s,
             )
         )  # fmt: skip
+        references.append((scenario, llm.cold_start(configs[best], scenario), curve, seed))
+    for result, reference in zip(out, run_all(references, workers), strict=True):
+        result.reference = _sim(reference)
     return out
 
 
@@ -663,7 +669,9 @@ def main(argv: list[str]) -> int:
         if fleets
         else []
     )
-    llm_runs = llm_results(llm_curve, llm_s, results[len(knobs) + len(fleets) :])
+    llm_runs = llm_results(
+        llm_curve, llm_s, results[len(knobs) + len(fleets) :], args.seed, args.workers
+    )
     rows = [r.row() for r in knob_runs]
     fleet_rows = [r.row(rule) for r in fleet_runs for rule in fleet.RULES]
     llm_rows = [r.row() for r in llm_runs]
@@ -696,7 +704,8 @@ def main(argv: list[str]) -> int:
             f"{r['workload']}/{r['scenario']}": {
                 k: r[k]
                 for k in (
-                    "goodput_ratio", "steady_share", "recover_intervals",
+                    "goodput_ratio", "goodput_bound", "steady_share", "recover_intervals",
+                    "recover_bound",
                     "replica_seconds_ratio", "attainment_oracle", "oracle",
                 )
             }

@@ -152,6 +152,23 @@ def traffic_status(
     return "too_little_traffic"
 
 
+# A window too thin to read p99s from still judges its SLO: misses this unlikely under
+# the allowed share (a binomial tail) are evidence that the SLO is missed.
+MISS_EVIDENCE_P = 0.01
+
+
+def misses_are_evidence(judged: float | None, missed: float | None, allowed_share: float) -> bool:
+    """Whether `missed` of `judged` requests is more than chance allows at `allowed_share`:
+    P(at least that many misses | Binomial(judged, allowed_share)) < MISS_EVIDENCE_P."""
+    n, k = round(judged or 0), round(missed or 0)
+    if n <= 0 or k <= 0 or not 0 < allowed_share < 1:
+        return False
+    below = sum(
+        math.comb(n, i) * allowed_share**i * (1 - allowed_share) ** (n - i) for i in range(k)
+    )
+    return 1 - below < MISS_EVIDENCE_P
+
+
 def status_detail(status: SignalStatus, requests: float, min_requests: int) -> str:
     if status == "no_traffic":
         return "no request finished in the window and none is waiting"

@@ -192,10 +192,12 @@ class TpotTail:
     A request of O tokens decodes for n = O - 1 steps. Each step costs the decode part
     at this load (`decode_s`), plus the prompt tokens computed beside it: those of the
     requests arriving while it decodes, k of them (Poisson, `arrivals_per_s` x n x the
-    step), k prompts' tokens in all, and, as often as the pod computes prompts, the
-    rest of the one under way when its decode starts (half a prompt), at most `budget`
-    a step. So its TPOT is `decode_s + per_prefill_s x min(budget, tokens / n)`: a short
-    answer that meets one long prompt under a large budget misses, which no mean shows.
+    step), each at a uniform moment of the decode and computed at most `budget` tokens
+    a step (so a prompt of P tokens adds `P (1 - P / 2Gn)` of them where `P <= Gn`, and
+    `Gn / 2` past that), and, as often as the pod computes prompts, the rest of the one
+    under way when its decode starts (half a prompt), at most `budget` a step. So its
+    TPOT is `decode_s + per_prefill_s x min(budget, tokens / n)`: a short answer that
+    meets one long prompt misses, which no mean shows.
 
     The arrays are over (prompt under way or not, output length, k, prompt length):
     `tpot_s` is each cell's TPOT, `weight` its probability.
@@ -228,8 +230,14 @@ class TpotTail:
         with np.errstate(divide="ignore"):
             log_pk = k * np.log(m) - m - log_fact[None, :, None]
         pk = np.where(m > 0, np.exp(log_pk), (k == 0).astype(float))
-        # k arrivals: the last one's prompt at each point, the others at the mean
-        tokens = np.where(k > 0, (k - 1) * mean_prompt + prompt, 0.0)
+        # k arrivals: the last one's prompt at each point, the others at the mean; each
+        # arriving at a uniform moment of its decode, of which the rest takes at most
+        # `budget` tokens a step: a prompt longer than that is partly computed after it
+        def absorbed(p: np.ndarray | float) -> np.ndarray:
+            room = budget * n
+            return np.where(p <= room, p * (1 - p / (2 * room)), room / 2)
+
+        tokens = np.where(k > 0, (k - 1) * absorbed(mean_prompt) + absorbed(prompt), 0.0)
         weight = w_out * pk * np.where(k > 0, w_prompt, 1.0 / prompt.shape[2])
         # and, as often as the pod is computing prompts, the rest of the one under way
         # when its decode starts: half a prompt on average

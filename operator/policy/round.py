@@ -8,7 +8,9 @@ mode) always gives the same decision; `tuning_loop.TuningLoop` is its one caller
 2. The window's derived quantities are computed once (window.py).
 3. One sizing step gives both the knobs and the pods needed:
    - a config outside the bounds is clamped into them (the pods wait a round);
-   - a window without evidence holds (signals.py `traffic_status`);
+   - a window without evidence holds (signals.py `traffic_status`), unless the pods
+     judged more misses in it than the objective's share allows by chance
+     (`misses_are_evidence`): a thin window can still show the SLO missed;
    - where the step fit for this fleet size is trusted and its recent error on the
      config in force is small, the choice (choice.py) picks the cheapest candidate the
      predictor (predictor.py) says meets the SLO with the margin;
@@ -43,7 +45,7 @@ from batchpilot_operator.policy.sizing import Sizing
 from batchpilot_operator.policy.step_model import StepModel, fit_for, point_of, remember
 from batchpilot_operator.policy.window import Window
 from batchpilot_operator.replica_rule import Fleet
-from batchpilot_operator.signals import Signals
+from batchpilot_operator.signals import Signals, misses_are_evidence
 from batchpilot_operator.tuner import Decision, Goal
 from batchpilot_server.batching_config import BatchingConfig, Mode
 
@@ -99,7 +101,8 @@ def _taken_in(
     ceiling, age = memory.ceiling, memory.ceiling_age + 1
     if ceiling is None or age >= CEILING_TTL:
         ceiling, age = None, 0
-    points = remember(memory.points, point_of(signals)) if signals.ok else memory.points
+    # A thin window's mean step is an operating point all the same (no quantile in it).
+    points = remember(memory.points, point_of(signals))
     return replace(
         memory, points=points, ceiling=ceiling, ceiling_age=age,
         replicas=observe(memory.replicas, signals, fleet, now),
@@ -118,7 +121,7 @@ def _size(
             clamped, "clamp", f"config outside the bounds: {knob_change(current, clamped)}",
             Need(desired, "the knobs were outside their bounds: clamped first"),
         ), errors  # fmt: skip
-    if not signals.ok:
+    if not signals.ok and not _missed_for_sure(signals, goal):
         status = signals.status.replace("_", " ")
         return Sizing(current, "hold", f"{status}: {signals.detail or status}", None), errors
     model = fit_for(memory.points, window.pods)
@@ -136,9 +139,19 @@ def _size(
     return replace(fallback, reason=f"AIMD ({why}): {fallback.reason}"), errors
 
 
+def _missed_for_sure(signals: Signals, goal: Goal) -> bool:
+    """A window too thin for p99s whose pods judged more misses than chance allows (a slow
+    model finishes few requests a window, and each may miss)."""
+    missed = signals.slo_missed.get("all")
+    return signals.status == "too_little_traffic" and misses_are_evidence(
+        signals.slo_judged, missed, goal.slo.allowed_miss_share
+    )
+
+
 def _error(window: Window, model: StepModel | None, current: BatchingConfig) -> float | None:
     """The fit's relative error on the config in force: the worst over the stated targets
-    of |predicted - observed| / observed p99; None without a trusted fit or a p99."""
+    of |predicted - observed| / max(observed, target) p99; None without a trusted fit or
+    a p99."""
     if model is None or not model.trusted:
         return None
     if window.backlog > window.pods:
@@ -154,12 +167,16 @@ def _error(window: Window, model: StepModel | None, current: BatchingConfig) -> 
     if prediction is None or not observed:
         return None
 
-    def off(predicted: float, seen: float) -> float:
+    def off(name: str, seen: float) -> float:
+        predicted = prediction.p99(name)
         if math.isinf(predicted):  # a queue that never drains: right where it grows
             return 0.0 if window.queue_grows else math.inf
-        return abs(predicted - seen) / seen if seen > 0 else 0.0
+        # Relative to the target where the p99 is under it: a 2 ms p99 read as 4 ms is
+        # no error that matters against a 20 ms target, and would distrust the fit.
+        scale = max(seen, window.slo.stated[name])
+        return abs(predicted - seen) / scale if scale > 0 else 0.0
 
-    return max(off(prediction.p99(name), seen) for name, seen in observed.items())
+    return max(off(name, seen) for name, seen in observed.items())
 
 
 def _untrusted(model: StepModel | None, errors: tuple[float, ...], goal: Goal) -> str | None:

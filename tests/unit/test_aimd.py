@@ -9,7 +9,7 @@ import pytest
 from batchpilot_operator.policy.memory import PolicyMemory
 from batchpilot_operator.policy.round import decide
 from batchpilot_operator.replica_rule import Fleet, ReplicaBounds
-from batchpilot_operator.signals import Signals, traffic_status
+from batchpilot_operator.signals import Signals, misses_are_evidence, traffic_status
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.tuner import Bounds, Goal
 from batchpilot_server.batching_config import BatchingConfig
@@ -112,8 +112,9 @@ def test_a_spent_batch_under_queueing_scales_out_by_measured_throughput() -> Non
 
 
 def test_a_growing_batch_that_cannot_carry_the_demand_scales_out_beside_it() -> None:
-    # 20 finished a second by a pod always busy (it queues); 60 arrive and 300 wait: even a batch grown 1.5x
-    # carries 24 at 80 % busy, so 60 + 300/30 = 70 a second needs 3 pods now
+    # 20 finished a second by a pod always busy (it queues); 60 arrive and 300 wait:
+    # even a batch grown 1.5x carries 24 at 80 % busy, so 60 + 300/30 = 70 a second
+    # needs 3 pods now
     goal = Goal(Slo(e2e_s=1.0), Bounds(1, 64), replicas=ReplicaBounds(1, 4))
     behind = signals(p99_latency_s=3.0, queue_wait_p99_s=2.5, arrival_rate=60.0,
                      waiting=300.0)  # fmt: skip
@@ -161,3 +162,17 @@ def test_a_p99_past_its_target_with_the_attainment_met_holds() -> None:
     assert d.action == "hold" and "attainment 0.967 >= 0.95: the SLO holds" in d.reason
     missed = replace(met, slo_met=540.0)
     assert step(missed, goal, BatchingConfig(prefill_token_budget=2048)).action == "set_budget"
+
+
+def test_a_thin_window_whose_pods_judged_many_misses_is_evidence() -> None:
+    goal = Goal(Slo(ttft_s=0.5, attainment=0.95), E2E.bounds)
+    # 40 requests, too few for a p99 by count; 12 missed where 5 % allow 2: no chance
+    thin = signals(status="too_little_traffic", requests=40.0, ttft_p99_s=2.0,
+                   queue_wait_p99_s=1.9, slo_judged=40.0, slo_met=28.0,
+                   slo_missed={"all": 12.0, "ttft": 12.0})  # fmt: skip
+    assert misses_are_evidence(40, 12, goal.slo.allowed_miss_share)
+    assert step(thin, goal).action == "grow_batch"
+    # 3 of 40 is within chance at 5 %: the thin window holds
+    chance = replace(thin, slo_met=37.0, slo_missed={"all": 3.0, "ttft": 3.0})
+    assert not misses_are_evidence(40, 3, goal.slo.allowed_miss_share)
+    assert step(chance, goal).action == "hold"
