@@ -372,8 +372,8 @@ def llm_jobs(curve: StepCurve, seed: int, duration_s: float) -> list[Job]:
 def llm_results(
     curve: StepCurve, duration_s: float, results: list[SimResult | str], seed: int, workers: int
 ) -> list[llm.LlmResult]:
-    """The LLM part's results, each with its cold-start reference run (a second pass: it
-    takes the oracle's config)."""
+    """The LLM part's results, each with its cold-start run (a second pass: it takes the
+    oracle's config)."""
     out: list[llm.LlmResult] = []
     references: list[Job] = []
     at = 0
@@ -392,7 +392,7 @@ def llm_results(
         )  # fmt: skip
         references.append((scenario, llm.cold_start(configs[best], scenario), curve, seed))
     for result, reference in zip(out, run_all(references, workers), strict=True):
-        result.reference = _sim(reference)
+        result.cold = _sim(reference)
     return out
 
 
@@ -704,8 +704,8 @@ def main(argv: list[str]) -> int:
             f"{r['workload']}/{r['scenario']}": {
                 k: r[k]
                 for k in (
-                    "goodput_ratio", "goodput_bound", "steady_share", "recover_intervals",
-                    "recover_bound",
+                    "goodput_ratio", "goodput_cold_start", "steady_share", "recover_intervals",
+                    "recover_cold_start",
                     "replica_seconds_ratio", "attainment_oracle", "oracle",
                 )
             }
