@@ -29,6 +29,7 @@ default and OpenAI's `logprobs` report them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -306,7 +307,7 @@ class Cuts:
     min_p: torch.Tensor
     renormalized: torch.Tensor | None
     cutting: torch.Tensor | None
-    within: dict[int, torch.Tensor] = field(default_factory=dict)
+    within: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, table: torch.Tensor) -> Cuts:
@@ -326,11 +327,13 @@ class Cuts:
             cutting=None if bool(cutting.all()) else cutting,
         )
 
-    def within_k(self, width: int) -> torch.Tensor:
-        """[rows, width]: which of `width` candidates, best first, lie in the row's top_k."""
+    def within_k(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows, width]: which of `width` candidates, best first, lie in the row's
+        top_k, as bools and as 1.0 or 0.0 (a product with floats costs less than with
+        bools, for the same result)."""
         if width not in self.within:
-            positions = torch.arange(width, device=self.top_k.device)
-            self.within[width] = positions < self.top_k
+            within = torch.arange(width, device=self.top_k.device) < self.top_k
+            self.within[width] = within, within.to(self.top_k.dtype)
         return self.within[width]
 
 
@@ -396,18 +399,19 @@ def cut_threshold(probs: torch.Tensor, cuts: Cuts, knobs: Knobs) -> torch.Tensor
     the top token's probability."""
     threshold = None
     if knobs.top_k or knobs.top_p:
-        # no row sets top_k: every candidate lies within it
-        in_k = cuts.within_k(probs.shape[-1]) if knobs.top_k else None
-        inside = in_k
+        # None where no row sets top_k: every candidate lies within it
+        within = cuts.within_k(probs.shape[-1]) if knobs.top_k else None
+        inside = None if within is None else within[0]
         if knobs.top_p:
-            kept = probs if in_k is None else probs * in_k
+            kept = probs if within is None else probs * within[1]
             before = kept.cumsum(dim=-1) - kept  # mass above each token
             if knobs.top_k:  # renormalized to the top_k tokens' mass (where set)
                 mass = kept.sum(dim=-1, keepdim=True)
                 before /= (
                     mass if cuts.renormalized is None else torch.where(cuts.renormalized, mass, 1.0)
                 )
-            inside = before < cuts.top_p if in_k is None else in_k & (before < cuts.top_p)
+            below = before < cuts.top_p
+            inside = below if inside is None else inside & below
             inside[:, 0] = True  # the top token always: a top_p that rounds to 0 keeps one
         assert inside is not None, "top_k or top_p cuts"
         last = inside.sum(dim=-1, keepdim=True) - 1
@@ -470,7 +474,11 @@ class PenalizedRows:
     step's rows; both None where they are every row, in order); their weights [rows, 1]
     and whether any row repeats (a repetition penalty not 1) or counts (a frequency or
     presence penalty not 0): a weight that changes nothing leaves a logit bit for bit,
-    so a stage no row uses is skipped."""
+    so a stage no row uses is skipped. `repeated` picks each repeated logit, x times
+    the penalty where x < 0 and x over it elsewhere, from the two: with every penalty
+    at least 1 that is the lesser of them, with every one at most 1 the greater (the
+    rounding keeps the order), one float op in place of a comparison and a select;
+    None where the rows' penalties lie on both sides of 1."""
 
     seqs: list[Sequence]
     slots: torch.Tensor
@@ -481,8 +489,20 @@ class PenalizedRows:
     frequency: torch.Tensor
     presence: torch.Tensor
     repeats: bool
+    repeated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
     counted: bool
     ones: torch.Tensor  # [rows], what each step adds to the counts
+
+
+def repeated_pick(
+    penalties: list[float],
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """PenalizedRows.repeated for rows of these repetition penalties (all above 0)."""
+    if all(penalty >= 1.0 for penalty in penalties):
+        return torch.minimum
+    if all(0.0 < penalty <= 1.0 for penalty in penalties):
+        return torch.maximum
+    return None
 
 
 class PenaltyState:
@@ -524,6 +544,7 @@ class PenaltyState:
             frequency=weights[1],
             presence=weights[2],
             repeats=any(p.repetition_penalty != 1.0 for p in params),
+            repeated=repeated_pick([p.repetition_penalty for p in params]),
             counted=any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params),
             ones=torch.ones(len(seqs), dtype=self.counts.dtype, device=device),
         )
@@ -538,10 +559,13 @@ class PenaltyState:
         at = tokens if rows.logits_at is None else rows.logits_at + tokens
         seen = logits.gather(1, at) if rows.logits_at is None else logits.take(at)
         if rows.repeats:
-            seen = torch.where(seen < 0, seen * rows.repetition, seen / rows.repetition)
+            times, over = seen * rows.repetition, seen / rows.repetition
+            pick = rows.repeated
+            seen = torch.where(seen < 0, times, over) if pick is None else pick(times, over)
         if rows.counted:
             counts = self.counts.take(rows.counts_at + tokens)
-            seen = seen - (counts * rows.frequency + (counts > 0) * rows.presence)
+            # counts > 0 as 0 or 1, from whole counts: a float op, not a bool one
+            seen = seen - (counts * rows.frequency + counts.clamp(max=1.0) * rows.presence)
         if rows.logits_at is None:
             logits.scatter_(1, at, seen)
         else:
