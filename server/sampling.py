@@ -386,9 +386,11 @@ def candidates(scaled: torch.Tensor, table: torch.Tensor, knobs: Knobs) -> Candi
             keep = torch.ones_like(probs, dtype=torch.bool)
             return Candidates(ids, probs, keep, torch.zeros_like(keep[:, 0]), every)
         keep = probs >= threshold[:, None]
-        # settled where the kept tokens end inside the candidates (ties included)
-        if width == vocab or not bool(((threshold != 0) & keep[:, -1]).any()):
-            return Candidates(ids, probs, keep, threshold > 0, every)
+        cut = threshold > 0
+        # settled where the kept tokens of a row with a cut end inside the candidates
+        # (ties included)
+        if width == vocab or not bool((cut & keep[:, -1]).any()):
+            return Candidates(ids, probs, keep, cut, every)
         width = min(vocab, width * 8)
 
 
@@ -426,22 +428,23 @@ def cut_threshold(probs: torch.Tensor, cuts: Cuts, knobs: Knobs) -> torch.Tensor
 def draw(found: Candidates, uniform: torch.Tensor) -> torch.Tensor:
     """One token per row by inverse CDF over its kept tokens, the candidates first, at
     `uniform` [rows] (float64, in [0, 1))."""
-    # float64: float32 sums lose the rare tokens' shares
-    cdf = torch.where(found.keep, found.probs, 0.0).double().cumsum(dim=-1)
-    inside = cdf[:, -1:]
-    uncut = ~found.cut
-    any_uncut = bool(uncut.any())
+    # the kept ones come first: up to the last of them, the cdf of every candidate is
+    # theirs (float64: float32 sums lose the rare tokens' shares)
+    last_kept = found.keep.sum(dim=-1, keepdim=True) - 1
+    cdf = found.probs.cumsum(dim=-1, dtype=torch.float64)
+    inside = cdf.gather(1, last_kept)  # the kept mass
+    every_cut = bool(found.cut.all())
+    uncut = ~found.cut[:, None]
     # a row with a cut: u x its kept mass, which lies strictly below that mass; an
     # uncut row: u x the whole vocabulary's, past the candidates' for some draws
-    target = uniform[:, None] * (torch.where(uncut[:, None], 1.0, inside) if any_uncut else inside)
-    # at most the last kept candidate (the kept ones come first): u x mass may round
-    # up to the mass itself, and an uncut row's draw past them is taken below
-    last_kept = found.keep.sum(dim=-1, keepdim=True) - 1
+    target = uniform[:, None] * (inside if every_cut else torch.where(uncut, 1.0, inside))
+    # at most the last kept candidate: u x mass may round up to the mass itself, and
+    # an uncut row's draw past them is taken below
     position = torch.minimum(torch.searchsorted(cdf, target, right=True), last_kept)
     chosen = found.ids.gather(1, position)[:, 0]
-    if not any_uncut:
+    if every_cut:
         return chosen
-    beyond = (target[:, 0] >= inside[:, 0]) & uncut
+    beyond = (target >= inside)[:, 0] & uncut[:, 0]
     if bool(beyond.any()):
         rows = beyond.nonzero()[:, 0]
         tail = _draw_tail(found.every[rows], found.ids[rows], target[rows] - inside[rows])
