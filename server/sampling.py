@@ -29,7 +29,8 @@ default and OpenAI's `logprobs` report them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from batchpilot_server.engine_api import GREEDY_BELOW_TEMPERATURE, PromptLogprob, SamplingParams
@@ -70,62 +71,98 @@ class Sampler:
     def __init__(self, vocab_size: int, eos_ids: frozenset[int], device: str) -> None:
         self.eos = tuple(sorted(eos_ids))
         self.penalties = PenaltyState(vocab_size, device)
+        # the last rows processed and what was built for them: a decoding batch samples
+        # the same sequences step after step, so a step builds none of it again
+        self._batch: Batch | None = None
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
         """One token per row of `logits` [len(seqs), vocab], which it processes in place
         once the raw log-probabilities are taken (the engine's logits are scratch)."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
-        chosen = logprobs.argmax(dim=-1)
-        if any(seq.always_processed or seq.holds_stops for seq in seqs):
-            knobs = Knobs.of(seqs, logits.device)
-            self.process(logits, seqs, knobs)
-            self.choose(logits, knobs, chosen)
-            self.penalties.record(seqs, chosen)
-            accept_grammar_tokens(seqs, chosen)
+        holds = tuple(seq.holds_stops for seq in seqs)
+        if any(holds) or any(seq.always_processed for seq in seqs):
+            batch = self._batch_of(seqs, holds, logits)
+            self.process(logits, seqs, batch.knobs)
+            uniform = next_uniforms(seqs, batch.knobs.sampled, logits.device)
+            chosen = self.choose(logits, batch.knobs, logprobs, uniform)
+            if batch.penalized is not None:
+                self.penalties.record(batch.penalized, chosen)
+            accept_grammar_tokens(seqs, batch.knobs.constrained, chosen)
+        else:
+            chosen = logprobs.argmax(dim=-1)
         picked_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
         return Sampled(chosen.tolist(), picked_logprobs.tolist(), step_top_logprobs(logprobs, seqs))
 
     @torch.inference_mode()
     def process(self, logits: torch.Tensor, seqs: list[Sequence], knobs: Knobs) -> None:
         """Steps 1-3 of the module docstring on `logits` [len(seqs), vocab], in place."""
-        self._add_sparse(logits, seqs)
-        if knobs.penalized:
-            penalized = [seqs[row] for row in knobs.penalized]
-            weights = knobs.rows(knobs.penalized)[:, REPETITION:].T
-            self.penalties.apply(logits, knobs.penalized, penalized, weights)
-        constrained = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
-        if constrained:
-            mask_logits(logits, constrained, [seqs[row] for row in constrained])
+        batch = self._batch
+        if batch is None or batch.knobs is not knobs:
+            batch = self._build(seqs, tuple(seq.holds_stops for seq in seqs), knobs, logits)
+        if batch.sparse is not None:
+            index, values = batch.sparse
+            # a token listed twice gets both (the API refuses duplicates); -inf plus a
+            # bias stays -inf
+            logits.index_put_(index, values, accumulate=True)
+        if batch.penalized is not None:
+            self.penalties.apply(logits, batch.penalized)
+        if knobs.constrained:
+            mask_logits(logits, knobs.constrained, [seqs[row] for row in knobs.constrained])
 
     @staticmethod
-    @torch.inference_mode()
-    def choose(logits: torch.Tensor, knobs: Knobs, chosen: torch.Tensor) -> None:
-        """Step 4 into `chosen` [rows]: the argmax of a processed greedy row, a draw for
-        a sampled one (other rows keep theirs); the sampled rows' logits are divided
-        by their temperature in place."""
-        device, rows = logits.device, logits.shape[0]
+    def choose(
+        logits: torch.Tensor, knobs: Knobs, logprobs: torch.Tensor, uniform: torch.Tensor
+    ) -> torch.Tensor:
+        """Step 4: a token per row [rows]: the argmax of a processed greedy row, a draw
+        at `uniform` [sampled rows] for a sampled one, the argmax of the raw `logprobs`
+        for the others. The sampled rows' logits are divided by their temperature in
+        place (in a copy when other rows lie among them)."""
+        rows = logits.shape[0]
         if len(knobs.greedy) == rows:
-            chosen.copy_(logits.argmax(dim=-1))
-        elif knobs.greedy:
-            index = torch.tensor(knobs.greedy, device=device)
+            return logits.argmax(dim=-1)
+        if knobs.sampled_index is None:  # every row samples
+            return draw_rows(logits, knobs, uniform)
+        chosen = logprobs.argmax(dim=-1)
+        if knobs.greedy:
+            index = knobs.greedy_index
             chosen.index_copy_(0, index, logits.index_select(0, index).argmax(dim=-1))
         if knobs.sampled:
-            everyone = len(knobs.sampled) == rows
-            index = torch.tensor(knobs.sampled, device=device)
-            scaled = logits if everyone else logits.index_select(0, index)
-            table = knobs.rows(knobs.sampled)
-            scaled.div_(table[:, TEMPERATURE, None])
-            uniform = knobs.uniform if everyone else knobs.uniform.index_select(0, index)
-            chosen.index_copy_(0, index, draw(candidates(scaled, table, knobs), uniform))
+            index = knobs.sampled_index
+            chosen.index_copy_(0, index, draw_rows(logits.index_select(0, index), knobs, uniform))
+        return chosen
 
-    def _add_sparse(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """min_tokens (the stops of the rows short of it at -inf) and logit_bias, in one
-        scatter: -inf plus a bias stays -inf."""
+    def _batch_of(
+        self, seqs: list[Sequence], holds: tuple[bool, ...], logits: torch.Tensor
+    ) -> Batch:
+        """The kept Batch while `seqs` are its rows and hold the same stops back."""
+        batch = self._batch
+        if batch is None or batch.holds != holds or batch.seqs != tuple(seqs):
+            batch = self._build(seqs, holds, Knobs.of(seqs, logits.device), logits)
+        return batch
+
+    def _build(
+        self, seqs: list[Sequence], holds: tuple[bool, ...], knobs: Knobs, logits: torch.Tensor
+    ) -> Batch:
+        penalized = [seqs[row] for row in knobs.penalized]
+        self._batch = Batch(
+            seqs=tuple(seqs),
+            holds=holds,
+            knobs=knobs,
+            sparse=self._sparse(seqs, holds, logits),
+            penalized=self.penalties.rows_of(penalized, knobs, logits) if penalized else None,
+        )
+        return self._batch
+
+    def _sparse(
+        self, seqs: list[Sequence], holds: tuple[bool, ...], logits: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """min_tokens (the stops of the rows short of it at -inf) and logit_bias, as the
+        index and values of one accumulating index_put_."""
         entries = [
             (row, token, -torch.inf)
             for row, seq in enumerate(seqs)
-            if seq.holds_stops
+            if holds[row]
             for token in self._stops(seq.params)
         ]
         entries += [
@@ -133,51 +170,77 @@ class Sampler:
             for row, seq in enumerate(seqs)
             for token, bias in seq.params.logit_bias
         ]
-        if entries:
-            rows, tokens, values = zip(*entries, strict=True)
-            device = logits.device
-            logits.index_put_(
-                (torch.tensor(rows, device=device), torch.tensor(tokens, device=device)),
-                torch.tensor(values, dtype=logits.dtype, device=device),
-                accumulate=True,  # a token listed twice gets both (the API refuses duplicates)
-            )
+        if not entries:
+            return None
+        rows, tokens, values = zip(*entries, strict=True)
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))
+        return index, torch.tensor(values, dtype=logits.dtype, device=device)
 
     def _stops(self, params: SamplingParams) -> tuple[int, ...]:
         return params.stop_token_ids if params.ignore_eos else params.stop_token_ids + self.eos
 
 
-def accept_grammar_tokens(seqs: list[Sequence], tokens: torch.Tensor) -> None:
-    """Each grammar row's matcher advanced with the token it just chose."""
-    if any(seq.grammar is not None for seq in seqs):
-        for seq, token in zip(seqs, tokens.tolist(), strict=True):
-            if seq.grammar is not None:
-                seq.grammar.accept(token)
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """What a step reads of its rows that changes only with the rows, built once for a
+    run of steps over the same sequences holding the same stops back: their knobs, the
+    min_tokens and logit_bias entries (`sparse`: index and values) and the penalized
+    rows as PenaltyState reads them (None: none)."""
+
+    seqs: tuple[Sequence, ...]
+    holds: tuple[bool, ...]  # each row's Sequence.holds_stops
+    knobs: Knobs
+    sparse: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    penalized: PenalizedRows | None
+
+
+def accept_grammar_tokens(seqs: list[Sequence], rows: list[int], tokens: torch.Tensor) -> None:
+    """Each grammar row's (`rows`) matcher advanced with the token it just chose."""
+    if rows:
+        chosen = tokens.tolist()
+        for row in rows:
+            grammar = seqs[row].grammar
+            assert grammar is not None, "a constrained row has a grammar"
+            grammar.accept(chosen[row])
+
+
+def next_uniforms(seqs: list[Sequence], rows: list[int], device: torch.device) -> torch.Tensor:
+    """This step's uniform of each sampled row (`rows`), float64."""
+    return torch.tensor(
+        [next_uniform(seqs[row]) for row in rows], dtype=torch.float64, device=device
+    )
 
 
 # the columns of Knobs.table
-TEMPERATURE, TOP_P, MIN_P, TOP_K, REPETITION = 0, 1, 2, 3, 4
+TEMPERATURE, TOP_P, MIN_P, TOP_K, REPETITION, FREQUENCY, PRESENCE = range(7)
 # uniforms a sampled sequence's generator draws at a time (one a token)
 UNIFORMS_AHEAD = 64
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Knobs:
     """The sampling values of a step's rows, in one tensor built at once:
     `table` [rows, 7] of temperature, top_p (inf where 1: no cut, so that rounding
     never cuts a tail), min_p, top_k (the vocabulary where unset), repetition,
-    frequency and presence penalties; `uniform` [rows]: this step's uniform draw of
-    each sampled row (float64); which rows sample and which are penalized; and which
-    cuts any row makes, so that a step skips the stages nobody uses."""
+    frequency and presence penalties; which rows sample, which are greedy but
+    processed, which are penalized and which constrained by a grammar (with the index
+    tensors of the first two, None where they are every row); which cuts any sampled
+    row makes, so that a step skips the stages nobody uses; and the sampled rows' cut
+    knobs (`cuts`)."""
 
     table: torch.Tensor
-    uniform: torch.Tensor
     sampled: list[int]
     greedy: list[int]  # greedy rows whose logits the processors change
     penalized: list[int]
+    constrained: list[int]
+    sampled_index: torch.Tensor | None
+    greedy_index: torch.Tensor | None
     top_k: bool
     top_p: bool
     min_p: bool
     widest_k: int  # the largest top_k set
+    cuts: Cuts
 
     @classmethod
     def of(cls, seqs: list[Sequence], device: torch.device | str) -> Knobs:
@@ -204,27 +267,74 @@ class Knobs:
             if not seq.sampled and (seq.always_processed or seq.holds_stops)
         ]
         cutting = [params[row] for row in sampled]
+        sampled_index = rows_index(sampled, len(seqs), device)
         return cls(
             table=table,
-            uniform=torch.tensor(
-                [next_uniform(seq) if seq.sampled else 0.0 for seq in seqs],
-                dtype=torch.float64,
-                device=device,
-            ),
             sampled=sampled,
             greedy=greedy,
             penalized=[row for row, seq in enumerate(seqs) if seq.penalized],
+            constrained=[row for row, seq in enumerate(seqs) if seq.grammar is not None],
+            sampled_index=sampled_index,
+            greedy_index=rows_index(greedy, len(seqs), device),
             top_k=any(p.top_k for p in cutting),
             top_p=any(p.top_p < 1.0 for p in cutting),
             min_p=any(p.min_p > 0 for p in cutting),
             widest_k=max((p.top_k for p in cutting), default=0),
+            cuts=Cuts.of(table if sampled_index is None else table.index_select(0, sampled_index)),
         )
 
-    def rows(self, rows: list[int]) -> torch.Tensor:
-        """The table's `rows` (itself when they are all of it)."""
-        if len(rows) == self.table.shape[0]:
-            return self.table
-        return self.table.index_select(0, torch.tensor(rows, device=self.table.device))
+    def cuts_of(self, table: torch.Tensor) -> Cuts:
+        """The cut knobs of `table`'s rows: the kept ones when they are the sampled rows'."""
+        return self.cuts if table is self.cuts.table else Cuts.of(table)
+
+
+def rows_index(rows: list[int], count: int, device: torch.device | str) -> torch.Tensor | None:
+    """`rows` of a step's `count` as an index tensor (None when they are all of it)."""
+    return None if len(rows) == count else torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+@dataclass(frozen=True, eq=False)
+class Cuts:
+    """Sampled rows' knobs as the draw reads them, each column [rows, 1] of their Knobs
+    `table`: temperature, top_k, top_p and min_p; where top_k is set (`renormalized`) and
+    where top_k or top_p is (`cutting`), None where every row sets them; and, per
+    candidate width met so far, which candidates lie within each row's top_k."""
+
+    table: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    renormalized: torch.Tensor | None
+    cutting: torch.Tensor | None
+    within: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, table: torch.Tensor) -> Cuts:
+        def column(index: int) -> torch.Tensor:
+            return table[:, index, None].contiguous()
+
+        top_k, top_p = column(TOP_K), column(TOP_P)
+        renormalized = top_k < torch.inf
+        cutting = renormalized | (top_p < torch.inf)
+        return cls(
+            table=table,
+            temperature=column(TEMPERATURE),
+            top_k=top_k,
+            top_p=top_p,
+            min_p=column(MIN_P),
+            renormalized=None if bool(renormalized.all()) else renormalized,
+            cutting=None if bool(cutting.all()) else cutting,
+        )
+
+    def within_k(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows, width]: which of `width` candidates, best first, lie in the row's
+        top_k, as bools and as 1.0 or 0.0 (a product with floats costs less than with
+        bools, for the same result)."""
+        if width not in self.within:
+            within = torch.arange(width, device=self.top_k.device) < self.top_k
+            self.within[width] = within, within.to(self.top_k.dtype)
+        return self.within[width]
 
 
 def next_uniform(seq: Sequence) -> float:
@@ -240,19 +350,11 @@ def next_uniform(seq: Sequence) -> float:
     return seq.uniforms.pop()
 
 
-def apply_penalties(
-    logits: torch.Tensor,
-    counts: torch.Tensor,
-    repetition: torch.Tensor,
-    frequency: torch.Tensor,
-    presence: torch.Tensor,
-) -> torch.Tensor:
-    """`logits` of tokens seen in the prompt or the output, with the penalties applied:
-    `counts` of each in the output; one weight per row. A weight that changes nothing
-    (1, 0, 0) leaves a logit bit for bit."""
-    rep = repetition[:, None]
-    repeated = torch.where(logits < 0, logits * rep, logits / rep)
-    return repeated - (counts * frequency[:, None] + (counts > 0) * presence[:, None])
+def draw_rows(logits: torch.Tensor, knobs: Knobs, uniform: torch.Tensor) -> torch.Tensor:
+    """A token for each of the sampled rows' `logits` (divided by their temperature in
+    place) at their `uniform`."""
+    cuts = knobs.cuts
+    return draw(candidates(logits.div_(cuts.temperature), cuts.table, knobs), uniform)
 
 
 @dataclass(frozen=True)
@@ -272,45 +374,53 @@ class Candidates:
 def candidates(scaled: torch.Tensor, table: torch.Tensor, knobs: Knobs) -> Candidates:
     """The candidates of `scaled` [rows, vocab] (logits over temperature), `table` the
     rows' knobs: the CANDIDATES most probable tokens, more where a cut lies deeper."""
+    cuts = knobs.cuts_of(table)
     vocab = scaled.shape[-1]
     every = torch.softmax(scaled, dim=-1)
     # one past the largest top_k: a row cut there settles at once
     width = min(vocab, max(CANDIDATES, knobs.widest_k + 1))
     while True:
         probs, ids = every.topk(width, dim=-1)
-        threshold = cut_threshold(probs, table, knobs)
+        threshold = cut_threshold(probs, cuts, knobs)
         if threshold is None:  # no row cuts: every token stays
             keep = torch.ones_like(probs, dtype=torch.bool)
             return Candidates(ids, probs, keep, torch.zeros_like(keep[:, 0]), every)
         keep = probs >= threshold[:, None]
-        # settled where the kept tokens end inside the candidates (ties included)
-        if width == vocab or bool(((threshold == 0) | ~keep[:, -1]).all()):
-            return Candidates(ids, probs, keep, threshold > 0, every)
+        cut = threshold > 0
+        # settled where the kept tokens of a row with a cut end inside the candidates
+        # (ties included)
+        if width == vocab or not bool((cut & keep[:, -1]).any()):
+            return Candidates(ids, probs, keep, cut, every)
         width = min(vocab, width * 8)
 
 
-def cut_threshold(probs: torch.Tensor, table: torch.Tensor, knobs: Knobs) -> torch.Tensor | None:
+def cut_threshold(probs: torch.Tensor, cuts: Cuts, knobs: Knobs) -> torch.Tensor | None:
     """Per row, the least probability its cuts keep (0: no cut; None: no row cuts),
     from its most probable tokens `probs` [rows, width], best first. top_p's mass is
     the top_k tokens' (renormalized), as transformers applies it; min_p is a share of
     the top token's probability."""
     threshold = None
     if knobs.top_k or knobs.top_p:
-        top_k, top_p = table[:, TOP_K, None], table[:, TOP_P, None]
-        in_k = torch.arange(probs.shape[-1], device=probs.device) < top_k
-        inside = in_k
+        # None where no row sets top_k: every candidate lies within it
+        within = cuts.within_k(probs.shape[-1]) if knobs.top_k else None
+        inside = None if within is None else within[0]
         if knobs.top_p:
-            kept = probs * in_k if knobs.top_k else probs
+            kept = probs if within is None else probs * within[1]
             before = kept.cumsum(dim=-1) - kept  # mass above each token
             if knobs.top_k:  # renormalized to the top_k tokens' mass (where set)
-                before /= torch.where(top_k < torch.inf, kept.sum(dim=-1, keepdim=True), 1.0)
-            inside = in_k & (before < top_p)
+                mass = kept.sum(dim=-1, keepdim=True)
+                before /= (
+                    mass if cuts.renormalized is None else torch.where(cuts.renormalized, mass, 1.0)
+                )
+            below = before < cuts.top_p
+            inside = below if inside is None else inside & below
             inside[:, 0] = True  # the top token always: a top_p that rounds to 0 keeps one
+        assert inside is not None, "top_k or top_p cuts"
         last = inside.sum(dim=-1, keepdim=True) - 1
-        cutting = (top_k < torch.inf) | (top_p < torch.inf)
-        threshold = torch.where(cutting, probs.gather(1, last), 0.0)[:, 0]
+        least = probs.gather(1, last)
+        threshold = (least if cuts.cutting is None else torch.where(cuts.cutting, least, 0.0))[:, 0]
     if knobs.min_p:
-        floor = table[:, MIN_P] * probs[:, 0]
+        floor = cuts.min_p[:, 0] * probs[:, 0]
         threshold = floor if threshold is None else torch.maximum(threshold, floor)
     return threshold
 
@@ -318,19 +428,23 @@ def cut_threshold(probs: torch.Tensor, table: torch.Tensor, knobs: Knobs) -> tor
 def draw(found: Candidates, uniform: torch.Tensor) -> torch.Tensor:
     """One token per row by inverse CDF over its kept tokens, the candidates first, at
     `uniform` [rows] (float64, in [0, 1))."""
-    # float64: float32 sums lose the rare tokens' shares
-    cdf = torch.where(found.keep, found.probs, 0.0).double().cumsum(dim=-1)
-    inside = cdf[:, -1:]
-    uncut = ~found.cut
+    # the kept ones come first: up to the last of them, the cdf of every candidate is
+    # theirs (float64: float32 sums lose the rare tokens' shares)
+    last_kept = found.keep.sum(dim=-1, keepdim=True) - 1
+    cdf = found.probs.cumsum(dim=-1, dtype=torch.float64)
+    inside = cdf.gather(1, last_kept)  # the kept mass
+    every_cut = bool(found.cut.all())
+    uncut = ~found.cut[:, None]
     # a row with a cut: u x its kept mass, which lies strictly below that mass; an
     # uncut row: u x the whole vocabulary's, past the candidates' for some draws
-    target = uniform[:, None] * torch.where(uncut[:, None], 1.0, inside)
-    # at most the last kept candidate (the kept ones come first): u x mass may round
-    # up to the mass itself, and an uncut row's draw past them is taken below
-    last_kept = found.keep.sum(dim=-1, keepdim=True) - 1
+    target = uniform[:, None] * (inside if every_cut else torch.where(uncut, 1.0, inside))
+    # at most the last kept candidate: u x mass may round up to the mass itself, and
+    # an uncut row's draw past them is taken below
     position = torch.minimum(torch.searchsorted(cdf, target, right=True), last_kept)
     chosen = found.ids.gather(1, position)[:, 0]
-    beyond = (target[:, 0] >= inside[:, 0]) & uncut
+    if every_cut:
+        return chosen
+    beyond = (target >= inside)[:, 0] & uncut[:, 0]
     if bool(beyond.any()):
         rows = beyond.nonzero()[:, 0]
         tail = _draw_tail(found.every[rows], found.ids[rows], target[rows] - inside[rows])
@@ -354,6 +468,46 @@ def _draw_tail(probs: torch.Tensor, ids: torch.Tensor, target: torch.Tensor) -> 
     return torch.where(total[:, 0] > 0, position[:, 0], -1)
 
 
+@dataclass(frozen=True, eq=False)
+class PenalizedRows:
+    """A batch's penalized rows as PenaltyState reads them, built once for the batch:
+    their sequences, their `slots` [rows] in the pool and each slot's start in the
+    flattened `counts` ([rows, 1]); their rows of the step's logits (`logits_at`: each
+    row's start in the flattened logits, [rows, 1]; `picked`: their places among the
+    step's rows; both None where they are every row, in order); their weights [rows, 1]
+    and whether any row repeats (a repetition penalty not 1) or counts (a frequency or
+    presence penalty not 0): a weight that changes nothing leaves a logit bit for bit,
+    so a stage no row uses is skipped. `repeated` picks each repeated logit, x times
+    the penalty where x < 0 and x over it elsewhere, from the two: with every penalty
+    at least 1 that is the lesser of them, with every one at most 1 the greater (the
+    rounding keeps the order), one float op in place of a comparison and a select;
+    None where the rows' penalties lie on both sides of 1."""
+
+    seqs: list[Sequence]
+    slots: torch.Tensor
+    counts_at: torch.Tensor
+    logits_at: torch.Tensor | None
+    picked: torch.Tensor | None
+    repetition: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
+    repeats: bool
+    repeated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    counted: bool
+    ones: torch.Tensor  # [rows], what each step adds to the counts
+
+
+def repeated_pick(
+    penalties: list[float],
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """PenalizedRows.repeated for rows of these repetition penalties (all above 0)."""
+    if all(penalty >= 1.0 for penalty in penalties):
+        return torch.minimum
+    if all(0.0 < penalty <= 1.0 for penalty in penalties):
+        return torch.maximum
+    return None
+
+
 class PenaltyState:
     """What the penalties read of each penalized sequence, one row of pooled tensors
     per sequence (`Sequence.penalty_slot`): its `tokens` (prompt and output, in order;
@@ -369,39 +523,65 @@ class PenaltyState:
         self.counts = torch.zeros(0, vocab_size, device=device)
         self.owners: list[Sequence | None] = []
 
-    def slots(self, seqs: list[Sequence]) -> torch.Tensor:
-        """The rows of `seqs`, each assigned and filled on first sight."""
+    def rows_of(self, seqs: list[Sequence], knobs: Knobs, logits: torch.Tensor) -> PenalizedRows:
+        """The penalized rows `knobs.penalized` (of `seqs`) of a batch, each sequence
+        assigned and filled on first sight."""
         for seq in seqs:
             if seq.penalty_slot is None:
                 self._assign(seq)
-        return torch.tensor([seq.penalty_slot for seq in seqs], device=self.counts.device)
-
-    def apply(
-        self, logits: torch.Tensor, rows: list[int], seqs: list[Sequence], weights: torch.Tensor
-    ) -> None:
-        """The penalties of `seqs`, rows `rows` of `logits`, in place; `weights` [3,
-        len(rows)]: repetition, frequency and presence. A token seen twice is read and
-        written twice, with the same value."""
-        slots = self.slots(seqs)
-        width = max(seq.num_tokens for seq in seqs)
-        tokens = self.tokens.index_select(0, slots)[:, :width]
-        counts = self.counts[slots[:, None], tokens]
-        at = (torch.tensor(rows, device=logits.device)[:, None], tokens)
-        logits.index_put_(at, apply_penalties(logits[at], counts, *weights))
-
-    def record(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
-        """The tokens just sampled for `seqs` (one per row, not appended yet), for the
-        penalized ones."""
-        rows = [row for row, seq in enumerate(seqs) if seq.penalized]
-        if not rows:
-            return
-        penalized = [seqs[row] for row in rows]
-        slots, tokens = self.slots(penalized), tokens[rows]
-        places = torch.tensor([seq.num_tokens for seq in penalized], device=slots.device)
-        self.tokens.index_put_((slots, places), tokens)
-        self.counts.index_put_(
-            (slots, tokens), torch.ones_like(tokens, dtype=self.counts.dtype), accumulate=True
+        device = self.counts.device
+        slots = torch.tensor([seq.penalty_slot for seq in seqs], device=device)
+        picked = rows_index(knobs.penalized, logits.shape[0], device)
+        table = knobs.table if picked is None else knobs.table.index_select(0, picked)
+        weights = [
+            table[:, column, None].contiguous() for column in (REPETITION, FREQUENCY, PRESENCE)
+        ]
+        params = [seq.params for seq in seqs]
+        return PenalizedRows(
+            seqs=seqs,
+            slots=slots,
+            counts_at=slots[:, None] * self.counts.shape[1],
+            logits_at=None if picked is None else picked[:, None] * logits.shape[1],
+            picked=picked,
+            repetition=weights[0],
+            frequency=weights[1],
+            presence=weights[2],
+            repeats=any(p.repetition_penalty != 1.0 for p in params),
+            repeated=repeated_pick([p.repetition_penalty for p in params]),
+            counted=any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params),
+            ones=torch.ones(len(seqs), dtype=self.counts.dtype, device=device),
         )
+
+    def apply(self, logits: torch.Tensor, rows: PenalizedRows) -> None:
+        """The penalties of `rows` on `logits`, in place: transformers' repetition
+        penalty on each token the row holds, then OpenAI's frequency and presence
+        penalties over its output counts. A token seen twice is read and written twice,
+        with the same value."""
+        width = max(seq.num_tokens for seq in rows.seqs)
+        tokens = self.tokens[:, :width].index_select(0, rows.slots)
+        at = tokens if rows.logits_at is None else rows.logits_at + tokens
+        seen = logits.gather(1, at) if rows.logits_at is None else logits.take(at)
+        if rows.repeats:
+            times, over = seen * rows.repetition, seen / rows.repetition
+            pick = rows.repeated
+            seen = torch.where(seen < 0, times, over) if pick is None else pick(times, over)
+        if rows.counted:
+            counts = self.counts.take(rows.counts_at + tokens)
+            # counts > 0 as 0 or 1, from whole counts: a float op, not a bool one
+            seen = seen - (counts * rows.frequency + counts.clamp(max=1.0) * rows.presence)
+        if rows.logits_at is None:
+            logits.scatter_(1, at, seen)
+        else:
+            logits.put_(at, seen)
+
+    def record(self, rows: PenalizedRows, tokens: torch.Tensor) -> None:
+        """The tokens just sampled for the step's rows (one per row, not appended yet),
+        for the penalized `rows`."""
+        if rows.picked is not None:
+            tokens = tokens.index_select(0, rows.picked)
+        places = torch.tensor([seq.num_tokens for seq in rows.seqs], device=tokens.device)
+        self.tokens.index_put_((rows.slots, places), tokens)
+        self.counts.index_put_((rows.slots, tokens), rows.ones, accumulate=True)
 
     def _assign(self, seq: Sequence) -> None:
         slot = self._free_slot()
