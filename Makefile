@@ -56,6 +56,7 @@ bench: setup
 	$(BIN)/python bench/serve.py --model smollm2
 	$(BIN)/python bench/tradeoff.py
 	$(BIN)/python bench/tuner.py
+	$(BIN)/python bench/tuner_real_llm.py
 
 demo: setup
 	$(BIN)/batchpilot demo

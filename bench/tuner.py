@@ -556,19 +556,29 @@ def real_rate(seconds: float) -> Callable[[float], float]:
     return lambda t: 5.0 if t < seconds / 3 else 15.0
 
 
-def start_real_server(name: str, workdir: Path, token_file: Path) -> ServerProcess:
+def start_real_server(
+    name: str,
+    workdir: Path,
+    token_file: Path,
+    model: str = "tiny",
+    kv_cache_mb: float | None = None,
+) -> ServerProcess:
+    """A server at the default config, one torch thread (bench/tuner_real_llm.py runs it
+    with SmolLM2-135M too, and a KV cache that holds its batches)."""
     port = free_port()
     log_path = workdir / f"{name}.log"
     default = BatchingConfig()
     command = [
         sys.executable, "-m", "batchpilot_server.cli", "serve",
-        "--model", "tiny", "--mode", "continuous", "--device", "cpu",
+        "--model", model, "--mode", "continuous", "--device", "cpu",
         "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
         "--max-batch-size", str(default.max_batch_size),
         "--batch-timeout-ms", str(default.batch_timeout_ms),
         "--max-queue-size", str(default.max_queue_size),
         "--admin-token-file", str(token_file),
     ]  # fmt: skip
+    if kv_cache_mb is not None:  # else the server's default for the device
+        command += ["--kv-cache-mb", f"{kv_cache_mb:g}"]
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     return ServerProcess(name, port, process, log_path)

@@ -30,11 +30,12 @@ worst).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
-from batchpilot_operator.policy.predictor import predict_config
+from batchpilot_operator.policy.predictor import Prediction, predict_config
 from batchpilot_operator.replica_rule import Fleet, ReplicaBounds, ReplicaState, ScaleDecision
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.slo import Slo
@@ -264,27 +265,7 @@ class LlmResult:
         return recover_of(self.tuner, self.setup, self.scenario, self.interval_s)
 
     def prediction_errors(self) -> dict[str, dict[str, float] | None]:
-        """Per quantity: median and worst |predicted - measured| / measured (attainment:
-        absolute), over the intervals that both predicted and measured it."""
-        pairs: dict[str, list[float]] = {"ttft_p99": [], "tpot_p99": [], "attainment": []}
-        for iv in [] if self.tuner is None else self.tuner.intervals:
-            p = iv.prediction
-            if p is None:
-                continue
-            for name, predicted, measured, relative in (
-                ("ttft_p99", p.ttft_p99_s, iv.ttft_p99_s, True),
-                ("tpot_p99", p.tpot_p99_s, iv.tpot_p99_s, True),
-                ("attainment", p.attainment, iv.attainment, False),
-            ):
-                if predicted is not None and measured:
-                    error = abs(predicted - measured)
-                    pairs[name].append(error / measured if relative else error)
-        return {
-            name: {"median": round(float(np.median(v)), 3), "worst": round(max(v), 3)}
-            if v
-            else None
-            for name, v in pairs.items()
-        }
+        return prediction_errors([] if self.tuner is None else self.tuner.intervals)
 
     def row(self) -> dict[str, Any]:
         tuner = self.tuner
@@ -317,6 +298,45 @@ class LlmResult:
             "prediction_error": self.prediction_errors(),
             "tuner_error": self.tuner_error,
         }
+
+
+class PredictedWindow(Protocol):
+    """A window with what was predicted for it and what it measured (a simulated
+    interval; bench/tuner_real_llm.py's real windows)."""
+
+    @property
+    def prediction(self) -> Prediction | None: ...
+
+    @property
+    def ttft_p99_s(self) -> float | None: ...
+
+    @property
+    def tpot_p99_s(self) -> float | None: ...
+
+    @property
+    def attainment(self) -> float | None: ...
+
+
+def prediction_errors(windows: Iterable[PredictedWindow]) -> dict[str, dict[str, float] | None]:
+    """Per quantity: median and worst |predicted - measured| / measured (attainment:
+    absolute), over the windows that both predicted and measured it."""
+    pairs: dict[str, list[float]] = {"ttft_p99": [], "tpot_p99": [], "attainment": []}
+    for window in windows:
+        p = window.prediction
+        if p is None:
+            continue
+        for name, predicted, measured, relative in (
+            ("ttft_p99", p.ttft_p99_s, window.ttft_p99_s, True),
+            ("tpot_p99", p.tpot_p99_s, window.tpot_p99_s, True),
+            ("attainment", p.attainment, window.attainment, False),
+        ):
+            if predicted is not None and measured:
+                error = abs(predicted - measured)
+                pairs[name].append(error / measured if relative else error)
+    return {
+        name: {"median": round(float(np.median(v)), 3), "worst": round(max(v), 3)} if v else None
+        for name, v in pairs.items()
+    }
 
 
 def _round(value: float | None) -> float | None:
