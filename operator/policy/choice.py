@@ -1,7 +1,8 @@
 """The choice: the cheapest candidate config predicted to meet the SLO with a margin.
 
 Pure. Candidates span the bounds: batch sizes at the powers of two between the bounds
-(with the bounds and the batch in force), the timeout's lower bound and the one in
+(with the bounds and the batch in force) up to `REACH` times the most decode rows the
+fit's windows held (or the batch in force, if larger), the timeout's lower bound and the one in
 force, prefill budgets at the powers of two between the bounds (with both bounds and
 the one in force), on every pod count the goal allows (only the pods there are where
 the rule does not own the count). For each, the predictor gives the attainment at the
@@ -24,6 +25,7 @@ are any (the constraints hold even then), and the reason says that none meets th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from batchpilot_operator.policy.predictor import (
@@ -40,6 +42,11 @@ from batchpilot_operator.policy.window import Window
 from batchpilot_operator.tuner import Bounds, Goal
 from batchpilot_server.batching_config import BatchingConfig
 
+# The fit is a plane through the operating points seen: a batch past this many times the
+# most decode rows a step held is beyond what it describes (a flat fit would call
+# batch 64 as cheap as batch 8), so the choice reaches that far a round at most.
+REACH = 2.0
+
 
 @dataclass(frozen=True)
 class _Scored:
@@ -55,9 +62,16 @@ class _Scored:
                 c.prefill_token_budget, c.batch_timeout_ms)  # fmt: skip
 
 
-def knob_candidates(bounds: Bounds, current: BatchingConfig) -> list[tuple[int, float, int]]:
-    """(batch, timeout, budget) triples within the bounds (see the module docstring)."""
-    batches = _powers(bounds.min_batch, bounds.max_batch, current.max_batch_size)
+def knob_candidates(
+    bounds: Bounds, current: BatchingConfig, model: StepModel
+) -> list[tuple[int, float, int]]:
+    """(batch, timeout, budget) triples within the bounds and the fit's reach (see the
+    module docstring)."""
+    reach = max(current.max_batch_size, math.ceil(REACH * model.max_rows))
+    batches = [
+        b for b in _powers(bounds.min_batch, bounds.max_batch, current.max_batch_size)
+        if b <= reach
+    ]  # fmt: skip
     timeouts = sorted({bounds.min_timeout_ms, current.batch_timeout_ms})
     budgets = _powers(
         bounds.min_prefill_budget, bounds.max_prefill_budget, current.prefill_token_budget
@@ -86,7 +100,7 @@ def choose(window: Window, model: StepModel, current: BatchingConfig, goal: Goal
     slo, p = goal.slo, goal.params
     needed = 1 - p.margin_share * slo.allowed_miss_share
     preempting = window.signals.preemption_rate > 0
-    knobs = knob_candidates(goal.bounds, current)
+    knobs = knob_candidates(goal.bounds, current, model)
     best: _Scored | None = None
     for pods in pod_counts(window):
         tier: list[_Scored] = []

@@ -122,6 +122,8 @@ class StepModel:
     trusted: bool
     rms_error: float = 0.0  # seconds, over the points
     scope: str = ""  # empty: this fleet size's points; else which sizes' points
+    flat: tuple[str, ...] = ()  # the terms whose input did not vary across the points
+    max_rows: float = 0.0  # the most decode rows a step of the points held
 
     def step_s(self, rows: float, prefill: float, kv: float) -> float:
         return (
@@ -134,8 +136,9 @@ class StepModel:
         names = {"rows": "row", "prefill": "prompt token", "kv": "KV token"}
         values = {"rows": self.per_row_s, "prefill": self.per_prefill_s, "kv": self.per_kv_s}
         parts += [f"{values[t] * 1e6:.2f} us/{names[t]}" for t in TERMS if t in self.used]
-        unused = [t for t in TERMS if t not in self.used]
-        left = f"; {', '.join(unused)} did not vary" if unused else ""
+        free = [t for t in TERMS if t not in self.used and t not in self.flat]
+        left = f"; {', '.join(self.flat)} did not vary" if self.flat else ""
+        left += f"; {', '.join(free)} cost nothing measurable" if free else ""
         scope = f" {self.scope}" if self.scope else ""
         return f"step fit {' + '.join(parts)} over {self.points} windows{scope}{left}"
 
@@ -181,4 +184,6 @@ def fit(points: Sequence[StepPoint]) -> StepModel | None:
         used=tuple(TERMS[i] for i in subset),
         trusted=len(points) >= TRUSTED_POINTS and spread,
         rms_error=math.sqrt(sse / len(points)),
+        flat=tuple(TERMS[i] for i in range(len(TERMS)) if i not in varied),
+        max_rows=float(np.max(rows)),
     )

@@ -65,6 +65,19 @@ def test_the_kv_watermark_holds_even_where_no_candidate_meets_the_slo() -> None:
     assert decision.prediction.kv_use is not None and decision.prediction.kv_use <= 0.9
 
 
+def test_the_choice_reaches_at_most_twice_the_rows_its_fit_has_seen() -> None:
+    # A fit whose points held up to 16 decode rows (tests/support/policy.py's) describes
+    # steps up to there: from batch 8, no candidate past 32 even where the rows look free.
+    flat = tuple(replace(p, step_s=0.01) for p in points())  # a step that costs the same
+    memory = PolicyMemory(points=flat)
+    small = BatchingConfig(max_batch_size=8, batch_timeout_ms=0.0, prefill_token_budget=1024)
+    busy = seen(25.0, requests=1500.0, waiting=5.0, kv_usage=None)  # no KV bound either
+    decision = decide(busy, small, GOAL, memory, fleet=Fleet(1, 1), now=1e4)
+    assert decision.reason.startswith("predicted") and "rows, kv cost nothing" in decision.reason
+    assert decision.config.max_batch_size == 32  # one pod at batch 64 only past the reach
+    assert decision.prediction is not None and decision.prediction.candidate.replicas == 2
+
+
 def test_preemptions_exclude_the_batch_in_force_and_above() -> None:
     decision = decide(seen(2.0, preemption_rate=0.5), CURRENT, GOAL, trusted())
     assert decision.config.max_batch_size < CURRENT.max_batch_size

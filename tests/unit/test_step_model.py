@@ -48,6 +48,9 @@ def test_noise_that_reads_as_a_negative_cost_is_fitted_as_none() -> None:
     assert model is not None
     assert min(model.fixed_s, model.per_row_s, model.per_prefill_s, model.per_kv_s) >= 0
     assert model.per_row_s == 0
+    # the rows varied: the reason says they cost nothing measurable, not that they stood
+    assert "rows cost nothing measurable" in model.describe()
+    assert "rows" not in model.flat and model.max_rows == 8
 
 
 def test_a_term_that_did_not_vary_is_left_out_and_named() -> None:
