@@ -8,7 +8,8 @@ target in a window whose attainment met the objective is the misses the SLO allo
 counts as inside the band (`Window.pressure`).
 
 1. KV usage at the watermark or any preemption: cut the batch multiplicatively; that
-   batch becomes a ceiling for growth;
+   batch becomes a ceiling for growth (while requests queue, only where the fleet can
+   grow: else a queue that breaks a target loses the SLO at any batch under the load's);
 2. a target broken:
    - by running alone (TPOT, or a latency whose part outside the queue exceeds its
      target while nothing queues): first the prefill budget where it can help (TPOT:
@@ -56,7 +57,11 @@ def step(window: Window, current: BatchingConfig, goal: Goal, memory: PolicyMemo
     s, b, p, slo = window.signals, goal.bounds, goal.params, goal.slo
     batch, timeout = current.max_batch_size, current.batch_timeout_ms
     budget = current.prefill_token_budget
-    limit = _limit(b.min_batch, b.max_batch, memory.ceiling)
+    # The ceiling keeps growth out of a batch that ran too slow where another pod can take
+    # the load instead; where none can, a queue that breaks a target loses the SLO at any
+    # batch under the load's, so growth goes past it.
+    ceiling = memory.ceiling if window.fleet_can_grow or not window.queueing() else None
+    limit = _limit(b.min_batch, b.max_batch, ceiling)
 
     def change(
         action: str,

@@ -39,9 +39,14 @@ def test_running_past_the_target_backs_off_and_remembers_a_ceiling() -> None:
     d = step(signals(p99_latency_s=1.5, queue_wait_p99_s=0.0))
     assert d.action == "backoff_batch" and d.config.max_batch_size == 5
     assert d.memory.ceiling == 8
-    # the ceiling caps the growth that follows
-    again = decide(signals(p99_latency_s=3.0, queue_wait_p99_s=2.5), d.config, E2E, d.memory)
+    # where another pod can take the load, the ceiling caps the growth that follows
+    queued = signals(p99_latency_s=3.0, queue_wait_p99_s=2.5)
+    fleet = replace(E2E, replicas=ReplicaBounds(1, 4))
+    again = decide(queued, d.config, fleet, d.memory, fleet=Fleet(1, 1), now=100.0)
     assert again.config.max_batch_size == 7
+    # where none can, a queue loses the SLO at any batch under the load's: it grows past
+    alone = decide(queued, d.config, E2E, d.memory)
+    assert alone.action == "grow_batch" and alone.config.max_batch_size == 9
 
 
 @pytest.mark.parametrize(
