@@ -19,8 +19,10 @@ Fewest pods first; among those, the highest goodput per pod (at one pod count th
 the highest attainment, rounded to 0.001 so that noise moves nothing); then the fewest
 knobs moved from the config in force; then the smaller batch and budget. Where no
 candidate on any pod count is eligible, the one with the highest attainment on the
-most pods is taken, among those within the KV watermark and not preempting where there
-are any (the constraints hold even then), and the reason says that none meets the SLO.
+most pods is taken (then the lowest predicted utilisation: where every candidate is
+predicted to miss everything, the one that carries the most), among those within the
+KV watermark and not preempting where there are any (the constraints hold even then),
+and the reason says that none meets the SLO.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ REACH = 2.0
 class _Scored:
     candidate: Candidate
     attainment: float
+    utilisation: float  # predicted rho: arrivals over what a pod carries
     feasible: bool  # within the KV watermark and not preempting
     eligible: bool  # feasible and meets the attainment with the margin
     moved: int  # knobs moved from the config in force
@@ -60,6 +63,12 @@ class _Scored:
         c = self.candidate
         return (-round(self.attainment, 3), self.moved, c.max_batch_size,
                 c.prefill_token_budget, c.batch_timeout_ms)  # fmt: skip
+
+    def best_there_is(self) -> tuple[float, ...]:
+        """Where nothing meets the SLO: the highest attainment, then the most capacity (a
+        queue that drains sooner; where every candidate is predicted to miss all, this
+        still moves toward one that can carry the load), then as `key`."""
+        return (-round(self.attainment, 3), round(self.utilisation, 2), *self.key()[1:])
 
 
 def knob_candidates(
@@ -110,20 +119,20 @@ def choose(window: Window, model: StepModel, current: BatchingConfig, goal: Goal
             if scored is None:
                 return Sizing(current, "hold", "no prompt or output lengths to predict by",
                               None)  # fmt: skip
-            attainment, _, rows = scored
+            attainment, rho, rows = scored
             kv = kv_use(window, candidate, rows)
             feasible = (kv is None or kv <= slo.kv_high_watermark) and not (
                 preempting and batch >= current.max_batch_size
             )
             moved = sum((batch != current.max_batch_size, timeout != current.batch_timeout_ms,
                          budget != current.prefill_token_budget))  # fmt: skip
-            tier.append(
-                _Scored(candidate, attainment, feasible, feasible and attainment >= needed, moved)
-            )
+            meets = feasible and attainment >= needed
+            tier.append(_Scored(candidate, attainment, rho, feasible, meets, moved))
         eligible = [s for s in tier if s.eligible]
-        best = min(eligible or [s for s in tier if s.feasible] or tier, key=_Scored.key)
         if eligible:
+            best = min(eligible, key=_Scored.key)
             break
+        best = min([s for s in tier if s.feasible] or tier, key=_Scored.best_there_is)
     assert best is not None  # pod_counts is never empty
     chosen = best.candidate
     prediction = predict(window, model, chosen)

@@ -65,6 +65,19 @@ def test_the_kv_watermark_holds_even_where_no_candidate_meets_the_slo() -> None:
     assert decision.prediction.kv_use is not None and decision.prediction.kv_use <= 0.9
 
 
+def test_where_every_candidate_misses_everything_the_choice_moves_to_the_most_capacity() -> None:
+    # One pod that cannot grow, far past what any batch carries: every candidate predicts
+    # attainment 0, and the config in force is no better than the rest; the choice takes
+    # the one that carries the most rather than holding.
+    fixed = replace(GOAL, replicas=None)
+    small = BatchingConfig(max_batch_size=8, batch_timeout_ms=0.0, prefill_token_budget=1024)
+    over = seen(200.0, requests=3000.0, waiting=400.0, kv_usage=None)
+    decision = decide(over, small, fixed, trusted())
+    assert decision.prediction is not None and decision.prediction.attainment == 0.0
+    assert "the best there is" in decision.reason
+    assert decision.config.max_batch_size > small.max_batch_size
+
+
 def test_the_choice_reaches_at_most_twice_the_rows_its_fit_has_seen() -> None:
     # A fit whose points held up to 16 decode rows (tests/support/policy.py's) describes
     # steps up to there: from batch 8, no candidate past 32 even where the rows look free.
