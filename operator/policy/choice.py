@@ -1,8 +1,8 @@
 """The choice: the cheapest candidate config predicted to meet the SLO with a margin.
 
 Pure. Candidates span the bounds: batch sizes at the powers of two between the bounds
-(with the bounds and the batch in force) up to `REACH` times the most decode rows the
-fit's windows held (or the batch in force, if larger), the timeout's lower bound and the one in
+(with the bounds and the batch in force) up to `REACH` times the batch in force (or the
+most decode rows the fit's windows held, if more), the timeout's lower bound and the one in
 force, prefill budgets at the powers of two between the bounds (with both bounds and
 the one in force), on every pod count the goal allows (only the pods there are where
 the rule does not own the count). For each, the predictor gives the attainment at the
@@ -45,8 +45,9 @@ from batchpilot_operator.tuner import Bounds, Goal
 from batchpilot_server.batching_config import BatchingConfig
 
 # The fit is a plane through the operating points seen: a batch past this many times the
-# most decode rows a step held is beyond what it describes (a flat fit would call
-# batch 64 as cheap as batch 8), so the choice reaches that far a round at most.
+# batch in force (or the most decode rows a step held) is beyond what it describes (a
+# flat fit would call batch 64 as cheap as batch 8), so the choice reaches that far a
+# round at most, as AIMD grows by a factor.
 REACH = 2.0
 
 
@@ -76,7 +77,7 @@ def knob_candidates(
 ) -> list[tuple[int, float, int]]:
     """(batch, timeout, budget) triples within the bounds and the fit's reach (see the
     module docstring)."""
-    reach = max(current.max_batch_size, math.ceil(REACH * model.max_rows))
+    reach = math.ceil(REACH * max(current.max_batch_size, model.max_rows))
     batches = [
         b for b in _powers(bounds.min_batch, bounds.max_batch, current.max_batch_size)
         if b <= reach

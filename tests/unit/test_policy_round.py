@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from batchpilot_operator.policy.choice import knob_candidates
 from batchpilot_operator.policy.memory import PolicyMemory
 from batchpilot_operator.policy.round import decide
+from batchpilot_operator.policy.step_model import fit
 from batchpilot_operator.replica_rule import Fleet, ReplicaBounds
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.tuner import Bounds, Goal
@@ -80,7 +82,8 @@ def test_where_every_candidate_misses_everything_the_choice_moves_to_the_most_ca
 
 def test_the_choice_reaches_at_most_twice_the_rows_its_fit_has_seen() -> None:
     # A fit whose points held up to 16 decode rows (tests/support/policy.py's) describes
-    # steps up to there: from batch 8, no candidate past 32 even where the rows look free.
+    # steps up to there: from batch 8, no candidate past 32 even where the rows look free
+    # (twice the rows seen; twice the batch in force would be 16).
     flat = tuple(replace(p, step_s=0.01) for p in points())  # a step that costs the same
     memory = PolicyMemory(points=flat)
     small = BatchingConfig(max_batch_size=8, batch_timeout_ms=0.0, prefill_token_budget=1024)
@@ -156,3 +159,13 @@ def test_the_chosen_config_is_always_within_the_bounds(
     assert bounds.contains(config)
     assert decision.scale is not None
     assert 1 <= decision.scale.replicas <= 6
+
+
+def test_the_reach_counts_from_the_batch_in_force_where_steps_held_fewer_rows() -> None:
+    # A slow model's steps hold few decode rows (prefill steps hold none): from batch 8
+    # the choice may still double it.
+    few_rows = tuple(replace(p, rows=min(p.rows, 3.0)) for p in points())
+    model = fit(few_rows)
+    assert model is not None and model.max_rows == 3.0
+    batches = {b for b, _, _ in knob_candidates(BOUNDS, CURRENT, model)}
+    assert max(batches) == 2 * CURRENT.max_batch_size
