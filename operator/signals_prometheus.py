@@ -136,12 +136,14 @@ class PrometheusSource:
         self.min_requests = min_requests
         self.budget_window_s = budget_window_s
 
-    async def query(self, promql: str) -> float | None:
-        """The single value of an instant query; None for an empty result or NaN."""
+    async def query(self, promql: str, at: float | None = None) -> float | None:
+        """The single value of an instant query (at Unix time `at`, else Prometheus' now);
+        None for an empty result or NaN."""
+        params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
         try:
             timeout = aiohttp.ClientTimeout(total=QUERY_TIMEOUT_S)
             async with self.session.get(
-                f"{self.url}/api/v1/query", params={"query": promql}, timeout=timeout
+                f"{self.url}/api/v1/query", params=params, timeout=timeout
             ) as response:
                 status, text = response.status, await response.text()
         except TimeoutError as exc:
@@ -169,10 +171,15 @@ class PrometheusSource:
     async def read(self, window_s: float) -> Signals:
         named = queries(self.selector, window_s, self.budget_window_s)
         try:
+            # One instant for every query, Prometheus' own now (no clock skew between it
+            # and the operator): each query extrapolates its range to its evaluation
+            # time, so queries evaluated apart disagree on shares of series scraped
+            # together.
+            at = await self.query("vector(time())")
             values = dict(
                 zip(
                     named,
-                    await asyncio.gather(*(self.query(q) for q in named.values())),
+                    await asyncio.gather(*(self.query(q, at) for q in named.values())),
                     strict=True,
                 )
             )

@@ -85,9 +85,11 @@ def kernel_for(linear: nn.Linear, quantization: Quantization) -> nn.Module:
     bias = None if bias is None else bias.detach()
     if quantization == "int8":
         return Int8Linear(weight, bias)
-    if packed_kernels_available(weight.device) and weight.dtype in (
-        torch.float32,
-        torch.bfloat16,
+    if packed_kernels_available(weight.device) and (
+        weight.dtype == torch.float32
+        # oneDNN packs bfloat16 only where the CPU computes it (AVX512-BF16, AMX or
+        # AVX-NE-CONVERT); elsewhere torch's own bfloat16 matmul runs it
+        or (weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     ):
         return PackedLinear(weight, bias)
     return linear
