@@ -89,7 +89,9 @@ async def test_both_sources_read_the_length_spread_and_the_mean_latency(tmp_path
                 await settle(prom, urls["equal"], len(ok["equal"]))
                 await settle(prom, urls["spread"], len(ok["spread"]))
                 queried_at = time.monotonic()
-                window = queried_at - started + 5.0
+                # An even number of seconds: the arrival rate's half window, which PromQL
+                # takes in whole seconds, is then the half the requests are counted in.
+                window = 2.0 * math.ceil((queried_at - started + 5.0) / 2)
                 queried = {
                     k: await PrometheusSource(prom.url, selector_for_instances(us), session).read(
                         window
