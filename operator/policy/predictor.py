@@ -224,12 +224,13 @@ class TpotTail:
         outputs: Lengths,
         prompts: Lengths,
     ) -> TpotTail:
-        w_own = np.array([w for w, _ in prompts])[:, None, None, None]
-        own = np.array([p for _, p in prompts])[:, None, None, None]
+        prompt_weights = np.array([w for w, _ in prompts])
+        prompt_tokens = np.array([p for _, p in prompts])
+        # its own prompt on the first axis, the last arrival's on the fourth
+        w_own, own = prompt_weights[:, None, None, None], prompt_tokens[:, None, None, None]
+        w_prompt, prompt = prompt_weights[None, None, None, :], prompt_tokens[None, None, None, :]
         w_out = np.array([w for w, _ in outputs])[None, :, None, None]
         n = np.maximum(1.0, np.array([o for _, o in outputs]) - 1)[None, :, None, None]
-        w_prompt = np.array([w for w, _ in prompts])[None, None, None, :]
-        prompt = np.array([p for _, p in prompts])[None, None, None, :]
         mean_prompt = float(np.sum(w_prompt * prompt))
         # arrivals expected during the second half of its prefill and while it decodes
         m = arrivals_per_s * (own * per_prefill_s / 2 + n * decode_s)
