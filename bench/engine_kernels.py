@@ -4,7 +4,7 @@ where a decode step's time goes.
 - curve: raw-loop decode tokens/s (bench/measure.py: one batched prefill, then
   greedy steps over contiguous K/V, no scheduler) per batch size 1..64 for each
   weight mode, before (plain nn.Linear: torch's MKL sgemm / per-call oneDNN) and
-  after (the engine's kernels: oneDNN-prepacked weights, or int8), all models
+  after (the engine's kernels: oneDNN-prepacked weights, int8 or int4), all models
   loaded in this process and run one after the other in each round (best kept),
   so the machine's load hits every side alike.
 - profile: torch.profiler over engine decode steps (ModelRunner.decode over the
@@ -47,11 +47,12 @@ MODES: tuple[tuple[str, DTypeName, Quantization, KernelChoice], ...] = (
     ("bfloat16, plain", "bfloat16", "none", "plain"),
     ("bfloat16", "bfloat16", "none", "fast"),
     ("int8", "bfloat16", "int8", "fast"),
+    ("int4", "bfloat16", "int4", "fast"),
 )
 PROFILED = ("float32, plain", "bfloat16")
 PROMPT_TOKENS, CONTEXT = 16, 64
 CATEGORIES = {
-    "matmuls": ("linear", "mm", "matmul", "addmm", "weight_int8pack_mm"),
+    "matmuls": ("linear", "mm", "matmul", "addmm", "weight_int8pack_mm", "weight_int4pack_mm"),
     "attention": ("paged_attention", "bmm", "softmax", "scaled_dot_product", "index_add"),
     "norms, RoPE, SiLU": ("rsqrt", "pow", "mean", "mul", "add", "silu", "cat", "neg"),
     "sampling (argmax)": ("argmax",),
@@ -125,7 +126,9 @@ def render_curve(title: str, best: dict[str, dict[int, float]], tokens: int, thr
         f"prompts, {tokens} greedy tokens per row, {threads} torch thread(s). `plain`: "
         "nn.Linear as before this change (float32 through MKL's sgemm, bfloat16 through "
         "oneDNN reordering the weight on every call); the others are the engine's kernels "
-        "(oneDNN-prepacked weights; int8: `_weight_int8pack_mm`, bfloat16 activations). "
+        "(oneDNN-prepacked weights; int8: `_weight_int8pack_mm`; int4: "
+        "`_weight_int4pack_mm_for_cpu` up to 8 rows, then the packed bfloat16 copy; "
+        "both with bfloat16 activations). "
         "A memory-bound step costs about the same at 1-4 rows: tokens/s should grow with "
         "the batch.",
         "",

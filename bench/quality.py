@@ -25,6 +25,7 @@ from typing import cast
 import model_refs
 import torch
 from batchpilot_server.engine_api import DTypeName, Quantization
+from batchpilot_server.linear_kernels import swap_linear_kernels
 from batchpilot_server.weight_quality import BOUND, Quality, compare
 from batchpilot_server.weights import KernelChoice, LoadedModel, load_model
 from sections import replace_section
@@ -38,7 +39,9 @@ MODES: tuple[tuple[str, DTypeName, Quantization], ...] = (
     ("float32", "float32", "none"),
     ("bfloat16", "bfloat16", "none"),
     ("int8 (bfloat16 activations)", "bfloat16", "int8"),
+    ("int4, prefill's bfloat16 copy (more than 8 rows)", "bfloat16", "int4"),
 )
+INT4_KERNEL = "int4, the 4-bit kernel (decode: up to 8 rows)"
 
 
 def text_windows(loaded: LoadedModel, tokens: int) -> list[list[int]]:
@@ -79,6 +82,12 @@ def measure(source: str, tokens: int) -> tuple[int, dict[str, Quality]]:
         ours, _ = positions(log_probs(loaded, windows), windows)
         results[label] = compare(ref, ours, targets)
         print(f"  {label}: {results[label]}", file=sys.stderr)
+    # the windows are prefills of many rows: for the 4-bit kernel's own quality, every
+    # row goes through it
+    loaded = load_model(source, device="cpu", dtype="bfloat16", kernels="plain")
+    swap_linear_kernels(loaded.model, "int4", int4_max_rows=None)
+    results[INT4_KERNEL] = compare(ref, positions(log_probs(loaded, windows), windows)[0], targets)
+    print(f"  {INT4_KERNEL}: {results[INT4_KERNEL]}", file=sys.stderr)
     return sum(len(w) - 1 for w in windows), results
 
 

@@ -39,10 +39,12 @@ ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = ("auto", "native", "torch")
 # bfloat16 for a real checkpoint; else float32 (weights.resolve_dtype)
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 DTYPES: tuple[DTypeName, ...] = ("auto", "float32", "bfloat16", "float16")
-# weight-only quantization of every projection and the LM head (per-channel int8
-# scales; activations in the model's dtype); see linear_kernels
-Quantization = Literal["none", "int8"]
-QUANTIZATIONS: tuple[Quantization, ...] = ("none", "int8")
+# weight-only quantization, CPU only (see linear_kernels): int8, every projection and
+# the LM head with per-channel scales, activations in the model's dtype; int4, the
+# decoder's projections as 4-bit codes with a scale and a minimum per 32 inputs
+# (GGUF's Q4_1 block), bfloat16 activations
+Quantization = Literal["none", "int8", "int4"]
+QUANTIZATIONS: tuple[Quantization, ...] = ("none", "int8", "int4")
 # how a static or dynamic batch runs: ragged (a finished member stops computing and
 # holds its slot until the batch ends) or padded (it keeps decoding, its outputs
 # discarded, as classic padded batchers run)

@@ -15,6 +15,13 @@ int8 weight-only layout calls the same kernel on the CPU once compiled, and
 dequantizes per call without a compiler). Activations stay in the model's
 dtype, bfloat16 being the fast one.
 
+`--quantization int4`: weight-only 4-bit codes with a scale and a minimum per 32
+inputs (llama.cpp's Q4_1 block, so a Q4_1 GGUF's weights are held exactly), computed
+by torch's own `_weight_int4pack_mm_for_cpu` over bfloat16 activations for the small
+row counts of a decode step, where a step is bound by reading the weights; from
+INT4_MAX_ROWS rows up the same weights, dequantized once to bfloat16, run oneDNN's
+packed kernel (the 4-bit kernel does not block over rows and falls behind there).
+
 CUDA keeps `F.linear` (cuBLAS has no such small-batch gap).
 """
 
@@ -28,6 +35,12 @@ from torch import nn
 # same for every batch. 32 keeps the 1-4 row steps as fast as a layout for 1 does
 # (measured: 1.0x at 1 row, 0.5x the time at 4 rows against a layout for 1)
 PACK_FOR_ROWS = 32
+# llama.cpp's Q4_0/Q4_1 block: a scale and a minimum per 32 consecutive inputs
+INT4_GROUP = 32
+# the most rows the 4-bit kernel computes: 30 SmolLM2-135M layers' projections, 2
+# threads, ms per step (4-bit against packed bfloat16): 4.8/12.3 at 1 row, 7.6/12.1
+# at 4, 14.5/15.5 at 8, 25.4/16.6 at 16, 50.6/24.9 at 32
+INT4_MAX_ROWS = 8
 
 
 def packed_kernels_available(device: torch.device) -> bool:
@@ -71,6 +84,64 @@ class Int8Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
+class Int4Linear(nn.Module):
+    """y = x W^T + b, W as 4-bit codes q with w = (q - 8) * scale + zero per group of
+    INT4_GROUP inputs (torch's int4 CPU layout), bfloat16 activations. Above
+    `max_rows` rows the bfloat16 copy of the same weights runs (None: never; the
+    quality benchmark measures the 4-bit kernel alone that way)."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int | None
+    ) -> None:
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.dtype = torch.bfloat16
+        codes, scales, minimums = quantize_int4_groups(weight)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        # the kernel adds `zero` to (q - 8) * scale; the groups' minimum is q = 0
+        zeros = minimums + 8 * scales
+        self.scales_and_zeros = torch.stack((scales, zeros), -1).transpose(0, 1).contiguous()
+        self.scales_and_zeros = self.scales_and_zeros.to(torch.bfloat16)
+        self.bias = None if bias is None else bias.to(torch.bfloat16)
+        self.max_rows = max_rows
+        self.dense = None
+        if max_rows is not None:
+            dequantized = codes.view(*scales.shape, INT4_GROUP) * scales[..., None]
+            dequantized = (dequantized + minimums[..., None]).view_as(weight)
+            self.dense = PackedLinear(dequantized.to(torch.bfloat16), self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if self.dense is not None and self.max_rows is not None and len(flat) > self.max_rows:
+            return self.dense(x)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            flat, self.packed, INT4_GROUP, self.scales_and_zeros
+        )
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def int4_fits(weight: torch.Tensor) -> bool:
+    """The int4 layout's shapes: whole groups of inputs, outputs in sixteens."""
+    return weight.shape[1] % INT4_GROUP == 0 and weight.shape[0] % 16 == 0
+
+
+def quantize_int4_groups(
+    weight: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes per INT4_GROUP inputs, as llama.cpp's Q4_1 does: scale =
+    (max - min) / 15, code = round((w - min) / scale), float32 math. Codes [out, in]
+    int32 in 0..15; scales and minimums [out, in / INT4_GROUP]. A Q4_1 block (32
+    weights d * q + m whose codes span 0..15) comes back as its own d, m and q."""
+    groups = weight.float().reshape(weight.shape[0], -1, INT4_GROUP)
+    minimums, maximums = groups.amin(-1), groups.amax(-1)
+    scales = (maximums - minimums) / 15
+    steps = scales.clamp(min=1e-30)[..., None]
+    codes = torch.round((groups - minimums[..., None]) / steps).clamp(0, 15)
+    return codes.to(torch.int32).reshape(weight.shape), scales, minimums
+
+
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per output row: scale = max |w| / 127 (float32 math)."""
     w = weight.float()
@@ -79,10 +150,14 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return qweight.contiguous(), scales
 
 
-def kernel_for(linear: nn.Linear, quantization: Quantization) -> nn.Module:
+def kernel_for(
+    linear: nn.Linear, quantization: Quantization, int4_max_rows: int | None = INT4_MAX_ROWS
+) -> nn.Module:
     """The module that computes `linear` fastest on its device in its dtype."""
     weight, bias = linear.weight.detach(), linear.bias
     bias = None if bias is None else bias.detach()
+    if quantization == "int4" and int4_fits(weight):
+        return Int4Linear(weight, bias, int4_max_rows)
     if quantization == "int8":
         return Int8Linear(weight, bias)
     if packed_kernels_available(weight.device) and (
@@ -95,12 +170,17 @@ def kernel_for(linear: nn.Linear, quantization: Quantization) -> nn.Module:
     return linear
 
 
-def swap_linear_kernels(model: nn.Module, quantization: Quantization) -> None:
+def swap_linear_kernels(
+    model: nn.Module, quantization: Quantization, int4_max_rows: int | None = INT4_MAX_ROWS
+) -> None:
     """Replace every nn.Linear of `model` (projections and the LM head) in place by
     its kernel module. A tied LM head gets its own packed copy; the embedding keeps
-    the plain weight it looks rows up in."""
+    the plain weight it looks rows up in. int4 leaves the LM head in bfloat16: GGUF's
+    Q4 files keep the output matrix at 8 bits or more (the wheel's Q4_1 file holds it
+    as Q8_0), and 4-bit codes of it would be a second, coarser quantization."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, kernel_for(child, quantization))
+            mode = "none" if quantization == "int4" and name == "lm_head" else quantization
+            setattr(model, name, kernel_for(child, mode, int4_max_rows))
         else:
-            swap_linear_kernels(child, quantization)
+            swap_linear_kernels(child, quantization, int4_max_rows)

@@ -77,10 +77,12 @@ def load_model(
         raise ModelLoadError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
         )
-    if quantization == "int8" and device != "cpu":
-        raise ModelLoadError("quantization int8 runs on the CPU only; use --dtype bfloat16")
-    if quantization == "int8" and kernels == "plain":
-        raise ModelLoadError("quantization int8 needs its own kernel (kernels='fast')")
+    if quantization != "none" and device != "cpu":
+        raise ModelLoadError(
+            f"quantization {quantization} runs on the CPU only; use --dtype bfloat16"
+        )
+    if quantization != "none" and kernels == "plain":
+        raise ModelLoadError(f"quantization {quantization} needs its own kernel (kernels='fast')")
     torch_dtype = resolve_dtype(dtype, device, quantization, source)
     loaded = _load(source, device, torch_dtype, seed, max_model_len)
     if kernels == "fast":
@@ -119,9 +121,17 @@ def resolve_dtype(
     float32) and decodes about 2x faster than float32 at batch 1. A preset's random
     weights have no quality to measure and the tests compare them with float32
     references, so presets stay float32; int8 weights compute in bfloat16 where the
-    CPU has it. `--dtype float32` gives the same tokens as transformers' float32."""
+    CPU has it; int4 weights always compute in bfloat16 (torch's 4-bit CPU kernel
+    takes nothing else). `--dtype float32` gives the same tokens as transformers'."""
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if quantization == "int4":
+        if dtype not in ("auto", "bfloat16"):
+            raise ModelLoadError(
+                f"quantization int4 computes in bfloat16 (torch's 4-bit CPU kernel); "
+                f"use --dtype auto or bfloat16, not {dtype}"
+            )
+        return torch.bfloat16
     if dtype != "auto":
         return getattr(torch, dtype)
     if device == "cuda":

@@ -1,8 +1,9 @@
-"""The engine's fast kernels (linear_kernels: oneDNN-prepacked weights, int8) against
-the plain nn.Linear path, on SmolLM2-135M: float32 gives the same logits within
-FAST_TOLERANCE and the same greedy tokens; bfloat16 stays within the quality bound
-`--dtype auto` relies on (weight_quality.BOUND) and int8 within its regression guard
-(INT8_BOUND) on a short real text."""
+"""The engine's fast kernels (linear_kernels: oneDNN-prepacked weights, int8, int4)
+against the plain nn.Linear path, on SmolLM2-135M: float32 gives the same logits within
+FAST_TOLERANCE and the same greedy tokens; bfloat16 and int4 (its 4-bit kernel, and its
+bfloat16 copy for many rows) stay within the quality bound `--dtype auto` relies on
+(weight_quality.BOUND) and int8 within its regression guard (INT8_BOUND) on a short
+real text."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from batchpilot_server.engine_api import DTypeName, Quantization
+from batchpilot_server.linear_kernels import Int4Linear, PackedLinear, swap_linear_kernels
 from batchpilot_server.weight_quality import BOUND, INT8_BOUND, compare
 from batchpilot_server.weights import LoadedModel, ModelLoadError, load_model, resolve_dtype
 
@@ -55,7 +57,9 @@ def test_float32_kernels_match_plain_linear(
     assert greedy(fast, prompt, GREEDY_TOKENS) == greedy(plain, prompt, GREEDY_TOKENS)
 
 
-@pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", "none"), ("bfloat16", "int8")])
+@pytest.mark.parametrize(
+    ("dtype", "quantization"), [("bfloat16", "none"), ("bfloat16", "int8"), ("bfloat16", "int4")]
+)
 @torch.inference_mode()
 def test_16_and_8_bit_weights_stay_within_the_quality_bound(
     smollm2_dir: Path,
@@ -72,6 +76,32 @@ def test_16_and_8_bit_weights_stay_within_the_quality_bound(
     assert quality.within_bound(bound), f"{dtype}/{quantization}: {quality}"
 
 
+@torch.inference_mode()
+def test_int4_kernel_alone_stays_within_the_quality_bound(
+    smollm2_dir: Path, plain: LoadedModel, text_ids: list[int]
+) -> None:
+    """Every row through the 4-bit kernel (what a decode step of up to INT4_MAX_ROWS
+    rows runs); the test above measures the many-row prefill's bfloat16 copy."""
+    mode = load_model(str(smollm2_dir), device="cpu", dtype="bfloat16", kernels="plain")
+    swap_linear_kernels(mode.model, "int4", int4_max_rows=None)
+    assert isinstance(mode.model.layers[0].gate_up_proj, Int4Linear)
+    assert mode.model.layers[0].gate_up_proj.dense is None
+    assert isinstance(mode.model.lm_head, PackedLinear)
+    reference = torch.log_softmax(plain.model.full_logits(text_ids), -1)[:-1]
+    ours = torch.log_softmax(mode.model.full_logits(text_ids).float(), -1)[:-1]
+    quality = compare(reference, ours, torch.tensor(text_ids[1:]))
+    assert quality.within_bound(BOUND), f"int4, 4-bit kernel only: {quality}"
+
+
+def test_int4_loads_4_bit_projections_and_a_bfloat16_head(smollm2_dir: Path) -> None:
+    loaded = load_model(str(smollm2_dir), device="cpu", quantization="int4")
+    layer = loaded.model.layers[0]
+    for projection in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+        assert isinstance(projection, Int4Linear)
+    assert isinstance(loaded.model.lm_head, PackedLinear)
+    assert loaded.model.lm_head.dtype == torch.bfloat16
+
+
 def test_auto_dtype_is_bfloat16_for_checkpoints_only(smollm2_dir: Path) -> None:
     expected = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
     assert resolve_dtype("auto", "cpu", source=str(smollm2_dir)) == expected
@@ -79,8 +109,12 @@ def test_auto_dtype_is_bfloat16_for_checkpoints_only(smollm2_dir: Path) -> None:
     assert resolve_dtype("float32", "cpu", source=str(smollm2_dir)) == torch.float32
 
 
-def test_int8_refusals_say_why() -> None:
-    with pytest.raises(ModelLoadError, match="quantization must be one of none, int8"):
-        load_model("tiny", device="cpu", quantization="int4")  # type: ignore[arg-type]
+def test_quantization_refusals_say_why() -> None:
+    with pytest.raises(ModelLoadError, match="quantization must be one of none, int8, int4"):
+        load_model("tiny", device="cpu", quantization="int2")  # type: ignore[arg-type]
     with pytest.raises(ModelLoadError, match="int8 runs on the CPU only"):
         load_model("tiny", device="cuda", quantization="int8")
+    with pytest.raises(ModelLoadError, match="int4 runs on the CPU only"):
+        load_model("tiny", device="cuda", quantization="int4")
+    with pytest.raises(ModelLoadError, match=r"int4 computes in bfloat16.*not float32"):
+        load_model("tiny", device="cpu", dtype="float32", quantization="int4")
