@@ -21,6 +21,20 @@ PromptLogits = Callable[[Sequence, int, torch.Tensor], None]
 # prompt positions whose logits are computed at once: a 2048-token chunk's logits over
 # a 50k-150k vocabulary would take GBs
 PROMPT_LOGITS_SLICE = 256
+# decode steps of at most this many rows run on one torch thread. Such a step is a
+# chain of small ops bound by reading the weights; a second OpenMP thread gains little
+# there and fights the HTTP event loop for the cores, and a parallel region whose
+# worker is descheduled waits for it. SmolLM2-135M over HTTP, 2 CPUs, --threads 2,
+# decode tokens/s at 1/2/4/8/16/32 concurrent streams: bfloat16 27/46/91/152/230/346
+# with every step on 2 threads, 34/57/127/208/273/385 with this; int4 29/54/105/152/
+# 244/303 against 43/72/119/174/233/307 (docs/benchmarks.md, "Threads")
+SERIAL_DECODE_ROWS = 8
+
+
+def _use_threads(threads: int) -> None:
+    """torch's intra-op threads for the ops this (the engine's) thread runs next."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 class PagedPrefillAttention:
@@ -165,10 +179,13 @@ class ModelRunner:
         attention: AttentionBackend = "auto",
         threads: int = 1,
     ) -> None:
-        """`threads`: how many threads decode attention may use (the native kernel's)."""
+        """`threads`: torch's intra-op threads for prefill and decode steps of more than
+        SERIAL_DECODE_ROWS rows (1: torch's setting is left as it is), and how many
+        decode attention may use (the native kernel's)."""
         self.model = model
         self.cache = cache
         self.device = model.device
+        self.threads = threads
         self.kernel = native_kernel_for(attention, cache, threads)
 
     def close(self) -> None:
@@ -193,6 +210,8 @@ class ModelRunner:
         [rows, vocab] of the last token of each row this completes (now
         `ready_to_sample`), in order. `prompt_logits` is handed the logits of every
         position that predicts a prompt token, for the rows that `wants_prompt_logprobs`."""
+        if self.threads > 1:
+            _use_threads(self.threads)
         batch = len(seqs)
         starts = np.fromiter((seq.num_computed for seq in seqs), np.int64, batch)
         counts = (
@@ -283,6 +302,8 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed each sequence's newest token; logits [len(seqs), vocab]."""
+        if self.threads > 1:
+            _use_threads(1 if len(seqs) <= SERIAL_DECODE_ROWS else self.threads)
         device = self.device
         attention = (
             PagedDecodeAttention(self.cache, seqs)
