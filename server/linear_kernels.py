@@ -27,6 +27,8 @@ CUDA keeps `F.linear` (cuBLAS has no such small-batch gap).
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from batchpilot_server.engine_api import Quantization
 from torch import nn
@@ -100,10 +102,10 @@ class Int4Linear(nn.Module):
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
         # the kernel adds `zero` to (q - 8) * scale; the groups' minimum is q = 0
         zeros = minimums + 8 * scales
-        self.scales_and_zeros = torch.stack((scales, zeros), -1).transpose(0, 1).contiguous()
-        self.scales_and_zeros = self.scales_and_zeros.to(torch.bfloat16)
+        pairs = torch.stack((scales, zeros), -1).transpose(0, 1)  # [groups, out, 2]
+        self.scales_and_zeros = pairs.to(torch.bfloat16).contiguous()
         self.bias = None if bias is None else bias.to(torch.bfloat16)
-        self.max_rows = max_rows
+        self.max_rows = sys.maxsize if max_rows is None else max_rows
         self.dense = None
         if max_rows is not None:
             dequantized = codes.view(*scales.shape, INT4_GROUP) * scales[..., None]
@@ -112,7 +114,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        if self.dense is not None and self.max_rows is not None and len(flat) > self.max_rows:
+        if self.dense is not None and len(flat) > self.max_rows:
             return self.dense(x)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
             flat, self.packed, INT4_GROUP, self.scales_and_zeros
