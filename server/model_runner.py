@@ -29,6 +29,14 @@ PROMPT_LOGITS_SLICE = 256
 # with every step on 2 threads, 34/57/127/208/273/385 with this; int4 29/54/105/152/
 # 244/303 against 43/72/119/174/233/307 (docs/benchmarks.md, "Threads")
 SERIAL_DECODE_ROWS = 8
+# prefill forwards of at most this many prompt tokens (all rows' chunks together) run on
+# one torch thread too. Alone, 2 threads compute any prefill faster (1.4x at 8 tokens,
+# 1.5x at 32); under load the second thread's waits cost more than it gains on a short
+# prompt. SmolLM2-135M bfloat16 over HTTP, --threads 2, open-loop Poisson, outputs of
+# median 32 tokens, p99 latency: 19-token prompts at 3.5 requests/s 9.1 s on 2 threads,
+# 5.1 s on one; at 5/s 10.5 -> 6.7 s. 60-token prompts lose on one thread (3.5/s: 9.8 ->
+# 15.6 s), 240-token ones too (docs/benchmarks.md, "Threads")
+SERIAL_PREFILL_TOKENS = 32
 
 
 def _use_threads(threads: int) -> None:
@@ -179,9 +187,10 @@ class ModelRunner:
         attention: AttentionBackend = "auto",
         threads: int = 1,
     ) -> None:
-        """`threads`: torch's intra-op threads for prefill and decode steps of more than
-        SERIAL_DECODE_ROWS rows (1: torch's setting is left as it is), and how many
-        decode attention may use (the native kernel's)."""
+        """`threads`: torch's intra-op threads for prefills of more than
+        SERIAL_PREFILL_TOKENS tokens and decode steps of more than SERIAL_DECODE_ROWS
+        rows (1: torch's setting is left as it is), and how many decode attention may
+        use (the native kernel's)."""
         self.model = model
         self.cache = cache
         self.device = model.device
@@ -210,8 +219,6 @@ class ModelRunner:
         [rows, vocab] of the last token of each row this completes (now
         `ready_to_sample`), in order. `prompt_logits` is handed the logits of every
         position that predicts a prompt token, for the rows that `wants_prompt_logprobs`."""
-        if self.threads > 1:
-            _use_threads(self.threads)
         batch = len(seqs)
         starts = np.fromiter((seq.num_computed for seq in seqs), np.int64, batch)
         counts = (
@@ -219,6 +226,8 @@ class ModelRunner:
             if chunks is None
             else np.asarray(chunks, np.int64)
         )
+        if self.threads > 1:
+            _use_threads(1 if counts.sum() <= SERIAL_PREFILL_TOKENS else self.threads)
         ends = starts + counts
         if (counts < 1).any() or (ends > [seq.num_tokens for seq in seqs]).any():
             raise ValueError("each prefill chunk must hold 1 to the tokens a sequence has left")
