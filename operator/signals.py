@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 SignalStatus = Literal["ok", "no_data", "too_little_traffic", "no_traffic"]
 
-# Below this much evidence (requests finished plus requests waiting) a p99 is just
-# the maximum of a handful of samples: the rule must not act on it.
+# Below this much evidence (requests finished plus requests still in the system: waiting
+# or running) a p99 is just the maximum of a handful of samples: the rule must not act on it.
 MIN_REQUESTS_PER_WINDOW = 50
 # The quantiles of prompt and output tokens per request every source reads (the low
 # one shows the short answers, whose time per output token a long prompt moves most).
@@ -39,6 +39,7 @@ class Signals:
     queue_wait_p99_s: float | None = None
     kv_usage: float | None = None
     waiting: float = 0.0  # requests queued now, summed over pods
+    running: float = 0.0  # sequences being generated now (the batches in flight), summed over pods
     preemption_rate: float = 0.0
     tokens_per_s: float = 0.0
     mean_batch_size: float | None = None  # sequences per executed step/batch
@@ -134,20 +135,31 @@ def no_data(detail: str, window_s: float = 0.0) -> Signals:
 
 
 def traffic_status(
-    requests: float, waiting: float, min_requests: int = MIN_REQUESTS_PER_WINDOW
+    requests: float,
+    waiting: float,
+    running: float,
+    *,
+    min_requests: int = MIN_REQUESTS_PER_WINDOW,
 ) -> SignalStatus:
     """Classify a window by the evidence it holds: enough to judge it, or not.
 
-    Evidence is what finished and what waits: a queue is requests the pods have not
-    served yet, so `requests + waiting >= min_requests` judges a window in which some
-    request finished (a latency to read), and so does
-    any queue at least as long as what finished (a slow model finishing 10 requests a
-    window while 10 more wait is overloaded, not thinly loaded: holding would leave it
-    so). Only a window with few finished requests and fewer waiting is too thin.
+    Evidence is what finished and what is still in the system: a queue is requests the
+    pods have not served yet, and so is a batch still generating (64 long answers filling
+    the batch are load, however few of them finished in the window). So
+    `requests + waiting + running >= min_requests` judges a window in which some request
+    finished (a latency to read), and so does any number in the system at least as large
+    as what finished. A slow model finishing 10 requests a window while 10 more wait is
+    overloaded; one finishing 10 while 10 run has requests that outlast the window
+    (Little's law: running / finished is the mean latency in windows), so no window at
+    that load finishes more than run: holding for more finished requests would hold for
+    good. Only a window with few finished requests and fewer in the system is too thin.
+    One in which nothing finished has no latency to read, however much runs or waits: it
+    is too thin (the round holds and says so), not without traffic.
     """
-    if requests <= 0 and waiting <= 0:
+    in_system = waiting + running
+    if requests <= 0 and in_system <= 0:
         return "no_traffic"
-    if requests > 0 and (requests + waiting >= min_requests or waiting >= requests):
+    if requests > 0 and (requests + in_system >= min_requests or in_system >= requests):
         return "ok"
     return "too_little_traffic"
 
@@ -169,14 +181,22 @@ def misses_are_evidence(judged: float | None, missed: float | None, allowed_shar
     return 1 - below < MISS_EVIDENCE_P
 
 
-def status_detail(status: SignalStatus, requests: float, min_requests: int) -> str:
+def status_detail(
+    status: SignalStatus, requests: float, waiting: float, running: float, *, min_requests: int
+) -> str:
+    """Why the window is not judged (see `traffic_status`), for humans; "" when it is."""
     if status == "no_traffic":
-        return "no request finished in the window and none is waiting"
+        return "no request finished in the window and none is waiting or running"
+    if status == "too_little_traffic" and requests <= 0:
+        return (
+            f"no request finished in the window while {running:.0f} run and {waiting:.0f} "
+            "wait: no latency to read yet"
+        )
     if status == "too_little_traffic":
         return (
-            f"only {requests:.0f} requests finished in the window and fewer wait "
-            f"(need {min_requests} finished and waiting together, or a queue as long as "
-            "what finished)"
+            f"only {requests:.0f} requests finished in the window, and fewer run and wait "
+            f"({running:.0f} running, {waiting:.0f} waiting; need {min_requests} finished, "
+            "running and waiting together, or as many running and waiting as finished)"
         )
     return ""
 

@@ -84,6 +84,7 @@ def queries(
         "queue_wait_p99": quantile(0.99, names.QUEUE_WAIT),
         "kv_usage": f"max(max_over_time({names.KV_CACHE_USAGE}{sel}[{w}]))",
         "waiting": f"sum({names.REQUESTS_WAITING}{sel})",
+        "running": f"sum({names.REQUESTS_RUNNING}{sel})",
         "preemption_rate": f"sum(rate({names.PREEMPTIONS_TOTAL}{sel}[{w}]))",
         "tokens_per_s": f"sum(rate({names.GENERATION_TOKENS_TOTAL}{sel}[{w}]))",
         "mean_batch_size": mean(names.BATCH_SIZE),
@@ -192,8 +193,8 @@ class PrometheusSource:
                 f"{window_s:.0f} s (is Prometheus scraping the servers, at least twice a window?)",
                 window_s,
             )
-        waiting = values["waiting"] or 0.0
-        status = traffic_status(requests, waiting, self.min_requests)
+        waiting, running = values["waiting"] or 0.0, values["running"] or 0.0
+        status = traffic_status(requests, waiting, running, min_requests=self.min_requests)
         return Signals(
             status=status,
             window_s=window_s,
@@ -203,6 +204,7 @@ class PrometheusSource:
             queue_wait_p99_s=values["queue_wait_p99"],
             kv_usage=values["kv_usage"],
             waiting=waiting,
+            running=running,
             preemption_rate=values["preemption_rate"] or 0.0,
             tokens_per_s=values["tokens_per_s"] or 0.0,
             mean_batch_size=values["mean_batch_size"],
@@ -234,7 +236,9 @@ class PrometheusSource:
             step_decode_rows=values["step_decode_rows"],
             step_prefill_tokens=values["step_prefill_tokens"],
             step_kv_tokens=values["step_kv_tokens"],
-            detail=status_detail(status, requests, self.min_requests),
+            detail=status_detail(
+                status, requests, waiting, running, min_requests=self.min_requests
+            ),
         )
 
 

@@ -54,7 +54,7 @@ COUNTERS = (
     names.STEP_DECODE_ROWS_TOTAL, names.STEP_PREFILL_TOKENS_TOTAL,
     names.STEP_KV_TOKENS_TOTAL,
 )
-GAUGES = (names.KV_CACHE_USAGE, names.REQUESTS_WAITING)
+GAUGES = (names.KV_CACHE_USAGE, names.REQUESTS_WAITING, names.REQUESTS_RUNNING)
 
 
 @dataclass
@@ -227,9 +227,10 @@ class ScrapeSource:
         if not duration:
             return no_data(f"no {names.REQUEST_DURATION} series on the servers", window_s)
         requests = _total(deltas, names.REQUEST_DURATION)
-        waiting = sum(t.gauges.get(names.REQUESTS_WAITING, 0.0) for t in now.per_server.values())
-        status = traffic_status(requests, waiting, self.min_requests)
-        detail = status_detail(status, requests, self.min_requests)
+        waiting = _gauge_sum(now, names.REQUESTS_WAITING)
+        running = _gauge_sum(now, names.REQUESTS_RUNNING)
+        status = traffic_status(requests, waiting, running, min_requests=self.min_requests)
+        detail = status_detail(status, requests, waiting, running, min_requests=self.min_requests)
         if self.errors:
             detail = "; ".join([detail, *self.errors.values()]).lstrip("; ")
         lengths = _merged_buckets(deltas, names.REQUEST_GENERATION_TOKENS)
@@ -246,6 +247,7 @@ class ScrapeSource:
             ),
             kv_usage=self._kv_max(baseline.at),
             waiting=waiting,
+            running=running,
             preemption_rate=_total(deltas, names.PREEMPTIONS_TOTAL) / window_s,
             tokens_per_s=_total(deltas, names.GENERATION_TOKENS_TOTAL) / window_s,
             mean_batch_size=_mean(deltas, names.BATCH_SIZE),
@@ -310,6 +312,11 @@ class ScrapeSource:
             if names.KV_CACHE_USAGE in totals.gauges
         ]
         return max(values) if values else None
+
+
+def _gauge_sum(snapshot: Snapshot, name: str) -> float:
+    """A gauge's value now, summed over the servers (0 where none exports it)."""
+    return sum(t.gauges.get(name, 0.0) for t in snapshot.per_server.values())
 
 
 def _merged_buckets(deltas: Sequence[Totals], name: str) -> dict[float, float]:

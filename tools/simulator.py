@@ -317,6 +317,7 @@ class Interval:
     kv_max: float = 0.0  # the fullest server's
     busy_s: float = 0.0  # simulated forward seconds, all servers
     waiting_at_end: int = 0
+    running_at_end: int = 0  # sequences the live servers' batches hold at the end
     pods: int = 0  # servers the balancer reached for the whole interval
     replicas: int = 0  # the count of record after the interval's round
     ready: int = 0  # servers ready and not draining after the round
@@ -651,16 +652,20 @@ class SimulatedFleet:
         window_s = len(window) * interval_s
         requests = sum(iv.completed for iv in window)
         waiting = float(window[-1].waiting_at_end)
+        running = float(window[-1].running_at_end)
         pods = min(iv.pods for iv in window)
-        status = traffic_status(requests, waiting)
+        status = traffic_status(requests, waiting, running)
         if status != "ok":
             return Signals(
                 status=status,
                 window_s=window_s,
                 requests=requests,
                 waiting=waiting,
+                running=running,
                 pods=pods,
-                detail=status_detail(status, requests, MIN_REQUESTS_PER_WINDOW),
+                detail=status_detail(
+                    status, requests, waiting, running, min_requests=MIN_REQUESTS_PER_WINDOW
+                ),
                 **_llm_signals(window),  # evidence for a rule that judges thin windows
             )
         batches = sum(iv.batch_count for iv in window)
@@ -679,6 +684,7 @@ class SimulatedFleet:
             ),
             kv_usage=max(iv.kv_max for iv in window),
             waiting=waiting,
+            running=running,
             preemption_rate=sum(iv.preemptions for iv in window) / window_s,
             tokens_per_s=tokens / window_s,
             mean_batch_size=(sum(iv.batch_weighted for iv in window) / batches)
@@ -886,6 +892,7 @@ class SimulatedFleet:
         iv = self.current
         live = [s for s in self.servers if s.live]
         iv.waiting_at_end = sum(s.scheduler.num_waiting for s in live)
+        iv.running_at_end = sum(s.scheduler.num_running for s in live)
         iv.p99_s = float(np.percentile(iv.latencies, 99)) if iv.latencies else None
         iv.pods = self._serving_through(iv)
         self.intervals.append(iv)

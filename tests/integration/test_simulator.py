@@ -372,3 +372,21 @@ def test_fast_forward_with_attention_cost_changes_no_completion() -> None:
         assert [getattr(iv, name) for iv in fast.intervals] == [
             getattr(iv, name) for iv in slow.intervals
         ], name
+
+
+def test_the_window_signals_count_what_runs_as_evidence() -> None:
+    """Eight long answers fill a batch of ten and two short ones finish beside them: the
+    window carries the eight still running and is judged on them (two finished and none
+    waiting alone are too little)."""
+    requests = [(8, 20_000)] * 8 + [(8, 8)] * 2
+    work = Workload(
+        arrivals=np.zeros(len(requests)),
+        prompts=np.array([p for p, _ in requests]),
+        outputs=np.array([o for _, o in requests]),
+    )
+    config = BatchingConfig(max_batch_size=10, batch_timeout_ms=0.0)
+    fleet = SimulatedFleet(work, static(options("continuous", kv_blocks=16_384), config), CURVE)
+    asyncio.run(fleet.run(30.0))
+    signals = asyncio.run(fleet.read(30.0))
+    assert (signals.requests, signals.waiting, signals.running) == (2, 0, 8)
+    assert signals.status == "ok" and signals.p99_latency_s is not None

@@ -9,7 +9,12 @@ import pytest
 from batchpilot_operator.policy.memory import PolicyMemory
 from batchpilot_operator.policy.round import decide
 from batchpilot_operator.replica_rule import Fleet, ReplicaBounds
-from batchpilot_operator.signals import Signals, misses_are_evidence, traffic_status
+from batchpilot_operator.signals import (
+    Signals,
+    misses_are_evidence,
+    status_detail,
+    traffic_status,
+)
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.tuner import Bounds, Goal
 from batchpilot_server.batching_config import BatchingConfig
@@ -100,11 +105,45 @@ def test_a_ttft_only_slo_grows_the_batch_when_requests_queue() -> None:
 def test_a_queue_as_long_as_what_finished_is_evidence_for_a_slow_model() -> None:
     # SmolLM2 on two cores: 10 requests a window at batch 1, 25 waiting and more coming;
     # the demo's 30-request minimum no longer holds it
-    assert traffic_status(10.0, 25.0, 30) == "ok"
+    assert traffic_status(10.0, 25.0, 0.0, min_requests=30) == "ok"
     slow = signals(requests=10.0, request_rate=0.33, arrival_rate=1.2, waiting=25.0,
                    p99_latency_s=20.0, queue_wait_p99_s=15.0, mean_batch_size=1.0)  # fmt: skip
     d = step(slow, Goal(Slo(e2e_s=10.0), E2E.bounds), BatchingConfig(max_batch_size=1))
     assert d.action == "grow_batch" and d.config.max_batch_size > 1
+
+
+def test_a_full_batch_of_long_answers_is_judged_though_few_finish() -> None:
+    # 64 long answers fill the batch and 5 of them finished in the window: load, not a
+    # thin window (counting only what finished and waits held it)
+    status = traffic_status(5.0, 0.0, 64.0)
+    assert status == "ok"
+    full = signals(status=status, requests=5.0, request_rate=0.17, running=64.0,
+                   mean_batch_size=64.0, tpot_p99_s=0.08, ttft_p99_s=0.3)  # fmt: skip
+    d = step(full, Goal(Slo(tpot_s=0.05), E2E.bounds), BatchingConfig(max_batch_size=64))
+    assert d.action == "backoff_batch" and d.config.max_batch_size < 64
+    assert "tpot p99 80 ms > target 50 ms while running" in d.reason
+
+
+def test_requests_queueing_behind_a_full_batch_that_few_finish_grow_it() -> None:
+    # 16 run, 2 wait behind them and 4 finished: the queue alone is shorter than what
+    # finished, the batch in flight makes it evidence
+    status = traffic_status(4.0, 2.0, 16.0)
+    assert status == "ok"
+    full = signals(status=status, requests=4.0, request_rate=0.13, waiting=2.0, running=16.0,
+                   mean_batch_size=16.0, ttft_p99_s=2.0, queue_wait_p99_s=1.9)  # fmt: skip
+    d = step(full, Goal(Slo(ttft_s=0.5), E2E.bounds), BatchingConfig(max_batch_size=16))
+    assert d.action == "grow_batch" and d.config.max_batch_size > 16
+
+
+def test_a_full_batch_with_nothing_finished_holds_and_says_why() -> None:
+    # no request finished: no p99 to read, whatever runs; a hold that says so, not a crash
+    status = traffic_status(0.0, 3.0, 64.0)
+    detail = status_detail(status, 0.0, 3.0, 64.0, min_requests=50)
+    busy = Signals(status=status, window_s=30.0, waiting=3.0, running=64.0, pods=1,
+                   kv_usage=0.5, detail=detail)  # fmt: skip
+    d = step(busy, current=BatchingConfig(max_batch_size=64))
+    assert d.action == "hold" and d.config.max_batch_size == 64
+    assert "too little traffic: no request finished in the window while 64 run" in d.reason
 
 
 def test_a_spent_batch_under_queueing_scales_out_by_measured_throughput() -> None:

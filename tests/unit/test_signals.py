@@ -7,7 +7,8 @@ import math
 import aiohttp
 import numpy as np
 import pytest
-from batchpilot_operator.signals import histogram_quantile, traffic_status
+from batchpilot_operator.signals import histogram_quantile, status_detail, traffic_status
+from batchpilot_operator.signals_prometheus import queries
 from batchpilot_operator.signals_scrape import (
     ScrapeSource,
     Totals,
@@ -67,14 +68,78 @@ def test_quantile_of_nothing_is_none_and_bad_input_is_refused() -> None:
      (10, 10, "ok"), (10, 9, "too_little_traffic"), (0, 300, "too_little_traffic")],
 )
 def test_traffic_classes(requests: float, waiting: float, status: str) -> None:
-    assert traffic_status(requests, waiting, 50) == status
+    assert traffic_status(requests, waiting, 0.0, min_requests=50) == status
+
+
+@pytest.mark.parametrize(
+    ("requests", "waiting", "running", "status"),
+    [(3, 0, 64, "ok"),  # a full batch of long answers, a few of them finishing
+     (12, 3, 35, "ok"),  # 50 finished, waiting and running together
+     (10, 0, 10, "ok"),  # as many run as finished: the requests outlast the window
+     (10, 4, 6, "ok"),  # as many run and wait together
+     (10, 0, 9, "too_little_traffic"), (12, 2, 5, "too_little_traffic"),
+     (0, 0, 64, "too_little_traffic"),  # nothing finished: no latency, but not no traffic
+     (0, 2, 64, "too_little_traffic")],
+)  # fmt: skip
+def test_what_runs_is_evidence_as_what_waits(
+    requests: float, waiting: float, running: float, status: str
+) -> None:
+    assert traffic_status(requests, waiting, running, min_requests=50) == status
+
+
+def test_the_detail_says_what_runs_and_waits_when_too_little_finished() -> None:
+    def detail(requests: float, waiting: float, running: float) -> str:
+        status = traffic_status(requests, waiting, running, min_requests=50)
+        return status_detail(status, requests, waiting, running, min_requests=50)
+
+    assert detail(0, 0, 0) == "no request finished in the window and none is waiting or running"
+    assert detail(0, 3, 64) == (
+        "no request finished in the window while 64 run and 3 wait: no latency to read yet"
+    )
+    assert detail(12, 2, 5).startswith(
+        "only 12 requests finished in the window, and fewer run and wait (5 running, 2 waiting;"
+    )
+    assert detail(3, 0, 64) == ""
+
+
+def test_prometheus_reads_what_runs_summed_over_pods() -> None:
+    assert queries('policy="p"', 60.0)["running"] == f'sum({names.REQUESTS_RUNNING}{{policy="p"}})'
+
+
+async def test_the_scrape_counts_what_runs_on_every_pod_as_evidence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two pods with full batches of long answers (32 running each): a window in which
+    none finished holds and says why; one in which 3 finished is judged (3 finished and
+    none waiting alone were too little)."""
+    pods = {url: ServerMetrics(model="tiny", mode="continuous") for url in ("http://a", "http://b")}
+    busy = EngineStats(running=32, waiting=0, kv_blocks_total=100, kv_blocks_used=90)
+    clock = [0.0]
+
+    async def page(url: str) -> str:
+        return pods[url].exposition(busy).decode()
+
+    async with aiohttp.ClientSession() as session:
+        source = ScrapeSource(list(pods), session, clock=lambda: clock[0])
+        monkeypatch.setattr(source, "_fetch", page)
+        await source.scrape()
+        clock[0] = 60.0
+        nothing = await source.read(60.0)
+        for seconds in (20.0, 25.0, 31.0):
+            pods["http://a"].request_duration.observe(seconds)
+        clock[0] = 120.0
+        few = await source.read(60.0)
+    assert (nothing.status, nothing.running, nothing.waiting) == ("too_little_traffic", 64, 0)
+    assert nothing.p99_latency_s is None and "while 64 run and 0 wait" in nothing.detail
+    assert (few.status, few.running, few.requests) == ("ok", 64, 3)
+    assert few.p99_latency_s is not None and bucket_of(few.p99_latency_s) == bucket_of(31.0)
 
 
 def test_parse_and_delta_of_a_real_metrics_page() -> None:
     """The server's own registry, observed twice: the delta holds only what came between."""
     metrics = ServerMetrics(model="tiny", mode="continuous")
     metrics.set_config(BatchingConfig())
-    stats = EngineStats(running=0, waiting=2, kv_blocks_total=10, kv_blocks_used=4)
+    stats = EngineStats(running=3, waiting=2, kv_blocks_total=10, kv_blocks_used=4)
     before_values = [0.05, 0.3]
     after_values = [0.12, 0.12, 2.5]
     for v in before_values:
@@ -90,6 +155,7 @@ def test_parse_and_delta_of_a_real_metrics_page() -> None:
     assert median is not None and bucket_of(median) == bucket_of(0.12)
     assert after.gauges[names.KV_CACHE_USAGE] == pytest.approx(stats.kv_usage_ratio)
     assert after.gauges[names.REQUESTS_WAITING] == stats.waiting
+    assert after.gauges[names.REQUESTS_RUNNING] == stats.running
 
 
 def test_a_counter_that_went_down_counts_from_zero() -> None:
