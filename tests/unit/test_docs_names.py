@@ -32,7 +32,7 @@ EXTERNAL_FLAGS = {
     ),
     **dict.fromkeys(
         ("--endpoint-type", "--streaming", "--tokenizer", "--isl", "--osl", "--request-count",
-         "--use-server-token-count", "--output-artifact-dir", "--ui"),
+         "--use-server-token-count", "--output-artifact-dir", "--ui", "--extra-inputs"),
         "aiperf profile",
     ),
 }  # fmt: skip
