@@ -39,12 +39,6 @@ SERIAL_DECODE_ROWS = 8
 SERIAL_PREFILL_TOKENS = 32
 
 
-def _use_threads(threads: int) -> None:
-    """torch's intra-op threads for the ops this (the engine's) thread runs next."""
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
-
-
 class PagedPrefillAttention:
     """Each row computes a chunk of its tokens, positions [start, end): the chunk's K/V
     are stored, and its queries attend causally to the row's K/V before `start` (read
@@ -202,6 +196,14 @@ class ModelRunner:
         if self.kernel is not None:
             self.kernel.close()
 
+    def _use_threads(self, size: int, serial_up_to: int) -> None:
+        """torch's intra-op threads for the forward this (the engine's) thread runs next:
+        one for a small one (at most `serial_up_to` rows or tokens), else `threads`."""
+        if self.threads > 1:
+            threads = 1 if size <= serial_up_to else self.threads
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+
     @property
     def attention(self) -> Literal["native", "torch"]:
         """The decode attention in use."""
@@ -226,8 +228,7 @@ class ModelRunner:
             if chunks is None
             else np.asarray(chunks, np.int64)
         )
-        if self.threads > 1:
-            _use_threads(1 if counts.sum() <= SERIAL_PREFILL_TOKENS else self.threads)
+        self._use_threads(int(counts.sum()), SERIAL_PREFILL_TOKENS)
         ends = starts + counts
         if (counts < 1).any() or (ends > [seq.num_tokens for seq in seqs]).any():
             raise ValueError("each prefill chunk must hold 1 to the tokens a sequence has left")
@@ -311,8 +312,7 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed each sequence's newest token; logits [len(seqs), vocab]."""
-        if self.threads > 1:
-            _use_threads(1 if len(seqs) <= SERIAL_DECODE_ROWS else self.threads)
+        self._use_threads(len(seqs), SERIAL_DECODE_ROWS)
         device = self.device
         attention = (
             PagedDecodeAttention(self.cache, seqs)
