@@ -25,7 +25,7 @@ from typing import cast
 import model_refs
 import torch
 from batchpilot_server.engine_api import DTypeName, Quantization
-from batchpilot_server.linear_kernels import swap_linear_kernels
+from batchpilot_server.linear_kernels import RowLimits, swap_linear_kernels
 from batchpilot_server.weight_quality import BOUND, Quality, compare
 from batchpilot_server.weights import KernelChoice, LoadedModel, load_model
 from sections import replace_section
@@ -41,7 +41,12 @@ MODES: tuple[tuple[str, DTypeName, Quantization], ...] = (
     ("int8 (bfloat16 activations)", "bfloat16", "int8"),
     ("int4, prefill's bfloat16 copy (more than 8 rows)", "bfloat16", "int4"),
 )
-INT4_KERNEL = "int4, the 4-bit kernel (decode: up to 8 rows)"
+# the few-row kernels, each measured with every row through it (the windows are
+# prefills of many rows, which their dense copies compute)
+FEW_ROWS: tuple[tuple[str, Quantization, RowLimits], ...] = (
+    ("bfloat16, the float16-weight kernel (decode: up to 4 rows)", "none", RowLimits(fp16=None)),
+    ("int4, the 4-bit kernel (decode: up to 8 rows)", "int4", RowLimits(int4=None)),
+)
 
 
 def text_windows(loaded: LoadedModel, tokens: int) -> list[list[int]]:
@@ -82,12 +87,11 @@ def measure(source: str, tokens: int) -> tuple[int, dict[str, Quality]]:
         ours, _ = positions(log_probs(loaded, windows), windows)
         results[label] = compare(ref, ours, targets)
         print(f"  {label}: {results[label]}", file=sys.stderr)
-    # the windows are prefills of many rows: for the 4-bit kernel's own quality, every
-    # row goes through it
-    loaded = load_model(source, device="cpu", dtype="bfloat16", kernels="plain")
-    swap_linear_kernels(loaded.model, "int4", int4_max_rows=None)
-    results[INT4_KERNEL] = compare(ref, positions(log_probs(loaded, windows), windows)[0], targets)
-    print(f"  {INT4_KERNEL}: {results[INT4_KERNEL]}", file=sys.stderr)
+    for label, quantization, limits in FEW_ROWS:
+        loaded = load_model(source, device="cpu", dtype="bfloat16", kernels="plain")
+        swap_linear_kernels(loaded.model, quantization, limits)
+        results[label] = compare(ref, positions(log_probs(loaded, windows), windows)[0], targets)
+        print(f"  {label}: {results[label]}", file=sys.stderr)
     return sum(len(w) - 1 for w in windows), results
 
 

@@ -9,6 +9,14 @@ with the weight reordered once, at load, into its blocked layout
 weights at memory speed: a bfloat16 step at 1-4 rows costs the same, and about
 half a float32 one (docs/benchmarks.md, "Small batches").
 
+bfloat16 steps of at most FP16_MAX_ROWS rows (a decode step of a few sequences) run
+FBGEMM's GEMM over the same weights held as float16 (`quantized.linear_dynamic_fp16`,
+float32 activations): at 1-2 rows oneDNN's bfloat16 kernel reads the weights at about
+half the memory's speed and FBGEMM's at all of it; from about 5 rows oneDNN is faster.
+A bfloat16 weight is exactly a float16 one (float16 has the longer mantissa) unless it
+lies outside float16's range, which an LLM's weights do not; such a weight keeps the
+oneDNN path alone. The price is a second copy of the weights in memory.
+
 `--quantization int8`: weight-only int8 with one float scale per output channel,
 computed by torch's own `_weight_int8pack_mm` (no extra dependency; torchao's
 int8 weight-only layout calls the same kernel on the CPU once compiled, and
@@ -28,6 +36,7 @@ CUDA keeps `F.linear` (cuBLAS has no such small-batch gap).
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 from batchpilot_server.engine_api import Quantization
@@ -43,11 +52,37 @@ INT4_GROUP = 32
 # threads, ms per step (4-bit against packed bfloat16): 4.8/12.3 at 1 row, 7.6/12.1
 # at 4, 14.5/15.5 at 8, 25.4/16.6 at 16, 50.6/24.9 at 32
 INT4_MAX_ROWS = 8
+# the most rows FBGEMM's float16-weight kernel computes: one decode step of SmolLM2-135M
+# bfloat16, 1 thread, ms (FBGEMM up to this many rows against oneDNN alone): 22.4/31.7 at
+# 1 row, 28.9/44.5 at 2, 33.1/42.0 at 3, 27.4/31.3 at 4, 39.4/29.4 at 6
+FP16_MAX_ROWS = 4
+# float16's largest finite value: a weight beyond it would saturate
+FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class RowLimits:
+    """The most rows each few-row kernel computes before its dense copy takes over
+    (None: that kernel for every row count)."""
+
+    int4: int | None = INT4_MAX_ROWS
+    fp16: int | None = FP16_MAX_ROWS
+
+
+ROW_LIMITS = RowLimits()
 
 
 def packed_kernels_available(device: torch.device) -> bool:
     """oneDNN's prepacked linear: a CPU build of torch with oneDNN."""
     return device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+def fp16_kernel_fits(weight: torch.Tensor) -> bool:
+    """FBGEMM's float16-weight GEMM: a build of torch with FBGEMM (x86), and weights
+    float16 holds."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and bool(
+        weight.abs().max() <= FP16_MAX
+    )
 
 
 class PackedLinear(nn.Module):
@@ -64,6 +99,30 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class FewRowsLinear(nn.Module):
+    """bfloat16 y = x W^T + b: up to `max_rows` rows through FBGEMM over W as float16
+    (float32 math, the result rounded to bfloat16), more through oneDNN's packed
+    bfloat16 kernel (None: FBGEMM for every row count; the quality tests measure it
+    alone that way)."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int | None
+    ) -> None:
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.dtype = weight.dtype
+        self.dense = PackedLinear(weight, bias)
+        self.half = torch.ops.quantized.linear_prepack_fp16(
+            weight.float(), None if bias is None else bias.float()
+        )
+        self.max_rows = sys.maxsize if max_rows is None else max_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() > self.max_rows * x.shape[-1]:
+            return self.dense(x)
+        return torch.ops.quantized.linear_dynamic_fp16(x.float(), self.half).to(x.dtype)
 
 
 class Int8Linear(nn.Module):
@@ -153,27 +212,30 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def kernel_for(
-    linear: nn.Linear, quantization: Quantization, int4_max_rows: int | None = INT4_MAX_ROWS
+    linear: nn.Linear, quantization: Quantization, max_rows: RowLimits = ROW_LIMITS
 ) -> nn.Module:
     """The module that computes `linear` fastest on its device in its dtype."""
     weight, bias = linear.weight.detach(), linear.bias
     bias = None if bias is None else bias.detach()
     if quantization == "int4" and int4_fits(weight):
-        return Int4Linear(weight, bias, int4_max_rows)
+        return Int4Linear(weight, bias, max_rows.int4)
     if quantization == "int8":
         return Int8Linear(weight, bias)
-    if packed_kernels_available(weight.device) and (
-        weight.dtype == torch.float32
-        # oneDNN packs bfloat16 only where the CPU computes it (AVX512-BF16, AMX or
-        # AVX-NE-CONVERT); elsewhere torch's own bfloat16 matmul runs it
-        or (weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    ):
+    if not packed_kernels_available(weight.device):
+        return linear
+    if weight.dtype == torch.float32:
+        return PackedLinear(weight, bias)
+    # oneDNN packs bfloat16 only where the CPU computes it (AVX512-BF16, AMX or
+    # AVX-NE-CONVERT); elsewhere torch's own bfloat16 matmul runs it
+    if weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        if fp16_kernel_fits(weight):
+            return FewRowsLinear(weight, bias, max_rows.fp16)
         return PackedLinear(weight, bias)
     return linear
 
 
 def swap_linear_kernels(
-    model: nn.Module, quantization: Quantization, int4_max_rows: int | None = INT4_MAX_ROWS
+    model: nn.Module, quantization: Quantization, max_rows: RowLimits = ROW_LIMITS
 ) -> None:
     """Replace every nn.Linear of `model` (projections and the LM head) in place by
     its kernel module. A tied LM head gets its own packed copy; the embedding keeps
@@ -183,6 +245,6 @@ def swap_linear_kernels(
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
             mode = "none" if quantization == "int4" and name == "lm_head" else quantization
-            setattr(model, name, kernel_for(child, mode, int4_max_rows))
+            setattr(model, name, kernel_for(child, mode, max_rows))
         else:
-            swap_linear_kernels(child, quantization, int4_max_rows)
+            swap_linear_kernels(child, quantization, max_rows)

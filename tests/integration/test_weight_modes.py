@@ -1,7 +1,8 @@
 """The engine's fast kernels (linear_kernels: oneDNN-prepacked weights, int8, int4)
 against the plain nn.Linear path, on SmolLM2-135M: float32 gives the same logits within
-FAST_TOLERANCE and the same greedy tokens; bfloat16 and int4 (its 4-bit kernel, and its
-bfloat16 copy for many rows) stay within the quality bound `--dtype auto` relies on
+FAST_TOLERANCE and the same greedy tokens; bfloat16 (FBGEMM's float16-weight kernel for
+few rows, oneDNN for many) and int4 (its 4-bit kernel, and its bfloat16 copy for many
+rows) stay within the quality bound `--dtype auto` relies on
 (weight_quality.BOUND) and int8 within its regression guard (INT8_BOUND) on a short
 real text."""
 
@@ -12,7 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from batchpilot_server.engine_api import DTypeName, Quantization
-from batchpilot_server.linear_kernels import Int4Linear, PackedLinear, swap_linear_kernels
+from batchpilot_server.linear_kernels import (
+    FewRowsLinear,
+    Int4Linear,
+    RowLimits,
+    swap_linear_kernels,
+)
 from batchpilot_server.weight_quality import BOUND, INT8_BOUND, compare
 from batchpilot_server.weights import LoadedModel, ModelLoadError, load_model, resolve_dtype
 
@@ -76,29 +82,44 @@ def test_16_and_8_bit_weights_stay_within_the_quality_bound(
     assert quality.within_bound(bound), f"{dtype}/{quantization}: {quality}"
 
 
+@pytest.mark.parametrize(
+    ("quantization", "limits", "kernel"),
+    [("int4", RowLimits(int4=None), Int4Linear), ("none", RowLimits(fp16=None), FewRowsLinear)],
+)
 @torch.inference_mode()
-def test_int4_kernel_alone_stays_within_the_quality_bound(
-    smollm2_dir: Path, plain: LoadedModel, text_ids: list[int]
+def test_few_row_kernels_alone_stay_within_the_quality_bound(
+    smollm2_dir: Path,
+    plain: LoadedModel,
+    text_ids: list[int],
+    quantization: Quantization,
+    limits: RowLimits,
+    kernel: type,
 ) -> None:
-    """Every row through the 4-bit kernel (what a decode step of up to INT4_MAX_ROWS
-    rows runs); the test above measures the many-row prefill's bfloat16 copy."""
+    """Every row through the kernel a decode step of a few rows runs (the 4-bit one up
+    to INT4_MAX_ROWS rows, FBGEMM's float16-weight one up to FP16_MAX_ROWS); the test
+    above measures the many-row prefill's bfloat16 copy."""
     mode = load_model(str(smollm2_dir), device="cpu", dtype="bfloat16", kernels="plain")
-    swap_linear_kernels(mode.model, "int4", int4_max_rows=None)
-    assert isinstance(mode.model.layers[0].gate_up_proj, Int4Linear)
-    assert mode.model.layers[0].gate_up_proj.dense is None
-    assert isinstance(mode.model.lm_head, PackedLinear)
+    swap_linear_kernels(mode.model, quantization, limits)
+    projection = mode.model.layers[0].gate_up_proj
+    assert isinstance(projection, kernel)
+    assert projection.max_rows > TEXT_TOKENS  # no row count reaches the dense copy
     reference = torch.log_softmax(plain.model.full_logits(text_ids), -1)[:-1]
     ours = torch.log_softmax(mode.model.full_logits(text_ids).float(), -1)[:-1]
     quality = compare(reference, ours, torch.tensor(text_ids[1:]))
-    assert quality.within_bound(BOUND), f"int4, 4-bit kernel only: {quality}"
+    assert quality.within_bound(BOUND), f"{kernel.__name__} alone: {quality}"
 
 
-def test_int4_loads_4_bit_projections_and_a_bfloat16_head(smollm2_dir: Path) -> None:
+def test_bfloat16_loads_few_row_kernels_and_int4_keeps_a_16_bit_head(smollm2_dir: Path) -> None:
+    bf16 = load_model(str(smollm2_dir), device="cpu", dtype="bfloat16")
+    layer = bf16.model.layers[0]
+    for projection in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+        assert isinstance(projection, FewRowsLinear)
+    assert isinstance(bf16.model.lm_head, FewRowsLinear)
     loaded = load_model(str(smollm2_dir), device="cpu", quantization="int4")
     layer = loaded.model.layers[0]
     for projection in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
         assert isinstance(projection, Int4Linear)
-    assert isinstance(loaded.model.lm_head, PackedLinear)
+    assert isinstance(loaded.model.lm_head, FewRowsLinear)
     assert loaded.model.lm_head.dtype == torch.bfloat16
 
 
