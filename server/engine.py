@@ -27,7 +27,6 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
-from functools import partial
 
 import torch
 from batchpilot_server.batching_config import MODES, BatchingConfig, Mode
@@ -469,32 +468,18 @@ class Engine:
         observer.on_step_work(work.decode_rows, work.prefill_tokens, work.kv_tokens)
         if plan.cache_queried:
             observer.on_prefix_cache(plan.cache_queried, plan.cache_hit)
-        rows: list[Sequence] = []
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        tops: list[TopLogprobs] = []
-        prefill = partial(runner.prefill, chunks=plan.chunks, prompt_logits=gather_prompt_logprobs)
         # padded execution: finished rows decode last, their outputs discarded
-        forwards = (
-            (plan.prefill, prefill, 0),
-            (plan.decode + plan.pad, runner.decode, len(plan.pad)),
-        )
+        decode = plan.decode + plan.pad
         began = time.perf_counter()
-        for seqs, forward, discarded in forwards:
-            if seqs:
-                logits = forward(seqs)
-                # a prefill chunk that leaves part of its prompt for later samples nothing
-                ready = [seq for seq in seqs[: len(seqs) - discarded] if seq.ready_to_sample]
-                if ready:
-                    sampled = sampler.sample(logits[: len(ready)], ready)
-                    rows += ready
-                    tokens += sampled.tokens
-                    logprobs += sampled.logprobs
-                    tops += sampled.top_logprobs
-        # once per step (both forwards): the step count and seconds a step-time model
-        # pairs with the work counters
+        logits = runner.step(plan.prefill, decode, plan.chunks, gather_prompt_logprobs)
+        # a prefill chunk that leaves part of its prompt for later samples nothing
+        rows = [seq for seq in plan.prefill if seq.ready_to_sample] + plan.decode
+        sampled = sampler.sample(logits[: len(rows)], rows) if rows else None
+        # the step count and seconds a step-time model pairs with the work counters
         observer.on_step(plan.size + len(plan.pad), time.perf_counter() - began)
-        return rows, tokens, logprobs, tops
+        if sampled is None:
+            return [], [], [], []
+        return rows, sampled.tokens, sampled.logprobs, sampled.top_logprobs
 
     def _delivery(self, outputs: list[Output]) -> Delivery:
         """Under the lock: each output paired with its request's stream (none once the

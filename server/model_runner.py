@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import chain
 from typing import Literal
 
@@ -173,6 +174,44 @@ class PagedDecodeAttention:
         return out[:batch, None].to(q.dtype)
 
 
+DecodeAttention = PagedDecodeAttention | NativeDecodeAttention
+
+
+class MixedAttention:
+    """A step's prefill rows and decode rows as one forward: the projections take
+    every token of both at once, so a step reads the weights once, not once per kind
+    of row; attention takes them apart again. The tokens are the prefill rectangle
+    [rows, width] flattened, then one per decode row."""
+
+    def __init__(
+        self, prefill: PagedPrefillAttention, shape: tuple[int, int], decode: DecodeAttention
+    ) -> None:
+        self.prefill, self.shape, self.decode = prefill, shape, decode
+        self.split = shape[0] * shape[1]
+
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q, k, v [1, tokens, heads, head_dim]; the output is q's shape."""
+        n = self.split
+        prefill = self.prefill(layer, *(t[0, :n].unflatten(0, self.shape) for t in (q, k, v)))
+        decode = self.decode(layer, *(t[0, n:, None] for t in (q, k, v)))
+        return torch.cat((prefill.flatten(0, 1), decode[:, 0]))[None]
+
+
+@dataclass
+class PrefillBatch:
+    """A step's prefill rows as the model takes them: token ids and positions
+    [rows, width] (short chunks padded), and where each row's chunk starts and ends."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    attention: PagedPrefillAttention
+    starts: np.ndarray
+    counts: np.ndarray
+    ends: np.ndarray
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -181,10 +220,10 @@ class ModelRunner:
         attention: AttentionBackend = "auto",
         threads: int = 1,
     ) -> None:
-        """`threads`: torch's intra-op threads for prefills of more than
-        SERIAL_PREFILL_TOKENS tokens and decode steps of more than SERIAL_DECODE_ROWS
-        rows (1: torch's setting is left as it is), and how many decode attention may
-        use (the native kernel's)."""
+        """`threads`: torch's intra-op threads for a step past either serial limit (more
+        than SERIAL_DECODE_ROWS decode rows or SERIAL_PREFILL_TOKENS prefill tokens; 1:
+        torch's setting is left as it is), and how many decode attention may use (the
+        native kernel's)."""
         self.model = model
         self.cache = cache
         self.device = model.device
@@ -196,11 +235,11 @@ class ModelRunner:
         if self.kernel is not None:
             self.kernel.close()
 
-    def _use_threads(self, size: int, serial_up_to: int) -> None:
+    def _use_threads(self, serial: bool) -> None:
         """torch's intra-op threads for the forward this (the engine's) thread runs next:
-        one for a small one (at most `serial_up_to` rows or tokens), else `threads`."""
+        one for a small one, else `threads`."""
         if self.threads > 1:
-            threads = 1 if size <= serial_up_to else self.threads
+            threads = 1 if serial else self.threads
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
 
@@ -209,18 +248,80 @@ class ModelRunner:
         """The decode attention in use."""
         return "torch" if self.kernel is None else "native"
 
-    @torch.inference_mode()
     def prefill(
         self,
         seqs: list[Sequence],
         chunks: list[int] | None = None,
         prompt_logits: PromptLogits | None = None,
     ) -> torch.Tensor:
-        """Compute the next `chunks[i]` tokens of each sequence from its `num_computed`
-        on (all it has left when None) and advance `num_computed`; logits
-        [rows, vocab] of the last token of each row this completes (now
-        `ready_to_sample`), in order. `prompt_logits` is handed the logits of every
-        position that predicts a prompt token, for the rows that `wants_prompt_logprobs`."""
+        """`step` with prefill rows only: the logits of the rows this completes."""
+        return self.step(seqs, [], chunks, prompt_logits)
+
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """`step` with decode rows only: logits [len(seqs), vocab]."""
+        return self.step([], seqs)
+
+    @torch.inference_mode()
+    def step(
+        self,
+        prefill: list[Sequence],
+        decode: list[Sequence],
+        chunks: list[int] | None = None,
+        prompt_logits: PromptLogits | None = None,
+    ) -> torch.Tensor:
+        """One forward: compute the next `chunks[i]` tokens of each `prefill` sequence
+        from its `num_computed` on (all it has left when None), and feed each `decode`
+        sequence its newest token; advance `num_computed`. Returns logits [rows, vocab]:
+        first those of the prefill rows this completes (now `ready_to_sample`), then
+        those of every decode row, each in order. `prompt_logits` is handed the logits of every
+        position that predicts a prompt token, for the rows that
+        `wants_prompt_logprobs`."""
+        pre = self._prefill_batch(prefill, chunks) if prefill else None
+        prefill_tokens = 0 if pre is None else int(pre.counts.sum())
+        serial = len(decode) <= SERIAL_DECODE_ROWS and prefill_tokens <= SERIAL_PREFILL_TOKENS
+        self._use_threads(serial)
+        prefill_hidden, hidden = self._hidden(pre, decode)
+        for seq in decode:
+            seq.num_computed = seq.num_tokens
+        if pre is not None:
+            if prompt_logits is not None:
+                self._prompt_positions(
+                    prefill, pre.starts, pre.counts, prefill_hidden, prompt_logits
+                )
+            for seq, end in zip(prefill, pre.ends.tolist(), strict=True):
+                seq.num_computed = end
+            done = [row for row, seq in enumerate(prefill) if seq.ready_to_sample]
+            rows = torch.tensor(done, dtype=torch.int64, device=self.device)
+            last = torch.from_numpy(pre.counts[done] - 1).to(self.device)
+            hidden = torch.cat((prefill_hidden[rows, last], hidden))
+        return self.model.logits(hidden)
+
+    def _hidden(
+        self, pre: PrefillBatch | None, decode: list[Sequence]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states of the prefill rows [rows, width, d_model] and of the
+        decode rows [rows, d_model] (either may have no rows), from one forward."""
+        model, device = self.model, self.device
+        if pre is None:
+            ids = torch.tensor([seq.token_ids[-1] for seq in decode], device=device)
+            positions = torch.tensor([seq.num_tokens - 1 for seq in decode], device=device)
+            attention = self._decode_attention(decode)
+            hidden = model.hidden(ids[:, None], positions[:, None], attention)
+            return hidden[:0], hidden[:, 0]
+        if not decode:
+            hidden = model.hidden(pre.ids, pre.positions, pre.attention)
+            return hidden, hidden[:0, 0]
+        shape = (len(pre.ids), pre.ids.shape[1])
+        ids = [*pre.ids.flatten().tolist(), *(seq.token_ids[-1] for seq in decode)]
+        positions = [*pre.positions.flatten().tolist(), *(seq.num_tokens - 1 for seq in decode)]
+        attention = MixedAttention(pre.attention, shape, self._decode_attention(decode))
+        flat = model.hidden(
+            torch.tensor([ids], device=device), torch.tensor([positions], device=device), attention
+        )[0]
+        return flat[: attention.split].unflatten(0, shape), flat[attention.split :]
+
+    def _prefill_batch(self, seqs: list[Sequence], chunks: list[int] | None) -> PrefillBatch:
+        """The prefill rows' ids, positions and attention for `step`."""
         batch = len(seqs)
         starts = np.fromiter((seq.num_computed for seq in seqs), np.int64, batch)
         counts = (
@@ -228,7 +329,6 @@ class ModelRunner:
             if chunks is None
             else np.asarray(chunks, np.int64)
         )
-        self._use_threads(int(counts.sum()), SERIAL_PREFILL_TOKENS)
         ends = starts + counts
         if (counts < 1).any() or (ends > [seq.num_tokens for seq in seqs]).any():
             raise ValueError("each prefill chunk must hold 1 to the tokens a sequence has left")
@@ -241,16 +341,14 @@ class ModelRunner:
         positions = np.minimum(starts[:, None] + np.arange(width), ends[:, None] - 1)
         attention = self._prefill_attention(seqs, starts, counts, positions)
         device = self.device
-        hidden = self.model.hidden(
-            torch.tensor(ids, device=device), torch.from_numpy(positions).to(device), attention
+        return PrefillBatch(
+            torch.tensor(ids, device=device),
+            torch.from_numpy(positions).to(device),
+            attention,
+            starts,
+            counts,
+            ends,
         )
-        if prompt_logits is not None:
-            self._prompt_positions(seqs, starts, counts, hidden, prompt_logits)
-        for seq, end in zip(seqs, ends.tolist(), strict=True):
-            seq.num_computed = end
-        done = [row for row, seq in enumerate(seqs) if seq.ready_to_sample]
-        rows = torch.tensor(done, dtype=torch.int64, device=device)
-        return self.model.logits(hidden[rows, torch.from_numpy(counts[done] - 1).to(device)])
 
     def _prompt_positions(
         self,
@@ -309,20 +407,7 @@ class ModelRunner:
             mask = torch.from_numpy(seen[:, None]).to(device)
         return PagedPrefillAttention(self.cache, stored, context, mask)
 
-    @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Feed each sequence's newest token; logits [len(seqs), vocab]."""
-        self._use_threads(len(seqs), SERIAL_DECODE_ROWS)
-        device = self.device
-        attention = (
-            PagedDecodeAttention(self.cache, seqs)
-            if self.kernel is None
-            else NativeDecodeAttention(self.kernel, seqs)
-        )
-        # flat lists: torch.tensor reads them several times faster than nested ones
-        ids = torch.tensor([seq.token_ids[-1] for seq in seqs], device=device)[:, None]
-        positions = torch.tensor([seq.num_tokens - 1 for seq in seqs], device=device)[:, None]
-        hidden = self.model.hidden(ids, positions, attention)
-        for seq in seqs:
-            seq.num_computed = seq.num_tokens
-        return self.model.logits(hidden[:, 0])
+    def _decode_attention(self, seqs: list[Sequence]) -> DecodeAttention:
+        if self.kernel is None:
+            return PagedDecodeAttention(self.cache, seqs)
+        return NativeDecodeAttention(self.kernel, seqs)

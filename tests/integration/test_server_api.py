@@ -327,10 +327,10 @@ async def test_a_dead_engine_fails_liveness_and_readiness_with_the_reason(
     """A fault in the model step kills the engine thread; the probes must say so,
     or Kubernetes would keep a pod that can never answer again."""
 
-    def broken_decode(self: ModelRunner, seqs: list[Any]) -> None:
+    def broken_step(self: ModelRunner, *args: Any) -> None:
         raise RuntimeError("injected fault in the model step")
 
-    monkeypatch.setattr(ModelRunner, "decode", broken_decode)
+    monkeypatch.setattr(ModelRunner, "step", broken_step)
     async with serve_in_process() as server, aiohttp.ClientSession() as session:
         async with session.get(f"{server.url}/healthz") as health:
             assert health.status == 200  # nothing has run yet
