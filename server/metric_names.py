@@ -5,10 +5,10 @@ TIME_TO_FIRST_TOKEN = "batchpilot_time_to_first_token_seconds"
 INTER_TOKEN_LATENCY = "batchpilot_inter_token_latency_seconds"
 QUEUE_WAIT = "batchpilot_queue_wait_seconds"
 BATCH_SIZE = "batchpilot_batch_size"
-# One engine step (its prefill and decode forwards, and sampling): _count is the steps,
+# One engine step (its one forward over prefill and decode rows, and sampling): _count is the steps,
 # _sum their seconds, which pair with the step counters below in a step-time model.
 STEP_DURATION = "batchpilot_step_duration_seconds"
-# What the steps computed: rows of decode forwards, prompt tokens of prefill forwards
+# What the steps computed: decode rows, prompt tokens of prefill rows
 # (prefix-cache hits are not computed), and KV tokens attended (each row's context length
 # at its step, summed)
 STEP_DECODE_ROWS_TOTAL = "batchpilot_step_decode_rows_total"

@@ -110,11 +110,11 @@ class ServerMetrics:
         )
         self.step_duration = histogram(
             names.STEP_DURATION,
-            "One engine step: its prefill and decode forwards and their sampling.",
+            "One engine step: its forward (prefill and decode rows together) and its sampling.",
             STEP_BUCKETS,
         )
         self.step_decode_rows = counter(
-            names.STEP_DECODE_ROWS_TOTAL, "Rows of the steps' decode forwards."
+            names.STEP_DECODE_ROWS_TOTAL, "Decode rows of the steps' forwards."
         )
         self.step_prefill_tokens = counter(
             names.STEP_PREFILL_TOKENS_TOTAL,
