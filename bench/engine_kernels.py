@@ -72,7 +72,7 @@ def curve(models: dict[str, LoadedModel], tokens: int, rounds: int) -> dict[str,
 
 
 def category(op: str) -> str:
-    name = op.removeprefix("aten::").removeprefix("mkldnn::").lstrip("_").lower()
+    name = op.rpartition("::")[2].lstrip("_").lower()  # aten::, mkldnn::, quantized::
     for label, keys in CATEGORIES.items():
         if any(key == name or name.startswith(key) for key in keys):
             return label
@@ -126,7 +126,8 @@ def render_curve(title: str, best: dict[str, dict[int, float]], tokens: int, thr
         f"prompts, {tokens} greedy tokens per row, {threads} torch thread(s). `plain`: "
         "nn.Linear as before this change (float32 through MKL's sgemm, bfloat16 through "
         "oneDNN reordering the weight on every call); the others are the engine's kernels "
-        "(oneDNN-prepacked weights; int8: `_weight_int8pack_mm`; int4: "
+        "(oneDNN-prepacked weights, and for bfloat16 steps of up to 4 rows FBGEMM's "
+        "float16-weight GEMM; int8: `_weight_int8pack_mm`; int4: "
         "`_weight_int4pack_mm_for_cpu` up to 8 rows, then the packed bfloat16 copy; "
         "both with bfloat16 activations). "
         "A memory-bound step costs about the same at 1-4 rows: tokens/s should grow with "
