@@ -302,23 +302,25 @@ class ModelRunner:
         """The final hidden states of the prefill rows [rows, width, d_model] and of the
         decode rows [rows, d_model] (either may have no rows), from one forward."""
         model, device = self.model, self.device
-        if pre is None:
+        if decode:
+            # flat lists: torch.tensor reads them several times faster than nested ones
             ids = torch.tensor([seq.token_ids[-1] for seq in decode], device=device)
             positions = torch.tensor([seq.num_tokens - 1 for seq in decode], device=device)
             attention = self._decode_attention(decode)
+        if pre is None:
             hidden = model.hidden(ids[:, None], positions[:, None], attention)
             return hidden[:0], hidden[:, 0]
         if not decode:
             hidden = model.hidden(pre.ids, pre.positions, pre.attention)
             return hidden, hidden[:0, 0]
         shape = (len(pre.ids), pre.ids.shape[1])
-        ids = [*pre.ids.flatten().tolist(), *(seq.token_ids[-1] for seq in decode)]
-        positions = [*pre.positions.flatten().tolist(), *(seq.num_tokens - 1 for seq in decode)]
-        attention = MixedAttention(pre.attention, shape, self._decode_attention(decode))
+        mixed = MixedAttention(pre.attention, shape, attention)
         flat = model.hidden(
-            torch.tensor([ids], device=device), torch.tensor([positions], device=device), attention
+            torch.cat((pre.ids.flatten(), ids))[None],
+            torch.cat((pre.positions.flatten(), positions))[None],
+            mixed,
         )[0]
-        return flat[: attention.split].unflatten(0, shape), flat[attention.split :]
+        return flat[: mixed.split].unflatten(0, shape), flat[mixed.split :]
 
     def _prefill_batch(self, seqs: list[Sequence], chunks: list[int] | None) -> PrefillBatch:
         """The prefill rows' ids, positions and attention for `step`."""
