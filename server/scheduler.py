@@ -21,6 +21,8 @@ virtual clock. Not thread-safe: the engine calls it under its lock.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
@@ -213,6 +215,11 @@ class QueueScheduler(ABC):
         self._config = config
         self.eos_ids = eos_ids
         self.waiting: deque[Sequence] = deque()
+        # Waiting requests' deadlines, earliest first, so that a step need not scan the
+        # whole queue. Entries whose request was scheduled or ended since stay until
+        # they reach the top (`_next_deadline` drops them there).
+        self._deadlines: list[tuple[float, int, Sequence]] = []
+        self._deadline_order = itertools.count()
         self._cancelled: list[Sequence] = []
         self._stopping = False
         self._drain = False
@@ -248,6 +255,8 @@ class QueueScheduler(ABC):
                 f"max_queue_size {limit}); retry later"
             )
         self.waiting.append(seq)
+        if seq.deadline is not None:
+            heapq.heappush(self._deadlines, (seq.deadline, next(self._deadline_order), seq))
 
     def cancel(self, seq: Sequence) -> None:
         self._cancelled.append(seq)
@@ -312,8 +321,7 @@ class QueueScheduler(ABC):
         return outputs + self._finish(finished, now)
 
     def wake_at(self) -> float | None:
-        deadlines = [seq.deadline for seq in self.waiting if self._may_expire(seq)]
-        wakes = [t for t in (self._policy_wake_at(), *deadlines) if t is not None]
+        wakes = [t for t in (self._policy_wake_at(), self._next_deadline()) if t is not None]
         return min(wakes, default=None)
 
     # ---- what happens to waiting requests ------------------------------------
@@ -332,15 +340,23 @@ class QueueScheduler(ABC):
         return released
 
     def _expire_deadlines(self, now: float) -> list[Output]:
-        expired = [s for s in self.waiting if self._may_expire(s) and now >= (s.deadline or now)]
+        expired: list[Sequence] = []
+        while (deadline := self._next_deadline()) is not None and now >= deadline:
+            expired.append(heapq.heappop(self._deadlines)[2])
         for seq in expired:
             self.waiting.remove(seq)
         return [self._end(seq, _deadline_error(seq, now)) for seq in expired]
 
-    @staticmethod
-    def _may_expire(seq: Sequence) -> bool:
-        """A deadline applies until the request is first scheduled."""
-        return seq.deadline is not None and seq.first_scheduled is None
+    def _next_deadline(self) -> float | None:
+        """The earliest deadline still in force. A deadline applies while its request
+        waits to be first scheduled: entries of requests scheduled or ended since are
+        dropped here."""
+        while self._deadlines:
+            deadline, _, seq = self._deadlines[0]
+            if seq.status is Status.WAITING and seq.first_scheduled is None:
+                return deadline
+            heapq.heappop(self._deadlines)
+        return None
 
     def _refuse_unscheduled(self) -> list[Output]:
         """Shutdown without drain: requests never scheduled end now (preempted ones,

@@ -118,6 +118,29 @@ def test_queue_limit_deadline_cancellation_and_shutdown(
     assert scheduler.idle and scheduler.pool.num_used == 0
 
 
+@pytest.mark.parametrize("make", [dynamic, continuous])
+def test_deadlines_expire_in_their_own_order_and_only_while_a_request_waits(
+    make: Callable[[], QueueScheduler],
+) -> None:
+    scheduler = make()
+    scheduler.reconfigure(replace(CONFIG, max_batch_size=1, batch_timeout_ms=0))
+    # Arrival order is not deadline order; the first request is scheduled at once.
+    deadlines = {0: 0.001, 1: 0.030, 2: 0.004, 3: 0.002, 4: 0.020}
+    seqs = [request(n, arrival=0.0, max_tokens=8, deadline=d) for n, d in deadlines.items()]
+    for seq in seqs:
+        scheduler.add(seq)
+    running, late, early, cancelled, middle = seqs
+    plan, _ = run(scheduler, 0.0)
+    assert plan.first_scheduled == [running]  # its deadline no longer applies
+    scheduler.cancel(cancelled)  # nor does a cancelled request's
+    plan, _ = run(scheduler, 0.005)  # past 0.001, 0.002 and 0.004
+    assert [o.seq for o in plan.ended] == [early]
+    assert all(isinstance(o.item, DeadlineExceededError) for o in plan.ended)
+    assert list(scheduler.waiting) == [late, middle]
+    plan, _ = run(scheduler, 0.025)
+    assert [o.seq for o in plan.ended] == [middle] and list(scheduler.waiting) == [late]
+
+
 def test_preemption_under_a_virtual_clock_frees_and_recomputes() -> None:
     # room for four prompts plus their first tokens in one block each, not their growth
     scheduler = continuous(blocks=4)
