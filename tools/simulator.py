@@ -624,9 +624,12 @@ class SimulatedFleet:
         self.config = options.config  # the config of record: every server's, new ones too
         self.now = 0.0
         self.next_arrival = 0
+        # Python floats: the clock reads the next arrival at every event
+        self.arrivals: list[float] = work.arrivals.tolist()
         self.sequences: dict[Sequence, int] = {}  # admitted -> request index
         self.first_token: dict[Sequence, float] = {}  # when each one's first token came
         self.servers: list[SimulatedServer] = []
+        self.starting: list[SimulatedServer] = []  # started, not ready yet
         self.desired = options.replicas
         for _ in range(options.replicas):
             self._start_server(ready_s=0.0)
@@ -748,19 +751,25 @@ class SimulatedFleet:
         return min(self.arrival_s(), self.current.end_s, self._ready_s())
 
     def _ready_s(self) -> float:
-        return min((s.ready_s for s in self.servers if s.live and not s.ready), default=math.inf)
+        if not self.starting:
+            return math.inf
+        return min((s.ready_s for s in self.starting if s.live), default=math.inf)
 
     async def _external_until(self, t: float) -> set[SimulatedServer]:
         """Readiness, arrivals and rounds up to `t`, in time order; the idle servers that
         must plan again after them."""
         touched: set[SimulatedServer] = set()
-        while (at := self._external_s()) <= t:
-            if self._ready_s() == at:
-                starting = [s for s in self.servers if s.live and not s.ready]
-                server = min(starting, key=lambda s: s.ready_s)
+        while True:
+            ready, arrival = self._ready_s(), self.arrival_s()
+            at = min(ready, arrival, self.current.end_s)
+            if at > t:
+                break
+            if ready == at:
+                server = min((s for s in self.starting if s.live), key=lambda s: s.ready_s)
+                self.starting.remove(server)
                 server.become_ready()
                 touched.add(server)
-            elif self.arrival_s() == at:
+            elif arrival == at:
                 touched.update(self._route(at))
             else:
                 self.now = at
@@ -772,8 +781,8 @@ class SimulatedFleet:
     # -- arrivals, completions, rounds ----------------------------------------------
 
     def arrival_s(self) -> float:
-        if self.next_arrival < len(self.work.arrivals):
-            return float(self.work.arrivals[self.next_arrival])
+        if self.next_arrival < len(self.arrivals):
+            return self.arrivals[self.next_arrival]
         return math.inf
 
     def _route(self, at: float) -> list[SimulatedServer]:
@@ -816,7 +825,10 @@ class SimulatedFleet:
         return min(order, key=lambda s: s.outstanding)
 
     def _start_server(self, ready_s: float) -> None:
-        self.servers.append(SimulatedServer(len(self.servers), self, ready_s))
+        server = SimulatedServer(len(self.servers), self, ready_s)
+        self.servers.append(server)
+        if not server.ready:
+            self.starting.append(server)
 
     def record_batches(self, size: int, count: int) -> None:
         self.current.batch_weighted += size * count
