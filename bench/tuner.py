@@ -66,16 +66,22 @@ DOCS = ROOT / "docs"
 BENCHMARKS_MD = DOCS / "benchmarks.md"
 
 CADENCE = Cadence()  # the CRD's defaults
-# Half an hour per knob scenario and 20 minutes per fleet scenario keep a full run near
-# ten minutes on two busy cores; --quick plays ten minutes of each.
+# Half an hour per knob scenario, 20 minutes per fleet scenario and 10 per LLM one keep
+# `--skip-real` under 20 minutes on two cores; --quick plays ten minutes of each.
 DURATION_S = 1800.0
 FLEET_DURATION_S = 1200.0
 QUICK_DURATION_S = 600.0
 LLM_DURATION_S = 600.0  # 20 intervals: the step at 6, 14 after it
 LLM_QUICK_DURATION_S = 300.0
+PROGRESS_S = 30.0  # a progress line at most this often
 TUNING_MD = DOCS / "tuning.md"
 GRID_BATCHES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-GRID_TIMEOUTS_MS = (0.0, 10.0, 50.0)
+GRID_TIMEOUTS_MS: dict[Mode, tuple[float, ...]] = {
+    "dynamic": (0.0, 10.0, 50.0),
+    # continuous: the timeout only delays an idle engine's first step; every continuous
+    # oracle so far ran 0 ms, so the coarser grid keeps the whole run under 20 minutes
+    "continuous": (0.0, 10.0),
+}
 OUTPUT_TOKENS = 64  # mean; the simulator draws uniform [16, 112]
 PROMPT_TOKENS = (8, 32)
 STABLE_INTERVALS = 3  # p99 within SLO this many intervals in a row = converged
@@ -140,11 +146,11 @@ def scenarios(setup: Setup, mode: Mode, duration_s: float = DURATION_S) -> list[
     ]
 
 
-def grid() -> list[BatchingConfig]:
+def grid(mode: Mode) -> list[BatchingConfig]:
     return [
         BatchingConfig(max_batch_size=b, batch_timeout_ms=t)
         for b in GRID_BATCHES
-        for t in GRID_TIMEOUTS_MS
+        for t in GRID_TIMEOUTS_MS[mode]
     ]
 
 
@@ -243,6 +249,10 @@ class ScenarioResult:
         }
 
 
+def _listed(values: Sequence[float]) -> str:
+    return ", ".join(f"{v:g}" for v in values)
+
+
 def _dash(value: object) -> str:
     return "-" if value is None else str(value)
 
@@ -298,7 +308,7 @@ def knob_jobs(curve: StepCurve, setup: Setup, seed: int, duration_s: float) -> l
     for scenario, mode in _knob_plan(setup, duration_s):
         base = SimOptions(mode=mode, config=BatchingConfig(), goal=Goal(slo), cadence=CADENCE)
         jobs.append((scenario, base, curve, seed))  # the tuner's, the longest: first
-        jobs += [(scenario, static(base, c), curve, seed) for c in grid()]
+        jobs += [(scenario, static(base, c), curve, seed) for c in grid(mode)]
     return jobs
 
 
@@ -309,20 +319,21 @@ def _knob_plan(setup: Setup, duration_s: float) -> list[tuple[Scenario, Mode]]:
 def knob_results(
     setup: Setup, duration_s: float, results: list[SimResult | str]
 ) -> list[ScenarioResult]:
-    configs = grid()
-    # The static default is a grid point: its run is the grid's.
-    default = configs.index(BatchingConfig())
     out: list[ScenarioResult] = []
-    per = len(configs) + 1
-    for k, (scenario, mode) in enumerate(_knob_plan(setup, duration_s)):
-        tuner, *static_runs = [_sim(r) for r in results[k * per : (k + 1) * per]]
+    at = 0
+    for scenario, mode in _knob_plan(setup, duration_s):
+        configs = grid(mode)
+        # The static default is a grid point: its run is the grid's.
+        default = configs.index(BatchingConfig())
+        tuner, *static_runs = [_sim(r) for r in results[at : at + 1 + len(configs)]]
+        at += 1 + len(configs)
         best = pick_oracle(configs, static_runs, setup.slo_s)
         out.append(
             ScenarioResult(
                 scenario, mode, configs[best], static_runs[best], static_runs[default], tuner,
                 setup.slo_s,
             )
-        )
+        )  # fmt: skip
     return out
 
 
@@ -397,14 +408,23 @@ def llm_results(
 
 
 def run_all(jobs: list[Job], workers: int) -> list[SimResult | str]:
+    """Every job's result, in the jobs' order; progress on stderr as they finish."""
     # The longest runs first (the fleets', then each scenario's tuner), so no core idles
     # at the end waiting for one.
     order = sorted(range(len(jobs)), key=lambda i: -_cost(jobs[i]))
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        done = list(pool.map(_run, [jobs[i] for i in order], chunksize=1))
     results: list[SimResult | str | None] = [None] * len(jobs)
-    for i, result in zip(order, done, strict=True):
-        results[i] = result
+    started, shown = time.monotonic(), 0.0
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        done = pool.map(_run, [jobs[i] for i in order], chunksize=1)
+        for count, (i, result) in enumerate(zip(order, done, strict=True), start=1):
+            results[i] = result
+            elapsed = time.monotonic() - started
+            if elapsed - shown >= PROGRESS_S or count == len(jobs):
+                shown = elapsed
+                print(
+                    f"bench/tuner.py: {count}/{len(jobs)} simulated runs done, "
+                    f"{elapsed / 60:.1f} min", file=sys.stderr, flush=True,
+                )  # fmt: skip
     return [r for r in results if r is not None]
 
 
@@ -466,9 +486,12 @@ def markdown(
         f"({setup.default_capacity_rps['continuous']:.1f} req/s continuous, "
         f"{setup.default_capacity_rps['dynamic']:.1f} req/s dynamic). "
         "Oracle: best static `batch/timeout_ms` of a "
-        f"{len(GRID_BATCHES)}x{len(GRID_TIMEOUTS_MS)} grid (most goodput with the run's p99 "
-        "within the SLO). Goodput: requests/s finished within the SLO. `within_slo`: share of "
-        "the tuner's intervals meeting the SLO after it first converged (3 intervals in a row "
+        f"grid of batches {_listed(GRID_BATCHES)} and timeouts "
+        f"{_listed(GRID_TIMEOUTS_MS['dynamic'])} ms (dynamic), "
+        f"{_listed(GRID_TIMEOUTS_MS['continuous'])} ms (continuous) (most goodput with the "
+        "run's p99 within the SLO). Goodput: requests/s finished within the SLO. "
+        "`within_slo`: share of the tuner's intervals meeting the SLO after it first "
+        "converged (3 intervals in a row "
         f"within SLO), not counting the {RECONVERGE_GRACE}-interval allowance after the load "
         "step. Targets: ratio >= 0.95, within_slo >= 0.99, re-convergence <= 5 intervals. "
         "`recover`: intervals after the 3x step until the first within the SLO (issue 14's "
