@@ -21,7 +21,8 @@ with TTFT+TPOT targets under steady, 3x step, diurnal and bursty load, the tuner
 against the best fixed (batch, timeout, budget, replicas) in hindsight.
 
 Writes docs/tuner_<mode>.png, the `## Tuning (bench/tuner.py)` section of
-docs/benchmarks.md and the LLM table of docs/tuning.md; prints one JSON line last.
+docs/benchmarks.md (and its real-servers section unless --skip-real, which leaves the
+last one there) and the LLM table of docs/tuning.md; prints one JSON line last.
 """
 
 from __future__ import annotations
@@ -469,13 +470,7 @@ def plot(results: list[ScenarioResult], mode: Mode, path: Path) -> None:
     plt.close(fig)
 
 
-def markdown(
-    curve: StepCurve,
-    setup: Setup,
-    rows: list[dict[str, Any]],
-    real: dict[str, Any] | None,
-    duration_s: float,
-) -> str:
+def markdown(curve: StepCurve, setup: Setup, rows: list[dict[str, Any]], duration_s: float) -> str:
     lines = [
         "## Tuning (bench/tuner.py)",
         "",
@@ -515,27 +510,32 @@ def markdown(
         "![dynamic](tuner_dynamic.png)",
         "",
     ]
-    if real is not None:
-        lines += [
-            f"Real servers (tiny model, continuous mode, {REAL_SLO_S:g} s p99 SLO, both started "
-            "at the default config, the same load against each, a 3x step a third of the way "
-            f"in; the tuner decides every {REAL_INTERVAL_S:g} s from scrape signals): "
-            f"goodput tuned/default {real['summary']['goodput_ratio_tuned_over_default']}.",
-            "",
-            "| server | config at end | goodput req/s | p99 s | ok | errors |",
-            "|---|---|---|---|---|---|",
-        ]
-        for name in ("default", "tuned"):
-            side = real[name]
-            lines.append(
-                f"| {name} | {side['config']} | {side['goodput_rps']} | {side['p99_s']} | "
-                f"{side['ok']} | {side['errors']} |"
-            )
-        changes = [d for d in real["decisions"] if not d.startswith("hold")]
-        lines += ["", f"The tuned server's changes ({len(changes)} of {len(real['decisions'])} "
-                  "decisions):", ""]
-        lines += [f"- {d}" for d in changes] or ["- none"]
-        lines.append("")
+    return "\n".join(lines)
+
+
+def real_markdown(real: dict[str, Any]) -> str:
+    """The real part's section: a run with --skip-real leaves the last one in place."""
+    lines = [
+        "### Real servers (bench/tuner.py)",
+        "",
+        f"Tiny model, continuous mode, {REAL_SLO_S:g} s p99 SLO, both started at the default "
+        "config, the same load against each, a 3x step a third of the way in; the tuner "
+        f"decides every {REAL_INTERVAL_S:g} s from scrape signals: goodput tuned/default "
+        f"{real['summary']['goodput_ratio_tuned_over_default']}.",
+        "",
+        "| server | config at end | goodput req/s | p99 s | ok | errors |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in ("default", "tuned"):
+        side = real[name]
+        lines.append(
+            f"| {name} | {side['config']} | {side['goodput_rps']} | {side['p99_s']} | "
+            f"{side['ok']} | {side['errors']} |"
+        )
+    changes = [d for d in real["decisions"] if not d.startswith("hold")]
+    lines += ["", f"The tuned server's changes ({len(changes)} of {len(real['decisions'])} "
+              "decisions):", ""]  # fmt: skip
+    lines += [f"- {d}" for d in changes] or ["- none"]
     return "\n".join(lines)
 
 
@@ -720,7 +720,8 @@ def main(argv: list[str]) -> int:
         fleet.plot(fleet_runs, DOCS / "tuner_fleet.png")
         if not args.skip_real:
             real = run_real(args.real_seconds)
-        text = markdown(curve, setup, rows, real, knob_s)
+            replace_section(BENCHMARKS_MD, "tuner-real", real_markdown(real))
+        text = markdown(curve, setup, rows, knob_s)
         text += "\n" + "\n".join(fleet.markdown(fleet_setup, fleet_rows, fleet_s))
         text += "\n" + llm_text
         replace_section(BENCHMARKS_MD, "tuner", text)
