@@ -155,7 +155,10 @@ def grid(mode: Mode) -> list[BatchingConfig]:
     ]
 
 
-def _run(args: tuple[Scenario, SimOptions, StepCurve, int]) -> SimResult | str:
+Job = tuple[Scenario, SimOptions, StepCurve, int]
+
+
+def _run(args: Job) -> SimResult | str:
     """The run, or why the tuning loop refused its goal (a rule that cannot take the
     goal's targets raises ValueError; only the LLM part's tuner runs may)."""
     try:
@@ -166,9 +169,44 @@ def _run(args: tuple[Scenario, SimOptions, StepCurve, int]) -> SimResult | str:
         return f"{type(error).__name__}: {error}"
 
 
-def _sim(result: SimResult | str) -> SimResult:
+@dataclass(frozen=True)
+class FleetOracleSearch:
+    """The fleet oracle's grid (`fleet.grid`), played fewest replicas first: every batch
+    at one replica count, and no larger count once one of them meets the SLO. The oracle
+    is the fewest replicas that meet it, so a larger count is never it: the result is the
+    full grid's, without the runs that cost the most (more pods, more steps)."""
+
+    scenario: Scenario
+    configs: tuple[SimOptions, ...]
+    curve: StepCurve
+    seed: int
+    slo_s: float
+
+    def play(self) -> list[SimResult | None]:
+        """Each config's run, None for those not played."""
+        results: list[SimResult | None] = [None] * len(self.configs)
+        for replicas in sorted({c.replicas for c in self.configs}):
+            at = [i for i, c in enumerate(self.configs) if c.replicas == replicas]
+            for i in at:
+                results[i] = simulate(self.scenario, self.configs[i], self.curve, self.seed)
+            if any(fleet.meets_slo(results[i], self.slo_s) for i in at):
+                break
+        return results
+
+
+Task = Job | FleetOracleSearch
+Outcome = SimResult | str | list[SimResult | None]
+
+
+def _play(task: Task) -> Outcome:
+    return task.play() if isinstance(task, FleetOracleSearch) else _run(task)
+
+
+def _sim(result: Outcome) -> SimResult:
     if isinstance(result, str):
         raise RuntimeError(f"a tuned run failed: {result}")
+    if not isinstance(result, SimResult):
+        raise TypeError(f"expected one run, got {type(result).__name__}")
     return result
 
 
@@ -300,9 +338,6 @@ def pick_oracle(
     return max(pool, key=lambda i: results[i].goodput)
 
 
-Job = tuple[Scenario, SimOptions, StepCurve, int]
-
-
 def knob_jobs(curve: StepCurve, setup: Setup, seed: int, duration_s: float) -> list[Job]:
     slo = Slo(e2e_s=setup.slo_s)
     jobs: list[Job] = []
@@ -318,7 +353,7 @@ def _knob_plan(setup: Setup, duration_s: float) -> list[tuple[Scenario, Mode]]:
 
 
 def knob_results(
-    setup: Setup, duration_s: float, results: list[SimResult | str]
+    setup: Setup, duration_s: float, results: list[Outcome]
 ) -> list[ScenarioResult]:
     out: list[ScenarioResult] = []
     at = 0
@@ -340,28 +375,33 @@ def knob_results(
 
 def fleet_jobs(
     curve: StepCurve, setup: fleet.FleetSetup, seed: int, duration_s: float
-) -> list[Job]:
-    jobs: list[Job] = []
+) -> list[Task]:
+    """Per scenario: each rule's run, then the oracle's search of the grid."""
+    grid = tuple(fleet.grid(setup, CADENCE))
+    tasks: list[Task] = []
     for scenario in fleet.fleet_scenarios(setup, duration_s):
-        rules = [fleet.rule_options(r, setup, CADENCE) for r in fleet.RULES]
-        jobs += [(scenario, options, curve, seed) for options in rules]
-        jobs += [(scenario, options, curve, seed) for options in fleet.grid(setup, CADENCE)]
-    return jobs
+        tasks += [(scenario, fleet.rule_options(r, setup, CADENCE), curve, seed)
+                  for r in fleet.RULES]  # fmt: skip
+        tasks.append(FleetOracleSearch(scenario, grid, curve, seed, setup.slo_s))
+    return tasks
 
 
 def fleet_results(
-    setup: fleet.FleetSetup, duration_s: float, results: list[SimResult | str]
+    setup: fleet.FleetSetup, duration_s: float, results: list[Outcome]
 ) -> list[fleet.FleetResult]:
     configs = fleet.grid(setup, CADENCE)
-    per = len(fleet.RULES) + len(configs)
+    per = len(fleet.RULES) + 1
     out: list[fleet.FleetResult] = []
     for k, scenario in enumerate(fleet.fleet_scenarios(setup, duration_s)):
-        chunk = [_sim(r) for r in results[k * per : (k + 1) * per]]
-        runs, static_runs = chunk[: len(fleet.RULES)], chunk[len(fleet.RULES) :]
-        best = fleet.pick_oracle(configs, static_runs, setup.slo_s)
+        *rule_runs, searched = results[k * per : (k + 1) * per]
+        runs = [_sim(r) for r in rule_runs]
+        if not isinstance(searched, list):
+            raise TypeError("the fleet oracle's search gives one result per grid config")
+        best = fleet.pick_oracle(configs, searched, setup.slo_s)
+        oracle = _sim(searched[best])
         out.append(
             fleet.FleetResult(
-                scenario, dict(zip(fleet.RULES, runs, strict=True)), static_runs[best],
+                scenario, dict(zip(fleet.RULES, runs, strict=True)), oracle,
                 fleet.label(configs[best]), setup.slo_s, CADENCE.interval_s,
             )
         )  # fmt: skip
@@ -382,7 +422,7 @@ def llm_jobs(curve: StepCurve, seed: int, duration_s: float) -> list[Job]:
 
 
 def llm_results(
-    curve: StepCurve, duration_s: float, results: list[SimResult | str], seed: int, workers: int
+    curve: StepCurve, duration_s: float, results: list[Outcome], seed: int, workers: int
 ) -> list[llm.LlmResult]:
     """The LLM part's results, each with its cold-start run (a second pass: it takes the
     oracle's config)."""
@@ -398,7 +438,7 @@ def llm_results(
         out.append(
             llm.LlmResult(
                 setup, scenario, runs[best], llm.label(configs[best]),
-                None if isinstance(tuner, str) else tuner,
+                None if isinstance(tuner, str) else _sim(tuner),
                 tuner if isinstance(tuner, str) else "", CADENCE.interval_s,
             )
         )  # fmt: skip
@@ -408,29 +448,32 @@ def llm_results(
     return out
 
 
-def run_all(jobs: list[Job], workers: int) -> list[SimResult | str]:
+def run_all(jobs: Sequence[Task], workers: int) -> list[Outcome]:
     """Every job's result, in the jobs' order; progress on stderr as they finish."""
     # The longest runs first (the fleets', then each scenario's tuner), so no core idles
     # at the end waiting for one.
     order = sorted(range(len(jobs)), key=lambda i: -_cost(jobs[i]))
-    results: list[SimResult | str | None] = [None] * len(jobs)
+    results: list[Outcome | None] = [None] * len(jobs)
     started, shown = time.monotonic(), 0.0
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        done = pool.map(_run, [jobs[i] for i in order], chunksize=1)
+        done = pool.map(_play, [jobs[i] for i in order], chunksize=1)
         for count, (i, result) in enumerate(zip(order, done, strict=True), start=1):
             results[i] = result
             elapsed = time.monotonic() - started
             if elapsed - shown >= PROGRESS_S or count == len(jobs):
                 shown = elapsed
                 print(
-                    f"bench/tuner.py: {count}/{len(jobs)} simulated runs done, "
+                    f"bench/tuner.py: {count}/{len(jobs)} simulation jobs done, "
                     f"{elapsed / 60:.1f} min", file=sys.stderr, flush=True,
                 )  # fmt: skip
     return [r for r in results if r is not None]
 
 
-def _cost(job: Job) -> float:
-    """About how many tokens a job simulates, tuned runs counted twice (their rounds)."""
+def _cost(job: Task) -> float:
+    """About how many tokens a job simulates, tuned runs counted twice (their rounds), a
+    fleet oracle's search as half its grid."""
+    if isinstance(job, FleetOracleSearch):
+        return sum(_cost((job.scenario, c, job.curve, job.seed)) for c in job.configs) / 2
     scenario, options = job[0], job[1]
     tokens = sum(scenario.prompt_tokens) / 2 / 16 + scenario.output_tokens  # prefill: cheap
     return scenario.rate_max * scenario.duration_s * tokens * (2 if options.tune else 1)

@@ -154,11 +154,23 @@ class FleetResult:
         return total
 
 
-def pick_oracle(configs: list[SimOptions], results: list[SimResult], slo_s: float) -> int:
-    meeting = [i for i, r in enumerate(results) if r.p99_s is not None and r.p99_s <= slo_s]
-    pool = meeting or list(range(len(results)))
+def meets_slo(result: SimResult | None, slo_s: float) -> bool:
+    return result is not None and result.p99_s is not None and result.p99_s <= slo_s
+
+
+def pick_oracle(
+    configs: list[SimOptions], results: list[SimResult | None], slo_s: float
+) -> int:
+    """The fewest replicas whose run p99 meets the SLO, then the most goodput (none
+    meets it: the most goodput); configs whose run is None were not played."""
+    played = [i for i, r in enumerate(results) if r is not None]
+    meeting = [i for i in played if meets_slo(results[i], slo_s)]
+    pool = meeting or played
     fewest = min(configs[i].replicas for i in pool)
-    return max((i for i in pool if configs[i].replicas == fewest), key=lambda i: results[i].goodput)
+    return max(
+        (i for i in pool if configs[i].replicas == fewest),
+        key=lambda i: results[i].goodput,  # type: ignore[union-attr]
+    )
 
 
 def label(options: SimOptions) -> str:
