@@ -377,12 +377,12 @@ def fleet_jobs(
     curve: StepCurve, setup: fleet.FleetSetup, seed: int, duration_s: float
 ) -> list[Task]:
     """Per scenario: each rule's run, then the oracle's search of the grid."""
-    grid = tuple(fleet.grid(setup, CADENCE))
+    configs = tuple(fleet.grid(setup, CADENCE))
     tasks: list[Task] = []
     for scenario in fleet.fleet_scenarios(setup, duration_s):
         tasks += [(scenario, fleet.rule_options(r, setup, CADENCE), curve, seed)
                   for r in fleet.RULES]  # fmt: skip
-        tasks.append(FleetOracleSearch(scenario, grid, curve, seed, setup.slo_s))
+        tasks.append(FleetOracleSearch(scenario, configs, curve, seed, setup.slo_s))
     return tasks
 
 
