@@ -169,37 +169,12 @@ def _run(args: Job) -> SimResult | str:
         return f"{type(error).__name__}: {error}"
 
 
-@dataclass(frozen=True)
-class FleetOracleSearch:
-    """The fleet oracle's grid (`fleet.grid`), played fewest replicas first: every batch
-    at one replica count, and no larger count once one of them meets the SLO. The oracle
-    is the fewest replicas that meet it, so a larger count is never it: the result is the
-    full grid's, without the runs that cost the most (more pods, more steps)."""
-
-    scenario: Scenario
-    configs: tuple[SimOptions, ...]
-    curve: StepCurve
-    seed: int
-    slo_s: float
-
-    def play(self) -> list[SimResult | None]:
-        """Each config's run, None for those not played."""
-        results: list[SimResult | None] = [None] * len(self.configs)
-        for replicas in sorted({c.replicas for c in self.configs}):
-            at = [i for i, c in enumerate(self.configs) if c.replicas == replicas]
-            for i in at:
-                results[i] = simulate(self.scenario, self.configs[i], self.curve, self.seed)
-            if any(fleet.meets_slo(results[i], self.slo_s) for i in at):
-                break
-        return results
-
-
-Task = Job | FleetOracleSearch
+Task = Job | fleet.OracleSearch
 Outcome = SimResult | str | list[SimResult | None]
 
 
 def _play(task: Task) -> Outcome:
-    return task.play() if isinstance(task, FleetOracleSearch) else _run(task)
+    return task.play() if isinstance(task, fleet.OracleSearch) else _run(task)
 
 
 def _sim(result: Outcome) -> SimResult:
@@ -382,7 +357,7 @@ def fleet_jobs(
     for scenario in fleet.fleet_scenarios(setup, duration_s):
         tasks += [(scenario, fleet.rule_options(r, setup, CADENCE), curve, seed)
                   for r in fleet.RULES]  # fmt: skip
-        tasks.append(FleetOracleSearch(scenario, configs, curve, seed, setup.slo_s))
+        tasks.append(fleet.OracleSearch(scenario, configs, curve, seed, setup.slo_s))
     return tasks
 
 
@@ -472,7 +447,7 @@ def run_all(jobs: Sequence[Task], workers: int) -> list[Outcome]:
 def _cost(job: Task) -> float:
     """About how many tokens a job simulates, tuned runs counted twice (their rounds), a
     fleet oracle's search as half its grid."""
-    if isinstance(job, FleetOracleSearch):
+    if isinstance(job, fleet.OracleSearch):
         return sum(_cost((job.scenario, c, job.curve, job.seed)) for c in job.configs) / 2
     scenario, options = job[0], job[1]
     tokens = sum(scenario.prompt_tokens) / 2 / 16 + scenario.output_tokens  # prefill: cheap

@@ -26,7 +26,14 @@ from batchpilot_operator.replica_rule import ReplicaBounds
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.tuner import Cadence, Goal
 from batchpilot_server.batching_config import BatchingConfig
-from batchpilot_tools.simulator import Scenario, SimOptions, SimResult, StepCurve, static
+from batchpilot_tools.simulator import (
+    Scenario,
+    SimOptions,
+    SimResult,
+    StepCurve,
+    simulate,
+    static,
+)
 from hpa import HpaRule
 
 # Longer answers than the knob scenarios' (chat-length): a pod then carries fewer
@@ -158,9 +165,7 @@ def meets_slo(result: SimResult | None, slo_s: float) -> bool:
     return result is not None and result.p99_s is not None and result.p99_s <= slo_s
 
 
-def pick_oracle(
-    configs: list[SimOptions], results: list[SimResult | None], slo_s: float
-) -> int:
+def pick_oracle(configs: list[SimOptions], results: list[SimResult | None], slo_s: float) -> int:
     """The fewest replicas whose run p99 meets the SLO, then the most goodput (none
     meets it: the most goodput); configs whose run is None were not played."""
     played = [i for i, r in enumerate(results) if r is not None]
@@ -171,6 +176,32 @@ def pick_oracle(
         (i for i in pool if configs[i].replicas == fewest),
         key=lambda i: results[i].goodput,  # type: ignore[union-attr]
     )
+
+
+@dataclass(frozen=True)
+class OracleSearch:
+    """The oracle's grid (`grid`), played fewest replicas first: every batch at one
+    replica count, and no larger count once one of them meets the SLO. The oracle
+    (`pick_oracle`) is the fewest replicas that meet it, so a larger count is never it:
+    the result is the full grid's, without the runs that cost the most (more pods, more
+    steps)."""
+
+    scenario: Scenario
+    configs: tuple[SimOptions, ...]
+    curve: StepCurve
+    seed: int
+    slo_s: float
+
+    def play(self) -> list[SimResult | None]:
+        """Each config's run, None for those not played."""
+        results: list[SimResult | None] = [None] * len(self.configs)
+        for replicas in sorted({c.replicas for c in self.configs}):
+            at = [i for i, c in enumerate(self.configs) if c.replicas == replicas]
+            for i in at:
+                results[i] = simulate(self.scenario, self.configs[i], self.curve, self.seed)
+            if any(meets_slo(results[i], self.slo_s) for i in at):
+                break
+        return results
 
 
 def label(options: SimOptions) -> str:

@@ -273,8 +273,8 @@ class ModelRunner:
         from its `num_computed` on (all it has left when None), and feed each `decode`
         sequence its newest token; advance `num_computed`. Returns logits [rows, vocab]:
         first those of the prefill rows this completes (now `ready_to_sample`), then
-        those of every decode row, each in order. `prompt_logits` is handed the logits of every
-        position that predicts a prompt token, for the rows that
+        those of every decode row, each in order. `prompt_logits` is handed the logits
+        of every position that predicts a prompt token, for the rows that
         `wants_prompt_logprobs`."""
         pre = self._prefill_batch(prefill, chunks) if prefill else None
         prefill_tokens = 0 if pre is None else int(pre.counts.sum())
