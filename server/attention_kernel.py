@@ -20,6 +20,9 @@ from batchpilot_server.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+# the K/V pool dtypes the kernel reads (it computes in float32 over either)
+KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16)
+
 
 class NativeKernel:
     """The C function, where each layer's K and V pools start (they never move), and
@@ -40,6 +43,7 @@ class NativeKernel:
         self.function = function
         self.block_size = cache.block_size
         self.layers = [(k.data_ptr(), v.data_ptr()) for k, v in zip(cache.k, cache.v, strict=True)]
+        self.pool_dtype = cache.k.dtype
         self.threads = threads
         self.min_tokens_per_part = min_tokens_per_part
         self.workers = (
@@ -88,12 +92,14 @@ class NativeDecodeAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """q [batch, 1, heads, head_dim], k and v [batch, 1, kv_heads, head_dim] in the
-        model's dtype; the kernel reads and writes float32 (the cache's dtype)."""
+        model's dtype; the kernel computes in float32 and stores k and v in the pool's
+        dtype (float32, or bfloat16 for a bfloat16 model, whose k and v it holds exactly)."""
         batch, _, heads, head_dim = q.shape
         kv_heads = k.shape[2]
         if heads % kv_heads:
             raise ValueError(f"{heads} query heads do not split into {kv_heads} KV groups")
-        query, key, value = (t.to(torch.float32) for t in (q, k, v))
+        pool = self.kernel.pool_dtype
+        query, key, value = q.to(torch.float32), k.to(pool), v.to(pool)
         # C reads rows `stride(0)` apart, heads and dims packed; k and v share a stride
         if query.stride()[2:] != (head_dim, 1):
             query = query.contiguous()
@@ -126,16 +132,17 @@ class NativeDecodeAttention:
         _, _, heads, head_dim = q.shape
         kernel, tables = self.kernel, self.tables
         q_row, kv_row = q.stride(0), k.stride(0)
-        size = q.element_size()
+        size, kv_size = q.element_size(), k.element_size()
         k_pool, v_pool = kernel.layers[layer]
         status = kernel.function(
             q.data_ptr() + start * q_row * size,
-            k.data_ptr() + start * kv_row * size,
-            v.data_ptr() + start * kv_row * size,
+            k.data_ptr() + start * kv_row * kv_size,
+            v.data_ptr() + start * kv_row * kv_size,
             q_row,
             kv_row,
             k_pool,
             v_pool,
+            kernel.pool_dtype == torch.bfloat16,
             self.tables_at + start * tables.strides[0],
             tables.shape[1],
             self.lengths_at + start * self.lengths.strides[0],
@@ -160,11 +167,12 @@ def native_kernel_for(
         raise ValueError(f"attention must be one of {choices}, got {backend!r}")
     if backend == "torch":
         return None
-    if cache.k.device.type != "cpu" or cache.k.dtype != torch.float32:
+    if cache.k.device.type != "cpu" or cache.k.dtype not in KERNEL_POOL_DTYPES:
         if backend == "native":
             raise ValueError(
-                f"the native attention kernel runs on the CPU in float32; this cache is "
-                f"{cache.k.device.type} {cache.k.dtype} (use attention auto or torch)"
+                f"the native attention kernel runs on the CPU over a float32 or bfloat16 "
+                f"cache; this cache is {cache.k.device.type} {cache.k.dtype} (use "
+                f"attention auto or torch)"
             )
         return None
     try:

@@ -110,7 +110,9 @@ def paged_decode_kernel() -> ctypes._CFuncPtr:
     function.argtypes = [
         *(pointer,) * 3,  # q, k_new, v_new
         *(integer,) * 2,  # q_stride, kv_stride
-        *(pointer,) * 3,  # k_pool, v_pool, tables
+        *(pointer,) * 2,  # k_pool, v_pool
+        integer,  # pool_bf16: the pool (and k_new, v_new) bfloat16, else float32
+        pointer,  # tables
         integer,  # width
         pointer,  # lengths
         *(integer,) * 5,  # batch, heads, kv_heads, head_dim, block_size

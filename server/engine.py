@@ -291,8 +291,13 @@ class Engine:
 
     @property
     def _kv_dtype(self) -> torch.dtype:
-        # float32 on the CPU whatever the weights (the native kernel reads float32)
-        return self._model.dtype if self._device == "cuda" else torch.float32
+        # The model's K/V dtype where that is bfloat16 or on CUDA: a bfloat16 model's K/V
+        # are bfloat16 values, held exactly in half float32's bytes (twice the tokens per
+        # MiB, half the bytes decode attention reads); the native kernel computes in
+        # float32 over either. float16 on the CPU: float32, which the kernel reads.
+        if self._device == "cuda" or self._model.dtype == torch.bfloat16:
+            return self._model.dtype
+        return torch.float32
 
     def _context_length(self, cache: KVCache) -> int:
         """The model's context, or fewer tokens if the whole pool holds fewer: a longer

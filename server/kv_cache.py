@@ -3,11 +3,12 @@
 `block_pool.BlockPool` does the accounting (which block belongs to whom); `KVCache`
 holds the tensors, one [num_blocks, kv_heads, block_size, head_dim] pool per
 layer for K and for V (grouped-query attention stores only the KV heads). The
-engine picks the cache dtype: float32 on the CPU whatever the weights' dtype
-(the native kernel is float32), the model's dtype on CUDA; attention casts q/k/v
-to it at its boundary. Decode attention reads the blocks where they lie (the C
-kernel `csrc/paged_attention.c`, or `model_runner.PagedDecodeAttention` with
-torch ops): nothing copies a sequence's cache into a contiguous tensor per step.
+engine picks the cache dtype: the model's on CUDA and for bfloat16 weights (their
+K/V are bfloat16 values, stored exactly), float32 otherwise on the CPU; `write`
+casts k/v to it, and attention on the CPU computes in float32 over either. Decode
+attention reads the blocks where they lie (the C kernel `csrc/paged_attention.c`,
+or `model_runner.PagedDecodeAttention` with torch ops): nothing copies a sequence's
+cache into a contiguous tensor per step.
 """
 
 from __future__ import annotations
@@ -68,9 +69,10 @@ class KVCache:
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> None:
-        """Store k, v [tokens, kv_heads, head_dim] at (`blocks`, `offsets`) [tokens]."""
-        self.k[layer][blocks, :, offsets] = k
-        self.v[layer][blocks, :, offsets] = v
+        """Store k, v [tokens, kv_heads, head_dim] at (`blocks`, `offsets`) [tokens], in
+        the cache's dtype."""
+        self.k[layer][blocks, :, offsets] = k.to(self.k.dtype)
+        self.v[layer][blocks, :, offsets] = v.to(self.v.dtype)
 
     def gather(
         self, layer: int, blocks: torch.Tensor, offsets: torch.Tensor

@@ -40,11 +40,17 @@ SERIAL_DECODE_ROWS = 8
 SERIAL_PREFILL_TOKENS = 32
 
 
+def compute_dtype(cache: KVCache) -> torch.dtype:
+    """The dtype attention computes in: float32 on the CPU whatever the cache holds (as
+    the native kernel does), the cache's dtype on CUDA."""
+    return torch.float32 if cache.k.device.type == "cpu" else cache.k.dtype
+
+
 class PagedPrefillAttention:
     """Each row computes a chunk of its tokens, positions [start, end): the chunk's K/V
     are stored, and its queries attend causally to the row's K/V before `start` (read
     back from the cache) and to the chunk's own. A batch whose rows all start at 0
-    attends to the fresh K/V only. Computes in the cache's dtype; returns q's."""
+    attends to the fresh K/V only. Computes in `compute_dtype`; returns q's."""
 
     def __init__(
         self,
@@ -65,7 +71,7 @@ class PagedPrefillAttention:
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        dtype = self.cache.k.dtype
+        dtype = compute_dtype(self.cache)
         query, key, value = (t.to(dtype) for t in (q, k, v))
         batch, _, kv_heads, head_dim = key.shape
         self.cache.write(
@@ -79,7 +85,7 @@ class PagedPrefillAttention:
             # a later chunk reads its row's earlier K/V back: prefill is bound by
             # compute, and this copy is small beside the chunk's matmuls
             key, value = (
-                t.view(batch, -1, kv_heads, head_dim)
+                t.view(batch, -1, kv_heads, head_dim).to(dtype)
                 for t in self.cache.gather(layer, *self.context)
             )
         out = F.scaled_dot_product_attention(
@@ -140,7 +146,7 @@ class PagedDecodeAttention:
         )
         self.bias = torch.from_numpy(
             np.where(keys >= lengths[:, None, None, None], -np.inf, 0.0)
-        ).to(device=device, dtype=cache.k.dtype)
+        ).to(device=device, dtype=compute_dtype(cache))
         self.write_blocks = torch.from_numpy(blocks[firsts + counts - 1]).to(device)
         self.write_offsets = torch.from_numpy((lengths - 1) % size).to(device)
 
@@ -150,16 +156,15 @@ class PagedDecodeAttention:
         batch, _, heads, head_dim = q.shape
         kv_heads = k.shape[2]
         group = heads // kv_heads  # query head h reads KV head h // group
-        size, dtype = self.cache.block_size, self.cache.k.dtype
+        size, dtype = self.cache.block_size, compute_dtype(self.cache)
         query = q[:, 0].to(dtype)
-        self.cache.write(
-            layer, self.write_blocks, self.write_offsets, k[:, 0].to(dtype), v[:, 0].to(dtype)
-        )
+        self.cache.write(layer, self.write_blocks, self.write_offsets, k[:, 0], v[:, 0])
         # 3-d views for bmm: one (group x hd) @ (hd x bs) product per block and KV
-        # head, so each KV head's block is read once for its whole group
+        # head, so each KV head's block is read once for its whole group (a bfloat16
+        # pool on the CPU is read into float32 first)
         pieces = self.span * kv_heads
-        keys = self.cache.k[layer, : self.span].view(pieces, size, head_dim)
-        values = self.cache.v[layer, : self.span].view(pieces, size, head_dim)
+        keys = self.cache.k[layer, : self.span].view(pieces, size, head_dim).to(dtype)
+        values = self.cache.v[layer, : self.span].view(pieces, size, head_dim).to(dtype)
         queries = query.index_select(0, self.row).view(pieces, group, head_dim)
         scores = torch.bmm(queries, keys.transpose(1, 2)).view(self.span, heads, size)
         per_seq = scores.index_select(0, self.tables).view(batch, self.width, heads, size)

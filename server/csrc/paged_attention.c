@@ -14,12 +14,18 @@
  * each value is weighed into every head of the group as it is read), not the
  * tokens once per query head.
  *
- * Layouts (float32, contiguous unless a stride is given):
- *   q                [batch, heads, head_dim], rows `q_stride` floats apart
- *   k_new, v_new     [batch, kv_heads, head_dim], rows `kv_stride` floats apart
- *   k_pool, v_pool   [num_blocks, kv_heads, block_size, head_dim] (one layer)
+ * The pool holds K/V as float32 or as bfloat16 (`pool_bf16`): a bfloat16 model's K/V
+ * are bfloat16 values already, so its pool stores them exactly in half the bytes, and
+ * decode attention, bound by reading them at long contexts, reads half as much. The
+ * arithmetic is float32 either way (a bfloat16 value is the upper half of a float32's
+ * bits).
+ *
+ * Layouts (contiguous unless a stride is given):
+ *   q                float32 [batch, heads, head_dim], rows `q_stride` floats apart
+ *   k_new, v_new     the pool's type [batch, kv_heads, head_dim], rows `kv_stride` apart
+ *   k_pool, v_pool   the pool's type [num_blocks, kv_heads, block_size, head_dim] (one layer)
  *   tables           [batch, width] block ids; lengths [batch] tokens incl. the new one
- *   out              [batch, heads, head_dim]
+ *   out              float32 [batch, heads, head_dim]
  * Returns 0, or -1 when the scratch for the attention weights cannot be allocated.
  */
 #include <math.h>
@@ -54,7 +60,7 @@ static inline float exp_nonpositive(float x)
 }
 
 typedef struct {
-    const float *k_pool, *v_pool;
+    const void *k_pool, *v_pool; /* float32, or bfloat16 where attend's `bf16` is set */
     const int64_t *table;
     int64_t len, block_size, head_stride, block_stride, kv_heads, group;
     float scale;
@@ -64,6 +70,8 @@ typedef struct {
  * its own registers (one AVX-512 register, two AVX2 ones, four SSE ones). */
 typedef float v16 __attribute__((vector_size(4 * LANES)));
 typedef int32_t i16 __attribute__((vector_size(4 * LANES)));
+typedef uint32_t u32x16 __attribute__((vector_size(4 * LANES)));
+typedef uint16_t u16x16 __attribute__((vector_size(2 * LANES)));
 #if defined(__clang__)
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
@@ -79,14 +87,37 @@ static inline v16 load16(const float *p)
     return v;
 }
 
-/* The dot product's partial sums, LANES of them, before they are added up. */
-static inline __attribute__((always_inline)) v16 partial_dot(const float *a, const float *b,
-                                                             int64_t n)
+/* Element i of a pool, as float32 (`bf16` is a constant wherever this is inlined). */
+static inline __attribute__((always_inline)) float pool_at(const void *pool, int64_t i, int bf16)
+{
+    if (!bf16) return ((const float *)pool)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)pool)[i] << 16;
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* Elements [i, i + LANES) of a pool, as float32. */
+static inline __attribute__((always_inline)) v16 pool16(const void *pool, int64_t i, int bf16)
+{
+    if (!bf16) return load16((const float *)pool + i);
+    u16x16 half;
+    memcpy(&half, (const uint16_t *)pool + i, sizeof half);
+    const u32x16 bits = __builtin_convertvector(half, u32x16) << 16;
+    v16 value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+/* The dot product of a[0, n) and pool[at, at + n), its partial sums, LANES of them,
+ * before they are added up. */
+static inline __attribute__((always_inline)) v16 partial_dot(const float *a, const void *pool,
+                                                             int64_t at, int64_t n, int bf16)
 {
     v16 part = {0};
     int64_t d = 0;
-    for (; d + LANES <= n; d += LANES) part += load16(a + d) * load16(b + d);
-    for (; d < n; d++) part[0] += a[d] * b[d];
+    for (; d + LANES <= n; d += LANES) part += load16(a + d) * pool16(pool, at + d, bf16);
+    for (; d < n; d++) part[0] += a[d] * pool_at(pool, at + d, bf16);
     return part;
 }
 
@@ -119,26 +150,28 @@ static inline __attribute__((always_inline)) v16 sum_lanes(const v16 p[LANES])
  * block's K (then V) for all KV heads is read in one sweep of contiguous memory, and
  * each KV head's part once for the `group` query heads that share it (query head h
  * reads KV head h / group). `weights` holds [heads, len] scores. Always inlined, so
- * a call with a constant head_dim gets fixed-length loops. */
+ * a call with a constant head_dim gets fixed-length loops, and one with a constant
+ * `bf16` (the pool's type) reads it without a branch. */
 static inline __attribute__((always_inline)) void attend(const Context *c, const float *query,
-                                                         int64_t head_dim, float *weights,
-                                                         float *mixed)
+                                                         int64_t head_dim, int bf16,
+                                                         float *weights, float *mixed)
 {
     const int64_t group = c->group, heads = c->kv_heads * group, len = c->len;
     float top[heads];
     for (int64_t h = 0; h < heads; h++) top[h] = -INFINITY;
     /* block by block (no division per token), LANES tokens at a time */
     for (int64_t start = 0, block = 0; start < len; start += c->block_size, block++) {
-        const float *keys = c->k_pool + c->table[block] * c->block_stride;
+        int64_t keys = c->table[block] * c->block_stride; /* in elements of the pool */
         const int64_t end = start + c->block_size < len ? start + c->block_size : len;
         for (int64_t kv = 0; kv < c->kv_heads; kv++, keys += c->head_stride) {
             for (int64_t tile = start; tile < end; tile += LANES) {
                 const int64_t count = end - tile < LANES ? end - tile : LANES;
-                const float *key = keys + (tile - start) * head_dim;
+                const int64_t key = keys + (tile - start) * head_dim;
                 for (int64_t h = kv * group; h < (kv + 1) * group; h++) {
                     v16 parts[LANES] = {{0}};
                     for (int64_t t = 0; t < count; t++)
-                        parts[t] = partial_dot(query + h * head_dim, key + t * head_dim, head_dim);
+                        parts[t] = partial_dot(query + h * head_dim, c->k_pool,
+                                               key + t * head_dim, head_dim, bf16);
                     const v16 scores = sum_lanes(parts) * c->scale;
                     float *row = weights + h * len + tile;
                     for (int64_t t = 0; t < count; t++) {
@@ -161,15 +194,16 @@ static inline __attribute__((always_inline)) void attend(const Context *c, const
     }
     for (int64_t d = 0; d < heads * head_dim; d++) mixed[d] = 0.0f;
     for (int64_t start = 0, block = 0; start < len; start += c->block_size, block++) {
-        const float *values = c->v_pool + c->table[block] * c->block_stride;
+        int64_t values = c->table[block] * c->block_stride;
         const int64_t end = start + c->block_size < len ? start + c->block_size : len;
         for (int64_t kv = 0; kv < c->kv_heads; kv++, values += c->head_stride) {
-            const float *value = values;
+            int64_t value = values;
             for (int64_t t = start; t < end; t++, value += head_dim) {
                 for (int64_t h = kv * group; h < (kv + 1) * group; h++) {
                     const float w = weights[h * len + t];
                     float *acc = mixed + h * head_dim;
-                    for (int64_t d = 0; d < head_dim; d++) acc[d] += w * value[d];
+                    for (int64_t d = 0; d < head_dim; d++)
+                        acc[d] += w * pool_at(c->v_pool, value + d, bf16);
                 }
             }
         }
@@ -180,13 +214,14 @@ static inline __attribute__((always_inline)) void attend(const Context *c, const
 #if defined(__x86_64__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #endif
-int64_t paged_decode_attention(const float *q, const float *k_new, const float *v_new,
-                               int64_t q_stride, int64_t kv_stride, float *k_pool,
-                               float *v_pool, const int64_t *tables, int64_t width,
+int64_t paged_decode_attention(const float *q, const void *k_new, const void *v_new,
+                               int64_t q_stride, int64_t kv_stride, void *k_pool, void *v_pool,
+                               int64_t pool_bf16, const int64_t *tables, int64_t width,
                                const int64_t *lengths, int64_t batch, int64_t heads,
                                int64_t kv_heads, int64_t head_dim, int64_t block_size,
                                float scale, float *out)
 {
+    const size_t element = pool_bf16 ? sizeof(uint16_t) : sizeof(float);
     const int64_t head_stride = block_size * head_dim;
     const int64_t block_stride = kv_heads * head_stride;
     const int64_t group = heads / kv_heads;
@@ -203,19 +238,27 @@ int64_t paged_decode_attention(const float *q, const float *k_new, const float *
             table[(len - 1) / block_size] * block_stride + ((len - 1) % block_size) * head_dim;
         for (int64_t kv = 0; kv < kv_heads; kv++) {
             const int64_t from = b * kv_stride + kv * head_dim;
-            memcpy(k_pool + slot + kv * head_stride, k_new + from, head_dim * sizeof(float));
-            memcpy(v_pool + slot + kv * head_stride, v_new + from, head_dim * sizeof(float));
+            const size_t to = (size_t)(slot + kv * head_stride) * element;
+            memcpy((char *)k_pool + to, (const char *)k_new + from * element, head_dim * element);
+            memcpy((char *)v_pool + to, (const char *)v_new + from * element, head_dim * element);
         }
         const Context c = {k_pool,      v_pool,       table,    len,  block_size,
                            head_stride, block_stride, kv_heads, group, scale};
         const float *query = q + b * q_stride;
         float *mixed = out + b * heads * head_dim;
-        if (head_dim == 64)
-            attend(&c, query, 64, weights, mixed);
+        if (pool_bf16) {
+            if (head_dim == 64)
+                attend(&c, query, 64, 1, weights, mixed);
+            else if (head_dim == 128)
+                attend(&c, query, 128, 1, weights, mixed);
+            else
+                attend(&c, query, head_dim, 1, weights, mixed);
+        } else if (head_dim == 64)
+            attend(&c, query, 64, 0, weights, mixed);
         else if (head_dim == 128)
-            attend(&c, query, 128, weights, mixed);
+            attend(&c, query, 128, 0, weights, mixed);
         else
-            attend(&c, query, head_dim, weights, mixed);
+            attend(&c, query, head_dim, 0, weights, mixed);
     }
     free(weights);
     return 0;

@@ -277,3 +277,23 @@ async def test_the_default_pool_caps_smollm2s_context_so_a_chat_without_max_toke
         stream.cancel()
     finally:
         await engine.shutdown()
+
+
+async def test_a_bfloat16_model_holds_its_kv_in_bfloat16_twice_the_tokens_per_mib() -> None:
+    """The engine's cache takes a bfloat16 model's dtype: the same --kv-cache-mb holds
+    twice the blocks of a float32 model's, and requests run through it."""
+    blocks = {}
+    for dtype in ("float32", "bfloat16"):
+        options = EngineOptions(
+            mode="continuous", config=BatchingConfig(), model="tiny", dtype=dtype,
+            kv_cache_mb=4.0, threads=1,
+        )  # fmt: skip
+        engine = Engine(options)
+        await engine.start()
+        try:
+            blocks[dtype] = engine.stats().kv_blocks_total
+            tokens = await collect(engine.submit(prompt(engine, 1), FORCED))
+            assert len(tokens) == TOKENS
+        finally:
+            await engine.shutdown()
+    assert blocks["bfloat16"] == 2 * blocks["float32"]

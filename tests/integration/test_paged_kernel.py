@@ -122,7 +122,8 @@ def test_backend_choice_and_its_errors(fresh_cache: Path) -> None:
     assert runner("torch").attention == "torch"
     with pytest.raises(ValueError, match="attention must be one of auto, native, torch"):
         runner("fast")
-    with pytest.raises(ValueError, match="runs on the CPU in float32; this cache is cpu"):
+    assert runner("native", torch.bfloat16).attention == "native"
+    with pytest.raises(ValueError, match="over a float32 or bfloat16 cache; this cache is cpu"):
         runner("native", torch.float64)
     assert runner("auto", torch.float64).attention == "torch"
 
@@ -240,11 +241,15 @@ class AttentionProbe:
 
 
 def probe_runner(
-    attention: str, spec: ModelSpec, probe: AttentionProbe, num_blocks: int = 64
+    attention: str,
+    spec: ModelSpec,
+    probe: AttentionProbe,
+    num_blocks: int = 64,
+    cache_dtype: torch.dtype = torch.float32,
 ) -> ModelRunner:
     """A runner over the probe whose pool hands out blocks in a scrambled order, as
     after churn, so no sequence's cache is contiguous."""
-    cache = KVCache(spec, num_blocks, block_size=16, device="cpu")
+    cache = KVCache(spec, num_blocks, block_size=16, device="cpu", dtype=cache_dtype)
     scattered: list[int] = []
     cache.pool.grow(scattered, num_blocks * 16)
     cache.pool.release(np.random.default_rng(1).permutation(scattered).tolist())
@@ -312,14 +317,15 @@ def test_paged_attention_matches_full_causal_attention_for_grouped_heads(
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)
-def test_bfloat16_activations_over_a_float32_cache(attention: str) -> None:
-    """The model runs bfloat16, the cache stays float32: attention computes in float32
-    and hands back bfloat16."""
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_bfloat16_activations_over_either_cache(attention: str, cache_dtype: torch.dtype) -> None:
+    """The model runs bfloat16 over a float32 or a bfloat16 cache: attention hands back
+    bfloat16 within its tolerance of float32 attention."""
     spec = heads(9, 3, 64)
     steps = 12
     probe = AttentionProbe(spec, len(LENGTHS), max(LENGTHS) + steps, torch.bfloat16)
-    runner = probe_runner(attention, spec, probe)
-    assert runner.cache.k.dtype == torch.float32 and runner.attention == attention
+    runner = probe_runner(attention, spec, probe, cache_dtype=cache_dtype)
+    assert runner.cache.k.dtype == cache_dtype and runner.attention == attention
     references = [probe.reference(n) for n in range(len(LENGTHS))]
     for seq, position, row in run_probe(
         runner, probe, probe_sequences(runner, LENGTHS, steps), steps
@@ -327,6 +333,26 @@ def test_bfloat16_activations_over_a_float32_cache(attention: str) -> None:
         assert row.dtype == torch.bfloat16
         expected = references[int(seq.request_id)][position].to(torch.bfloat16)
         torch.testing.assert_close(row, expected)  # bfloat16's own tolerance
+
+
+@requires_c_compiler
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_a_bfloat16_cache_gives_a_bfloat16_model_the_float32_caches_outputs(
+    head_dim: int,
+) -> None:
+    """A bfloat16 model's K/V are bfloat16 values, so a bfloat16 pool holds them exactly
+    and the kernel (float32 arithmetic over either pool) gives the same bits as over a
+    float32 pool, in half the memory."""
+    spec = heads(9, 3, head_dim)
+    steps = 12
+    probe = AttentionProbe(spec, len(LENGTHS), max(LENGTHS) + steps, torch.bfloat16)
+    outputs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        runner = probe_runner("native", spec, probe, cache_dtype=dtype)
+        assert runner.cache.k.dtype == dtype and runner.attention == "native"
+        rows = run_probe(runner, probe, probe_sequences(runner, LENGTHS, steps), steps)
+        outputs.append(torch.stack([row for _, _, row in rows]))
+    assert torch.equal(outputs[0], outputs[1])
 
 
 @requires_c_compiler
