@@ -7,12 +7,13 @@ restarted operator only seeds the replica part from the policy's status).
 - `ceiling`: the batch that last ran too slow or filled the KV cache, which caps the
   AIMD fallback's growth for `CEILING_TTL` rounds;
 - `points`: the step model's operating points; `errors`: the fit's recent relative
-  prediction errors on the config in force;
+  prediction errors on the config in force (`FitErrors`: those of the fit's form alone);
 - `replicas` and `mode`: the replica count's and the mode choice's own memories.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 from batchpilot_operator.policy.mode import ModeState
@@ -20,8 +21,30 @@ from batchpilot_operator.policy.step_model import StepPoint
 from batchpilot_operator.replica_rule import ReplicaState
 
 SINCE_CHANGE_CAP = 1000
-ERROR_HISTORY = 3  # the fit's last errors kept: the median of three rides out one outlier
+ERROR_HISTORY = 3  # a fit's last errors kept: the median of three rides out one outlier
 CEILING_TTL = 20  # rounds a ceiling caps the AIMD growth
+
+
+@dataclass(frozen=True)
+class FitErrors:
+    """The last errors of one form of fit (its scope and the terms it used). A refit
+    through other terms or other fleets' points is another model: once a window judges
+    it, it starts its own errors, so that a degenerate new fit is judged on its own
+    error, not hidden behind the median of the fit it replaced; until then, the errors
+    of the fit it replaced are the evidence there is."""
+
+    form: tuple[str, ...] = ()
+    values: tuple[float, ...] = ()
+
+    def of(self, form: tuple[str, ...], error: float | None) -> FitErrors:
+        """The errors with this round's fit of `form` and its `error` (None: not judged)."""
+        if error is None:
+            return self
+        values = self.values if form == self.form else ()
+        return FitErrors(form, (*values, error)[-ERROR_HISTORY:])
+
+    def median(self) -> float | None:
+        return statistics.median(self.values) if self.values else None
 
 
 @dataclass(frozen=True)
@@ -31,6 +54,6 @@ class PolicyMemory:
     ceiling: int | None = None
     ceiling_age: int = 0
     points: tuple[StepPoint, ...] = ()
-    errors: tuple[float, ...] = ()
+    errors: FitErrors = field(default_factory=FitErrors)
     replicas: ReplicaState = field(default_factory=ReplicaState)
     mode: ModeState = field(default_factory=ModeState)

@@ -12,8 +12,10 @@ mode) always gives the same decision; `tuning_loop.TuningLoop` is its one caller
      judged more misses in it than the objective's share allows by chance
      (`misses_are_evidence`): a thin window can still show the SLO missed;
    - where the step fit for this fleet size is trusted and its recent error on the
-     config in force is small, the choice (choice.py) picks the cheapest candidate the
-     predictor (predictor.py) says meets the SLO with the margin;
+     config in force is small (the median of its last errors, those of its own form:
+     memory.py `FitErrors`; a refit through other terms or points is judged on its own
+     errors from the first window that judges it), the choice (choice.py) picks the
+     cheapest candidate the predictor (predictor.py) says meets the SLO with the margin;
    - otherwise the AIMD fallback (aimd.py) steps, and the reason says why the fit was
      not used.
 4. The pods needed go through the stabilization rules (replicas.py) where the round
@@ -26,17 +28,11 @@ mode) always gives the same decision; `tuning_loop.TuningLoop` is its one caller
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import replace
 
 from batchpilot_operator.policy import aimd
 from batchpilot_operator.policy.choice import choose
-from batchpilot_operator.policy.memory import (
-    CEILING_TTL,
-    ERROR_HISTORY,
-    SINCE_CHANGE_CAP,
-    PolicyMemory,
-)
+from batchpilot_operator.policy.memory import CEILING_TTL, SINCE_CHANGE_CAP, FitErrors, PolicyMemory
 from batchpilot_operator.policy.mode import ModeChoice, ModeState, choose_mode
 from batchpilot_operator.policy.predictor import Candidate, predict
 from batchpilot_operator.policy.reasons import knob_change
@@ -111,7 +107,7 @@ def _taken_in(
 
 def _size(
     window: Window, current: BatchingConfig, goal: Goal, memory: PolicyMemory
-) -> tuple[Sizing, tuple[float, ...]]:
+) -> tuple[Sizing, FitErrors]:
     """The sizing step (see the module docstring), and the fit's recent errors."""
     signals, bounds, errors = window.signals, goal.bounds, memory.errors
     desired = window.fleet.desired if window.fleet is not None else window.pods
@@ -125,13 +121,13 @@ def _size(
         status = signals.status.replace("_", " ")
         return Sizing(current, "hold", f"{status}: {signals.detail or status}", None), errors
     model = fit_for(memory.points, window.pods)
-    error = _error(window, model, current)
-    if error is not None:
-        errors = (*errors, error)[-ERROR_HISTORY:]
+    if model is not None and model.trusted:
+        errors = errors.of(model.form, _error(window, model, current))
     why = _untrusted(model, errors, goal)
     if model is not None and why is None:
         chosen = choose(window, model, current, goal)
-        err = f", error {statistics.median(errors):.0%}" if errors else ""
+        median = errors.median()
+        err = f", error {median:.0%}" if median is not None else ""
         return replace(chosen, reason=f"predicted ({model.describe()}{err}): {chosen.reason}"), (
             errors
         )
@@ -148,12 +144,9 @@ def _missed_for_sure(signals: Signals, goal: Goal) -> bool:
     )
 
 
-def _error(window: Window, model: StepModel | None, current: BatchingConfig) -> float | None:
+def _error(window: Window, model: StepModel, current: BatchingConfig) -> float | None:
     """The fit's relative error on the config in force: the worst over the stated targets
-    of |predicted - observed| / max(observed, target) p99; None without a trusted fit or
-    a p99."""
-    if model is None or not model.trusted:
-        return None
+    of |predicted - observed| / max(observed, target) p99; None without a p99."""
     if window.backlog > window.pods:
         # The window's p99 holds the wait behind a queue built before it, which a steady
         # state prediction does not describe: judge the fit on windows without one.
@@ -179,15 +172,13 @@ def _error(window: Window, model: StepModel | None, current: BatchingConfig) -> 
     return max(off(name, seen) for name, seen in observed.items())
 
 
-def _untrusted(model: StepModel | None, errors: tuple[float, ...], goal: Goal) -> str | None:
+def _untrusted(model: StepModel | None, errors: FitErrors, goal: Goal) -> str | None:
     """Why the fit is not used this round; None when it is."""
     if model is None:
         return "no step fit yet: the window has no step counters or too few points"
     if not model.trusted:
         return f"step fit not trusted yet: {model.describe()}"
-    if errors and statistics.median(errors) > goal.params.max_error:
-        return (
-            f"the step fit's recent error {statistics.median(errors):.0%} is over "
-            f"{goal.params.max_error:.0%}"
-        )
+    median = errors.median()
+    if median is not None and median > goal.params.max_error:
+        return f"the step fit's recent error {median:.0%} is over {goal.params.max_error:.0%}"
     return None

@@ -125,6 +125,11 @@ class StepModel:
     flat: tuple[str, ...] = ()  # the terms whose input did not vary across the points
     max_rows: float = 0.0  # the most decode rows a step of the points held
 
+    @property
+    def form(self) -> tuple[str, ...]:
+        """What makes two fits the same model: the points' scope and the terms used."""
+        return (self.scope, *self.used)
+
     def step_s(self, rows: float, prefill: float, kv: float) -> float:
         return (
             self.fixed_s + self.per_row_s * rows + self.per_prefill_s * prefill

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from batchpilot_operator.policy.choice import knob_candidates
-from batchpilot_operator.policy.memory import PolicyMemory
+from batchpilot_operator.policy.memory import FitErrors, PolicyMemory
 from batchpilot_operator.policy.round import decide
 from batchpilot_operator.policy.step_model import fit
 from batchpilot_operator.replica_rule import Fleet, ReplicaBounds
@@ -118,10 +118,22 @@ def test_aimd_takes_over_after_a_large_prediction_error_and_says_so() -> None:
         decision = decide(wrong, CURRENT, GOAL, memory)
         memory = decision.memory
     assert decision.reason.startswith("AIMD (the step fit's recent error")
-    assert len(memory.errors) == 2 and min(memory.errors) > GOAL.params.max_error
+    assert len(memory.errors.values) == 2 and min(memory.errors.values) > GOAL.params.max_error
     # A fit that predicts the window well is used.
     good = decide(seen(2.0), CURRENT, GOAL, trusted())
     assert good.reason.startswith("predicted")
+
+
+def test_a_fit_of_another_form_starts_its_own_errors() -> None:
+    errors = FitErrors().of(("", "rows"), 0.1).of(("", "rows"), 0.2)
+    assert errors.values == (0.1, 0.2) and errors.of(("", "rows"), None) == errors
+    # a refit through other terms is another model: its error is not hidden behind the
+    # median of the one it replaced
+    refit = errors.of(("", "prefill"), 1.4)
+    assert refit.values == (1.4,) and refit.median() == 1.4
+    # until a window judges the refit, the errors of the fit it replaced are the evidence
+    assert errors.of(("", "prefill"), None) == errors
+    assert FitErrors().median() is None
 
 
 def test_the_memory_has_one_writer_and_since_change_restarts_on_any_move() -> None:
