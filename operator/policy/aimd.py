@@ -13,11 +13,14 @@ counts as inside the band (`Window.pressure`).
 2. a target broken:
    - by running alone (TPOT, or a latency whose part outside the queue exceeds its
      target while nothing queues): first the prefill budget where it can help (TPOT:
-     cut it to a quarter, so a long prompt's chunk no longer fills the steps the
+     cut it to a quarter, where the longest prompts over the shortest answers' decode
+     steps exceed the cut, so a long prompt's chunk no longer fills the steps the
      running rows wait for; TTFT: double it while the longest prompts are longer, so
      they take fewer steps to their first token); else back off the batch
      multiplicatively (ceiling), or hold at the minimum; where requests also queue no
-     batch size helps: hold;
+     batch size helps: hold; a TPOT broken in batches that fire underfilled is the
+     prompts computed beside the decode steps, not the rows (a cut above the rows
+     running only caps the capacity): hold, and the fleet grows (*crowded*);
    - by queueing: halve the timeout where it explains the wait and batches fire
      underfilled; else grow the batch multiplicatively up to its limit;
 3. with headroom (every p99 under `1 - band` of its target): grow the batch additively
@@ -25,7 +28,8 @@ counts as inside the band (`Window.pressure`).
    queue and underfilled batches, let the timeout grow toward fuller batches;
 4. inside the band: grow additively only if queueing is half the p99; else hold.
 
-The pods needed come from the same step. A queueing breach:
+The pods needed come from the same step. A crowded TPOT: one pod more (the prompts
+beside each decode step come with the arrivals a pod takes). A queueing breach:
 - with the batch still growing: a batch grown by a factor raises a pod's throughput by
   that factor at most, so where even that best leaves the demand and the backlog
   (drained within a window) over `SCALE_OUT_UTILISATION` busy at the throughput a pod
@@ -34,7 +38,10 @@ The pods needed come from the same step. A queueing breach:
 - with the batch spent (at its limit, or cut this round): the pods that each run at
   most `SCALE_OUT_UTILISATION` busy for the forecast arrivals.
 With headroom and no queue, the pods that would run at most `SCALE_IN_UTILISATION`
-busy; otherwise the pods there are.
+busy; where that is not fewer (a continuous pod's steps run whenever a row does, so one
+serving a few long answers reads busy at any load), one pod fewer where the decode rows
+a step runs, spread over one pod less, stay within `SCALE_IN_UTILISATION` of the batch
+(the scale-down stabilization spaces such steps); otherwise the pods there are.
 """
 
 from __future__ import annotations
@@ -71,6 +78,7 @@ def step(window: Window, current: BatchingConfig, goal: Goal, memory: PolicyMemo
         new_batch: int | None = None,
         new_timeout: float | None = None,
         new_budget: int | None = None,
+        crowded: bool = False,
     ) -> Sizing:
         config = replace(
             current,
@@ -79,7 +87,8 @@ def step(window: Window, current: BatchingConfig, goal: Goal, memory: PolicyMemo
             prefill_token_budget=budget if new_budget is None else new_budget,
         )
         growth = config.max_batch_size / batch
-        return Sizing(config, action, why, _need(window, why, spent, goal, growth), ceiling)
+        need = _need(window, why, spent, goal, growth, crowded, config.max_batch_size)
+        return Sizing(config, action, why, need, ceiling)
 
     kv = s.kv_usage
     if (kv is not None and kv >= slo.kv_high_watermark) or s.preemption_rate > 0:
@@ -114,6 +123,14 @@ def step(window: Window, current: BatchingConfig, goal: Goal, memory: PolicyMemo
                 return change(
                     "set_budget", f"{head} while running: prefill budget {budget} -> {moved} "
                     f"({_BUDGET_WHY[name]})", False, new_budget=moved,
+                )  # fmt: skip
+            rows = window.mean_rows()
+            if name == "tpot" and rows is not None and rows < p.full_batch_share * batch:
+                return change(
+                    "hold", f"{head} while running, in batches underfilled (mean "
+                    f"{rows:.1f} decode rows of {batch}): the prompts computed beside the "
+                    "decode steps slow them, not the rows, so a smaller batch changes nothing "
+                    "but the capacity; fewer arrivals a pod do", True, crowded=True,
                 )  # fmt: skip
             if batch <= b.min_batch:
                 return change("hold", f"{head} while running, at the minimum batch {batch}", True)
@@ -178,9 +195,19 @@ def step(window: Window, current: BatchingConfig, goal: Goal, memory: PolicyMemo
     )  # fmt: skip
 
 
-def _need(window: Window, why: str, spent: bool, goal: Goal, growth: float) -> Need | None:
+def _need(
+    window: Window,
+    why: str,
+    spent: bool,
+    goal: Goal,
+    growth: float,
+    crowded: bool,
+    batch: int,
+) -> Need | None:
     """The pods this step needs (see the module docstring); None without a fleet to size.
-    `growth`: the step's batch over the one in force."""
+    `growth`: the step's batch over the one in force; `crowded`: a TPOT broken by the
+    prompts computed beside the decode steps, which fewer arrivals a pod fix; `batch`:
+    the step's batch."""
     fleet = window.fleet
     if fleet is None or goal.replicas is None:
         return None
@@ -188,6 +215,8 @@ def _need(window: Window, why: str, spent: bool, goal: Goal, growth: float) -> N
     rate = window.forecast.describe()
     pressure = window.pressure()
     breach = pressure is not None and pressure[1] > 1 and window.queueing()
+    if crowded:
+        return Need(desired + 1, f"{why}: one pod more")
     if per_pod is None or per_pod <= 0:
         return Need(desired, f"{why}; no pod throughput known yet to size the fleet")
     if breach and not spent:
@@ -222,6 +251,18 @@ def _need(window: Window, why: str, spent: bool, goal: Goal, growth: float) -> N
             f"(measured: finished per busy second) needs {wanted} at "
             f"{SCALE_IN_UTILISATION:.0%} busy",
         )
+    rows = window.mean_rows()
+    fewer = desired - 1
+    if quiet and fewer >= 1 and rows is not None:
+        merged = rows * window.pods / fewer
+        if merged <= SCALE_IN_UTILISATION * batch:
+            return Need(
+                fewer,
+                f"{pressure[0]} p99 with headroom and steps of {rows:.1f} decode rows in "
+                f"batch {batch}: {fewer} pod(s) would run about {merged:.1f}, within "
+                f"{SCALE_IN_UTILISATION:.0%} of it (a pod whose steps run a few rows reads "
+                "busy at any load): one pod fewer",
+            )
     return Need(desired, f"{desired} pod(s) needed for {rate}")
 
 
@@ -239,12 +280,19 @@ BUDGET_GROWTH = 2
 
 def _budget_step(name: str, budget: int, window: Window, bounds: Bounds) -> int | None:
     """The prefill budget's step for a target broken while running (see `_BUDGET_WHY`);
-    None where the budget cannot help: at its bound, or no prompt is longer than the
-    budget it would move to (a chunk that splits nothing changes nothing)."""
-    longest = window.signals.prompt_tokens_p99
+    None where the budget cannot help: at its bound, or (TTFT) no prompt is longer than
+    the budget it would move to (a chunk that splits nothing changes nothing), or (TPOT)
+    the longest prompt spread over the shortest answers' decode steps (p99 prompt over
+    p10 answer) comes to no more than the cut budget a step, or the window does not tell:
+    a prompt arriving during a decode of n steps adds `min(P, budget x n)` tokens to
+    them, so a cut changes only what exceeds `P / n`."""
+    s = window.signals
+    longest = s.prompt_tokens_p99
     if name == "tpot" and budget > bounds.min_prefill_budget:
         cut = max(bounds.min_prefill_budget, math.floor(budget * BUDGET_CUT))
-        return cut if longest is None or longest > cut else None
+        if longest is None or s.output_tokens_p10 is None:
+            return None
+        return cut if longest / max(1.0, s.output_tokens_p10 - 1) > cut else None
     if name == "ttft" and budget < bounds.max_prefill_budget and (longest or 0) > budget:
         return min(bounds.max_prefill_budget, budget * BUDGET_GROWTH)
     return None

@@ -11,7 +11,8 @@ Pure. From the window's `Signals`, the goal and the rule's memory:
   p90 and p99 the pods' histograms give (`length_grid`); where a quantile is missing its
   neighbour stands in;
 - per pod: the throughput a pod showed (finished per busy second; without a busy
-  share, a queueing pod is taken as always busy);
+  share, a queueing pod is taken as always busy); the decode rows a step ran
+  (`mean_rows`: the step counters, else the mean batch size);
 - `queue_grows`: more than a request a pod waits at the window's end and clearly
   fewer finished than arrived: evidence, whatever the window's count of finished
   requests;
@@ -111,6 +112,13 @@ class Window:
         if busy is None or busy <= 0:
             return None
         return s.finished_rate / (self.pods * min(1.0, busy))
+
+    def mean_rows(self) -> float | None:
+        """Decode rows per engine step (the step counters), else the mean batch size."""
+        s = self.signals
+        if s.steps and s.step_decode_rows is not None:
+            return s.step_decode_rows / s.steps
+        return s.mean_batch_size
 
     def queueing(self) -> bool:
         """The wait for a slot is half the p99, or the queue grows."""

@@ -173,7 +173,9 @@ def test_a_growing_batch_that_cannot_carry_the_demand_scales_out_beside_it() -> 
     assert "knobs first" in first.scale.reason
 
 
-LONG_PROMPTS = {"prompt_tokens_p50": 1000.0, "prompt_tokens_p99": 3000.0}
+# long prompts beside answers of at least 3 tokens (2 decode steps)
+LONG_PROMPTS = {"prompt_tokens_p50": 1000.0, "prompt_tokens_p99": 3000.0,
+                "output_tokens_p10": 3.0}  # fmt: skip
 BUDGETS = Bounds(1, 64, 0.0, 200.0, min_prefill_budget=256, max_prefill_budget=4096)
 
 
@@ -190,6 +192,46 @@ def test_a_tpot_broken_while_running_cuts_the_prefill_budget_before_the_batch() 
     short = step(replace(broken, prompt_tokens_p99=200.0), goal,
                  BatchingConfig(max_batch_size=8, prefill_token_budget=1024))  # fmt: skip
     assert short.action == "backoff_batch"
+    # answers of 21 tokens or more take the 3000-token prompt in 150 tokens a step at
+    # most, whatever the budget above it: a cut to 512 changes nothing
+    longer = step(replace(broken, output_tokens_p10=21.0), goal,
+                  BatchingConfig(max_batch_size=8, prefill_token_budget=2048))  # fmt: skip
+    assert longer.action == "backoff_batch"
+    # nor is the budget judged without the answers' lengths
+    unknown = step(replace(broken, output_tokens_p10=None), goal,
+                   BatchingConfig(max_batch_size=8, prefill_token_budget=2048))  # fmt: skip
+    assert unknown.action == "backoff_batch"
+
+
+def test_a_tpot_broken_in_underfilled_batches_holds_and_adds_a_pod() -> None:
+    # steps of 1.5 decode rows in batch 8: the prompts beside them slow them, not the rows
+    goal = Goal(Slo(tpot_s=0.02), BUDGETS, replicas=ReplicaBounds(1, 4))
+    crowded = signals(tpot_p99_s=0.05, ttft_p99_s=0.1, mean_batch_size=1.5, pods=2,
+                      **LONG_PROMPTS)  # fmt: skip
+    at_floor = BatchingConfig(max_batch_size=8, prefill_token_budget=256)
+    d = step(crowded, goal, at_floor, fleet=Fleet(2, 2), now=100.0)
+    assert d.action == "hold" and d.config == at_floor and "underfilled" in d.reason
+    assert d.scale is not None and (d.scale.action, d.scale.replicas) == ("scale_out", 3)
+    # the step counters' decode rows, where the window has them, tell the rows
+    full = replace(crowded, steps=100.0, step_decode_rows=800.0)
+    assert step(full, goal, at_floor, fleet=Fleet(2, 2), now=100.0).action == "backoff_batch"
+
+
+def test_pods_whose_steps_run_few_rows_scale_in_one_at_a_time() -> None:
+    # a continuous pod serving long answers reads busy whatever its load: the busy share
+    # asks for all four pods, the rows (2 a step of 64) allow one fewer
+    goal = Goal(Slo(e2e_s=10.0), Bounds(1, 64),
+                replicas=ReplicaBounds(1, 4, scale_down_stabilization_s=0.0))  # fmt: skip
+    few = signals(p99_latency_s=2.0, queue_wait_p99_s=0.0, requests=240.0, request_rate=8.0,
+                  arrival_rate=8.0, pods=4, mean_batch_size=2.0, busy_s_per_token=1.0,
+                  tokens_per_s=4.0)  # fmt: skip
+    current = BatchingConfig(max_batch_size=64)
+    d = step(few, goal, current, fleet=Fleet(4, 4), now=1e4)
+    assert d.scale is not None and (d.scale.action, d.scale.replicas) == ("scale_in", 3)
+    assert "one pod fewer" in d.scale.reason
+    # rows near the batch: no room on fewer pods
+    busy = step(replace(few, mean_batch_size=40.0), goal, current, fleet=Fleet(4, 4), now=1e4)
+    assert busy.scale is not None and busy.scale.replicas == 4
 
 
 def test_a_ttft_broken_while_running_grows_the_budget_for_prompts_longer_than_it() -> None:
