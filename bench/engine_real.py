@@ -154,7 +154,8 @@ async def greedy_agreement(
 
 
 def kv_cache_mb(spec: ModelSpec, tokens: int) -> float:
-    """Room for the largest batch of requests of PROMPT_TOKENS + `tokens` (float32 on the CPU)."""
+    """Room for the largest batch of requests of PROMPT_TOKENS + `tokens`, sized for a
+    float32 cache (a bfloat16 model's cache holds twice the tokens in it: room to spare)."""
     blocks = -(-(PROMPT_TOKENS + tokens) // BLOCK_SIZE) + 1
     return max(BATCHES) * blocks * bytes_per_block(spec, BLOCK_SIZE, torch.float32) / 2**20
 
