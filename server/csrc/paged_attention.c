@@ -16,9 +16,8 @@
  *
  * The pool holds K/V as float32 or as bfloat16 (`pool_bf16`): a bfloat16 model's K/V
  * are bfloat16 values already, so its pool stores them exactly in half the bytes, and
- * decode attention, bound by reading them at long contexts, reads half as much. The
- * arithmetic is float32 either way (a bfloat16 value is the upper half of a float32's
- * bits).
+ * decode attention reads half as many. The arithmetic is float32 either way (a
+ * bfloat16 value is the upper half of a float32's bits).
  *
  * Layouts (contiguous unless a stride is given):
  *   q                float32 [batch, heads, head_dim], rows `q_stride` floats apart
