@@ -44,6 +44,7 @@ class NativeKernel:
         self.block_size = cache.block_size
         self.layers = [(k.data_ptr(), v.data_ptr()) for k, v in zip(cache.k, cache.v, strict=True)]
         self.pool_dtype = cache.k.dtype
+        self.pool_bf16 = self.pool_dtype == torch.bfloat16  # the C call's flag, read per layer
         self.threads = threads
         self.min_tokens_per_part = min_tokens_per_part
         self.workers = (
@@ -142,7 +143,7 @@ class NativeDecodeAttention:
             kv_row,
             k_pool,
             v_pool,
-            kernel.pool_dtype == torch.bfloat16,
+            kernel.pool_bf16,
             self.tables_at + start * tables.strides[0],
             tables.shape[1],
             self.lengths_at + start * self.lengths.strides[0],
