@@ -240,9 +240,14 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         if self._options.threads is not None:
             torch.set_num_threads(self._options.threads)
-        # read here: torch's thread count may differ in the helper thread that builds
+        # read here: torch's thread count may differ in the engine thread
         threads = torch.get_num_threads()
-        self._cache, self._runner = await asyncio.to_thread(self._build, threads)
+        built: asyncio.Future[None] = self._loop.create_future()
+        self._thread = threading.Thread(
+            target=self._main, args=(threads, built), name="batchpilot-engine", daemon=True
+        )
+        self._thread.start()
+        await built
         log.info(
             "engine ready: %s (%s) on %s, %d KV blocks, %s decode attention",
             self.model_name,
@@ -251,14 +256,51 @@ class Engine:
             self._cache.pool.num_blocks,
             self._runner.attention,
         )
-        self._max_model_len = self._context_length(self._cache)
-        self._sampler = Sampler(self._spec.vocab_size, self.tokenizer.eos_ids, self._device)
-        self._scheduler = self._new_scheduler(self._cache.pool)
-        self._state = "running"
-        self._thread = threading.Thread(
-            target=self._run, args=(self._scheduler,), name="batchpilot-engine", daemon=True
+
+    def _main(self, threads: int, built: asyncio.Future[None]) -> None:
+        """The engine thread: builds the model, then runs its steps.
+
+        One thread does both because torch's OpenMP runtime (libgomp) keeps a team of
+        worker threads for every thread that ever ran a parallel op. With more of them
+        than CPUs (a helper thread's idle team from loading beside the engine thread's),
+        libgomp stops spinning at barriers and sleeps on a futex instead, and a step
+        passes hundreds of barriers: SmolLM2-135M at batch 10 on 2 CPUs took 50 ms a
+        step against 30 ms with the engine thread's team alone."""
+        try:
+            torch.set_num_threads(threads)  # torch's count is per thread
+            self._cache, self._runner = self._build(threads)
+            self._max_model_len = self._context_length(self._cache)
+            self._sampler = Sampler(self._spec.vocab_size, self.tokenizer.eos_ids, self._device)
+            scheduler = self._new_scheduler(self._cache.pool)
+        except Exception as exc:
+            self._settle(built, exc)
+            return
+        with self._cond:
+            starting = self._state == "new"  # not shut down while the model loaded
+            if starting:
+                self._scheduler, self._state = scheduler, "running"
+        self._settle(
+            built, None if starting else EngineStoppedError("engine shut down while starting")
         )
-        self._thread.start()
+        if starting:
+            self._run(scheduler)
+        else:
+            self._runner.close()
+
+    def _settle(self, built: asyncio.Future[None], error: BaseException | None) -> None:
+        """From the engine thread: `start` returns, or raises `error`."""
+
+        def settle() -> None:
+            if built.done():  # start was cancelled
+                return
+            if error is None:
+                built.set_result(None)
+            else:
+                built.set_exception(error)
+
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop closed: no one awaits start
+            self._loop.call_soon_threadsafe(settle)
 
     def _build(self, threads: int) -> tuple[KVCache, ModelRunner]:
         options = self._options

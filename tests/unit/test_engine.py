@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 
 import pytest
 import torch
+from batchpilot_server import engine as engine_module
+from batchpilot_server import weights
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine import Engine
 from batchpilot_server.engine_api import (
@@ -21,6 +24,7 @@ from batchpilot_server.engine_api import (
 )
 from batchpilot_server.kv_cache import bytes_per_block
 from batchpilot_server.models import build_model, get_spec
+from batchpilot_server.weights import LoadedModel, ModelLoadError
 
 from tests.support.engine_helpers import ATTENTIONS, RecordingObserver, collect, prompt, started
 
@@ -252,6 +256,55 @@ async def test_engine_reports_what_the_server_needs() -> None:
     assert len(observer.busy) == 16
     assert sum(observer.busy) >= sum(duration for _, duration in observer.steps)
     assert sum(observer.busy) <= wall - IDLE_S
+
+
+class ThreadRecordingObserver(RecordingObserver):
+    """Also keeps which threads ran the model steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step_threads: set[int] = set()
+
+    def on_step(self, batch_size: int, duration_s: float) -> None:
+        self.step_threads.add(threading.get_ident())
+        super().on_step(batch_size, duration_s)
+
+
+async def test_the_thread_that_steps_the_model_is_the_one_that_built_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's OpenMP runtime keeps a team of workers for each thread that ran a parallel
+    op; a loader thread's idle team beside the engine thread's puts more workers than
+    CPUs, and the workers then sleep at every barrier of every step (server/engine.py
+    `_main`). So the engine thread loads the model itself."""
+    loaded_in: list[int] = []
+
+    def load_model(*args: object, **kwargs: object) -> LoadedModel:
+        loaded_in.append(threading.get_ident())
+        return weights.load_model(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine_module, "load_model", load_model)
+    observer = ThreadRecordingObserver()
+    engine = await started("continuous", observer)
+    try:
+        await collect(engine.submit(prompt(engine, 4), GREEDY_16))
+    finally:
+        await engine.shutdown()
+    assert len(loaded_in) == 1 and loaded_in[0] != threading.get_ident()
+    assert observer.step_threads == set(loaded_in)
+
+
+async def test_a_model_that_fails_to_load_fails_start_and_serves_nothing() -> None:
+    engine = Engine(
+        EngineOptions(
+            mode="continuous", config=BatchingConfig(), model="/no/such/model", device="cpu"
+        )
+    )
+    with pytest.raises(ModelLoadError, match="neither a preset"):
+        await engine.start()
+    with pytest.raises(EngineStoppedError):
+        engine.submit([1], GREEDY_16)
+    await engine.shutdown()  # returns: the thread ended with the failed load
 
 
 class FailingObserver(RecordingObserver):
