@@ -22,22 +22,6 @@ PromptLogits = Callable[[Sequence, int, torch.Tensor], None]
 # prompt positions whose logits are computed at once: a 2048-token chunk's logits over
 # a 50k-150k vocabulary would take GBs
 PROMPT_LOGITS_SLICE = 256
-# decode steps of at most this many rows run on one torch thread. Such a step is a
-# chain of small ops bound by reading the weights; a second OpenMP thread gains little
-# there and fights the HTTP event loop for the cores, and a parallel region whose
-# worker is descheduled waits for it. SmolLM2-135M over HTTP, 2 CPUs, --threads 2,
-# decode tokens/s at 1/2/4/8/16/32 concurrent streams: bfloat16 27/46/91/152/230/346
-# with every step on 2 threads, 34/57/127/208/273/385 with this; int4 29/54/105/152/
-# 244/303 against 43/72/119/174/233/307 (docs/benchmarks.md, "Threads")
-SERIAL_DECODE_ROWS = 8
-# prefill forwards of at most this many prompt tokens (all rows' chunks together) run on
-# one torch thread too. Alone, 2 threads compute any prefill faster (1.4x at 8 tokens,
-# 1.5x at 32); under load the second thread's waits cost more than it gains on a short
-# prompt. SmolLM2-135M bfloat16 over HTTP, --threads 2, open-loop Poisson, outputs of
-# median 32 tokens, p99 latency: 19-token prompts at 3.5 requests/s 9.1 s on 2 threads,
-# 5.1 s on one; at 5/s 10.5 -> 6.7 s. 60-token prompts lose on one thread (3.5/s: 9.8 ->
-# 15.6 s), 240-token ones too (docs/benchmarks.md, "Threads")
-SERIAL_PREFILL_TOKENS = 32
 
 
 def compute_dtype(cache: KVCache) -> torch.dtype:
@@ -225,10 +209,8 @@ class ModelRunner:
         attention: AttentionBackend = "auto",
         threads: int = 1,
     ) -> None:
-        """`threads`: torch's intra-op threads for a step past either serial limit (more
-        than SERIAL_DECODE_ROWS decode rows or SERIAL_PREFILL_TOKENS prefill tokens; 1:
-        torch's setting is left as it is), and how many decode attention may use (the
-        native kernel's)."""
+        """`threads`: how many threads decode attention may use (the native kernel's);
+        the projections run on torch's intra-op threads."""
         self.model = model
         self.cache = cache
         self.device = model.device
@@ -239,14 +221,6 @@ class ModelRunner:
         """Stop the attention threads, if any."""
         if self.kernel is not None:
             self.kernel.close()
-
-    def _use_threads(self, serial: bool) -> None:
-        """torch's intra-op threads for the forward this (the engine's) thread runs next:
-        one for a small one, else `threads`."""
-        if self.threads > 1:
-            threads = 1 if serial else self.threads
-            if torch.get_num_threads() != threads:
-                torch.set_num_threads(threads)
 
     @property
     def attention(self) -> Literal["native", "torch"]:
@@ -282,9 +256,6 @@ class ModelRunner:
         of every position that predicts a prompt token, for the rows that
         `wants_prompt_logprobs`."""
         pre = self._prefill_batch(prefill, chunks) if prefill else None
-        prefill_tokens = 0 if pre is None else int(pre.counts.sum())
-        serial = len(decode) <= SERIAL_DECODE_ROWS and prefill_tokens <= SERIAL_PREFILL_TOKENS
-        self._use_threads(serial)
         prefill_hidden, hidden = self._hidden(pre, decode)
         for seq in decode:
             seq.num_computed = seq.num_tokens

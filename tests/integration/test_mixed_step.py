@@ -1,7 +1,6 @@
 """A step with prefill rows and decode rows runs them as one forward
 (ModelRunner.step): the same logits the two kinds of row get from forwards of
-their own, each projection computed once for the step (the weights read once),
-and one torch thread only while both kinds stay within their serial limits."""
+their own, each projection computed once for the step (the weights read once)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 from batchpilot_server.engine_api import SamplingParams
 from batchpilot_server.kv_cache import KVCache
-from batchpilot_server.model_runner import SERIAL_DECODE_ROWS, SERIAL_PREFILL_TOKENS, ModelRunner
+from batchpilot_server.model_runner import ModelRunner
 from batchpilot_server.models import build_model, get_spec
 from batchpilot_server.sequence import Sequence
 from torch.profiler import ProfilerActivity, profile
@@ -90,26 +89,3 @@ def test_a_mixed_step_computes_each_projection_once(
     both = linear_calls(lambda: runner.step(new, old))
     assert decode_only == 4 * SPEC.n_layers + 1  # q/k/v, o, gate/up, down; the LM head
     assert both == decode_only
-
-
-@pytest.mark.parametrize("runners", ["auto"], indirect=True)
-def test_a_mixed_step_runs_on_one_thread_only_within_both_limits(
-    runners: tuple[ModelRunner, ModelRunner],
-) -> None:
-    runner = runners[0]
-    before = torch.get_num_threads()
-    try:
-        cases = (
-            (SERIAL_DECODE_ROWS, SERIAL_PREFILL_TOKENS, 1),
-            (SERIAL_DECODE_ROWS + 1, 4, 2),
-            (1, SERIAL_PREFILL_TOKENS + 1, 2),
-        )
-        for rows, tokens, threads in cases:
-            old, new = decoding(runner, rows), sequences(runner, [[5] * tokens])
-            torch.set_num_threads(3 - threads)  # the step sets its own count, whatever this
-            runner.step(new, old)
-            assert torch.get_num_threads() == threads
-            for seq in (*old, *new):
-                runner.cache.pool.release(seq.block_table)
-    finally:
-        torch.set_num_threads(before)

@@ -28,7 +28,7 @@ from batchpilot_server.attention_kernel_build import (
 from batchpilot_server.block_pool import KVAccountingError
 from batchpilot_server.engine_api import SamplingParams
 from batchpilot_server.kv_cache import KVCache
-from batchpilot_server.model_runner import SERIAL_DECODE_ROWS, SERIAL_PREFILL_TOKENS, ModelRunner
+from batchpilot_server.model_runner import ModelRunner
 from batchpilot_server.models import Attention, CausalAttention, ModelSpec, build_model, get_spec
 from batchpilot_server.sequence import Sequence
 from batchpilot_server.serve import main as serve_main
@@ -367,34 +367,3 @@ def test_the_kernel_and_the_torch_path_agree(head_dim: int) -> None:
         rows = run_probe(runner, probe, probe_sequences(runner, LENGTHS, steps), steps)
         outputs.append(torch.stack([row for _, _, row in rows]))
     torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=0)
-
-
-def test_small_steps_run_on_one_thread() -> None:
-    """Prefills of more than SERIAL_PREFILL_TOKENS tokens and decode steps of more than
-    SERIAL_DECODE_ROWS rows use the runner's threads; smaller ones one (the HTTP event
-    loop keeps the other core)."""
-    before = torch.get_num_threads()
-    model = build_model("tiny", "cpu")
-    cache = KVCache(get_spec("tiny"), num_blocks=64, block_size=16, device="cpu")
-    runner = ModelRunner(model, cache, "auto", 2)
-    params = SamplingParams(max_tokens=4)
-    try:
-        prompt = [256, 1, 2, 3]
-        # 8 rows of 4 tokens are SERIAL_PREFILL_TOKENS: the row counts probe both limits
-        assert SERIAL_DECODE_ROWS * len(prompt) == SERIAL_PREFILL_TOKENS
-        for rows, threads in ((SERIAL_DECODE_ROWS, 1), (SERIAL_DECODE_ROWS + 1, 2)):
-            seqs = [Sequence(f"{rows}-{n}", prompt, params, 0.0, None, None) for n in range(rows)]
-            for seq in seqs:
-                assert cache.pool.grow(seq.block_table, seq.max_total_tokens)
-            next_ids = runner.prefill(seqs).argmax(-1).tolist()
-            assert torch.get_num_threads() == threads
-            for seq, token in zip(seqs, next_ids, strict=True):
-                seq.token_ids.append(token)
-            torch.set_num_threads(3 - threads)  # the decode sets its own count, whatever this
-            runner.decode(seqs)
-            assert torch.get_num_threads() == threads
-            for seq in seqs:
-                cache.pool.release(seq.block_table)
-    finally:
-        runner.close()
-        torch.set_num_threads(before)
