@@ -214,7 +214,6 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = model.device
-        self.threads = threads
         self.kernel = native_kernel_for(attention, cache, threads)
 
     def close(self) -> None:
