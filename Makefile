@@ -56,7 +56,9 @@ lock:
 	$(PYTHON) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
 	$(LOCK_VENV)/bin/pip install --quiet -e ".[dev]"
-	{ grep '^#' constraints.txt; $(LOCK_VENV)/bin/pip freeze --exclude-editable | grep -v '^#'; } > constraints.txt.new
+	# torch without its local label (+cpu): a CUDA or PyPI build of the version satisfies it
+	{ grep '^#' constraints.txt; $(LOCK_VENV)/bin/pip freeze --exclude-editable \
+	  | grep -v '^#' | sed 's/^torch==\([^+]*\)+.*/torch==\1/'; } > constraints.txt.new
 	mv constraints.txt.new constraints.txt
 	rm -rf $(LOCK_VENV)
 
