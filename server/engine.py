@@ -27,6 +27,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 
 import torch
 from batchpilot_server.batching_config import MODES, BatchingConfig, Mode
@@ -242,12 +243,12 @@ class Engine:
             torch.set_num_threads(self._options.threads)
         # read here: torch's thread count may differ in the engine thread
         threads = torch.get_num_threads()
-        built: asyncio.Future[None] = self._loop.create_future()
+        built: Future[None] = Future()
         self._thread = threading.Thread(
             target=self._main, args=(threads, built), name="batchpilot-engine", daemon=True
         )
         self._thread.start()
-        await built
+        await asyncio.wrap_future(built)
         log.info(
             "engine ready: %s (%s) on %s, %d KV blocks, %s decode attention",
             self.model_name,
@@ -257,8 +258,9 @@ class Engine:
             self._runner.attention,
         )
 
-    def _main(self, threads: int, built: asyncio.Future[None]) -> None:
-        """The engine thread: builds the model, then runs its steps.
+    def _main(self, threads: int, built: Future[None]) -> None:
+        """The engine thread: builds the model, then runs its steps; `built` says how the
+        build went (`start` awaits it).
 
         One thread does both because torch's OpenMP runtime (libgomp) keeps a team of
         worker threads for every thread that ever ran a parallel op. With more of them
@@ -266,6 +268,7 @@ class Engine:
         libgomp stops spinning at barriers and sleeps on a futex instead, and a step
         passes hundreds of barriers: SmolLM2-135M at batch 10 on 2 CPUs took 50 ms a
         step against 30 ms with the engine thread's team alone."""
+        built.set_running_or_notify_cancel()  # from here `start` can no longer cancel it
         try:
             torch.set_num_threads(threads)  # torch's count is per thread
             self._cache, self._runner = self._build(threads)
@@ -273,34 +276,18 @@ class Engine:
             self._sampler = Sampler(self._spec.vocab_size, self.tokenizer.eos_ids, self._device)
             scheduler = self._new_scheduler(self._cache.pool)
         except Exception as exc:
-            self._settle(built, exc)
+            built.set_exception(exc)
             return
         with self._cond:
             starting = self._state == "new"  # not shut down while the model loaded
             if starting:
                 self._scheduler, self._state = scheduler, "running"
-        self._settle(
-            built, None if starting else EngineStoppedError("engine shut down while starting")
-        )
-        if starting:
-            self._run(scheduler)
-        else:
+        if not starting:
+            built.set_exception(EngineStoppedError("engine shut down while starting"))
             self._runner.close()
-
-    def _settle(self, built: asyncio.Future[None], error: BaseException | None) -> None:
-        """From the engine thread: `start` returns, or raises `error`."""
-
-        def settle() -> None:
-            if built.done():  # start was cancelled
-                return
-            if error is None:
-                built.set_result(None)
-            else:
-                built.set_exception(error)
-
-        assert self._loop is not None
-        with contextlib.suppress(RuntimeError):  # the loop closed: no one awaits start
-            self._loop.call_soon_threadsafe(settle)
+            return
+        built.set_result(None)
+        self._run(scheduler)
 
     def _build(self, threads: int) -> tuple[KVCache, ModelRunner]:
         options = self._options
