@@ -14,7 +14,8 @@ mode) always gives the same decision; `tuning_loop.TuningLoop` is its one caller
    - where the step fit for this fleet size is trusted and its recent error on the
      config in force is small (the median of its last errors, those of its own form:
      memory.py `FitErrors`; a refit through other terms or points is judged on its own
-     errors from the first window that judges it), the choice (choice.py) picks the
+     errors from the first window that judges it; the error is the prediction at the
+     arrivals the window saw, not at the forecast), the choice (choice.py) picks the
      cheapest candidate the predictor (predictor.py) says meets the SLO with the margin;
    - otherwise the AIMD fallback (aimd.py) steps, and the reason says why the fit was
      not used.
@@ -39,7 +40,7 @@ from batchpilot_operator.policy.reasons import knob_change
 from batchpilot_operator.policy.replicas import Need, observe, stabilize
 from batchpilot_operator.policy.sizing import Sizing
 from batchpilot_operator.policy.step_model import StepModel, fit_for, point_of, remember
-from batchpilot_operator.policy.window import Window
+from batchpilot_operator.policy.window import Forecast, Window
 from batchpilot_operator.replica_rule import Fleet
 from batchpilot_operator.signals import Signals, misses_are_evidence
 from batchpilot_operator.tuner import Decision, Goal
@@ -155,7 +156,9 @@ def _error(window: Window, model: StepModel, current: BatchingConfig) -> float |
         current.max_batch_size, current.batch_timeout_ms, current.prefill_token_budget,
         window.pods,
     )  # fmt: skip
-    prediction = predict(window, model, candidate)
+    # Judged at the arrivals the window saw: its p99s are of that load, not the forecast's.
+    seen_load = replace(window, forecast=Forecast(window.arrival_rps))
+    prediction = predict(seen_load, model, candidate)
     observed = window.observed()
     if prediction is None or not observed:
         return None

@@ -7,9 +7,11 @@ from dataclasses import replace
 
 from batchpilot_operator.policy.choice import knob_candidates
 from batchpilot_operator.policy.memory import FitErrors, PolicyMemory
+from batchpilot_operator.policy.replicas import observe
 from batchpilot_operator.policy.round import decide
 from batchpilot_operator.policy.step_model import fit
-from batchpilot_operator.replica_rule import Fleet, ReplicaBounds
+from batchpilot_operator.policy.window import forecast
+from batchpilot_operator.replica_rule import Fleet, ReplicaBounds, ReplicaState
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.tuner import Bounds, Goal
 from batchpilot_server.batching_config import BatchingConfig
@@ -181,3 +183,15 @@ def test_the_reach_counts_from_the_batch_in_force_where_steps_held_fewer_rows() 
     assert model is not None and model.max_rows == 3.0
     batches = {b for b, _, _ in knob_candidates(BOUNDS, CURRENT, model)}
     assert max(batches) == 2 * CURRENT.max_batch_size
+
+
+def test_the_fit_is_judged_at_the_arrivals_the_window_saw_not_the_forecast() -> None:
+    # Arrivals rose 2 -> 8 req/s over the last rounds: the forecast is far above the
+    # window's own 8 req/s. The window's p99s are what the fit predicts at 8 req/s.
+    now = 1e4
+    rising = ReplicaState(arrivals=((now - 90, 2.0), (now - 60, 4.0), (now - 30, 6.0)))
+    memory = replace(trusted(), replicas=rising)
+    assert forecast(8.0, observe(rising, seen(8.0), Fleet(1, 1), now)).rps >= 12.0
+    decision = decide(seen(8.0), CURRENT, GOAL, memory, fleet=Fleet(1, 1), now=now)
+    assert decision.memory.errors.values and decision.memory.errors.values[-1] < 0.01
+    assert decision.reason.startswith("predicted")
