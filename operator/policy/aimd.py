@@ -31,10 +31,11 @@ counts as inside the band (`Window.pressure`).
 The pods needed come from the same step. A crowded TPOT: one pod more (the prompts
 beside each decode step come with the arrivals a pod takes). A queueing breach:
 - with the batch still growing: a batch grown by a factor raises a pod's throughput by
-  that factor at most, so where even that best leaves the demand and the backlog
-  (drained within a window) over `SCALE_OUT_UTILISATION` busy at the throughput a pod
-  showed (finished per busy second), the pods that carry it are needed now, beside
-  the growth; else the pods there are ("knobs first");
+  that factor at most (and by nothing usable where a stated TPOT is already outside its
+  band: more rows lengthen every step), so where even that best leaves the demand and
+  the backlog (drained within a window) over `SCALE_OUT_UTILISATION` busy at the
+  throughput a pod showed (finished per busy second), the pods that carry it are
+  needed now, beside the growth; else the pods there are ("knobs first");
 - with the batch spent (at its limit, or cut this round): the pods that each run at
   most `SCALE_OUT_UTILISATION` busy for the forecast arrivals.
 With headroom and no queue, the pods that would run at most `SCALE_IN_UTILISATION`
@@ -224,15 +225,21 @@ def _need(
         # pods that carry the demand and drain the backlog even at that best, now, rather
         # than a round and a start-up later.
         demand = window.demand_with_backlog_rps
-        best = SCALE_OUT_UTILISATION * per_pod * max(1.0, growth)
+        usable = _usable_growth(window, growth, goal)
+        best = SCALE_OUT_UTILISATION * per_pod * usable
         wanted = math.ceil(demand / best - 1e-9)
         if wanted <= desired:
             return Need(desired, f"{why}, and the grown batch can carry it: knobs first")
+        grown = (
+            f"even a batch grown {growth:.2g}x"
+            if usable > 1 or growth <= 1
+            else "with the TPOT outside its band, a grown batch adds nothing usable: a pod"
+        )
         return Need(
             wanted,
-            f"{why}, but even a batch grown {growth:.2g}x carries at most {best:.2f} req/s "
-            f"per pod at {SCALE_OUT_UTILISATION:.0%} busy: {demand:.2f} req/s with the "
-            f"backlog needs {wanted}",
+            f"{why}, but {grown} carries at most {best:.2f} req/s per pod at "
+            f"{SCALE_OUT_UTILISATION:.0%} busy: {demand:.2f} req/s with the backlog needs "
+            f"{wanted}",
         )
     if breach:
         wanted = math.ceil(window.forecast_rps / (SCALE_OUT_UTILISATION * per_pod) - 1e-9)
@@ -264,6 +271,16 @@ def _need(
                 "busy at any load): one pod fewer",
             )
     return Need(desired, f"{desired} pod(s) needed for {rate}")
+
+
+def _usable_growth(window: Window, growth: float, goal: Goal) -> float:
+    """The throughput a grown batch can add: its factor, unless a stated TPOT is already
+    outside its band (more rows a step lengthen every step, so the capacity a larger
+    batch adds cannot be used within that target)."""
+    tpot, target = window.signals.tpot_p99_s, goal.slo.stated.get("tpot")
+    if tpot is not None and target is not None and tpot > (1 - goal.params.band) * target:
+        return 1.0
+    return max(1.0, growth)
 
 
 # Why the budget moves for a target broken while running: each step carries up to the

@@ -13,6 +13,9 @@ Pure. From the window's `Signals`, the goal and the rule's memory:
 - per pod: the throughput a pod showed (finished per busy second; without a busy
   share, a queueing pod is taken as always busy); the decode rows a step ran
   (`mean_rows`: the step counters, else the mean batch size);
+- `queueing`: the wait for a slot is half the p99 it is part of (TTFT's where TTFT is
+  a stated target: an end-to-end p99 of long answers hides a queue that breaks it), or
+  the queue grows;
 - `queue_grows`: more than a request a pod waits at the window's end and clearly
   fewer finished than arrived: evidence, whatever the window's count of finished
   requests;
@@ -121,9 +124,11 @@ class Window:
         return s.mean_batch_size
 
     def queueing(self) -> bool:
-        """The wait for a slot is half the p99, or the queue grows."""
+        """The wait for a slot is half the p99 it is part of (TTFT where that is a stated
+        target, else end to end), or the queue grows."""
         s = self.signals
-        p99 = s.p99_latency_s or 0.0
+        ttft = s.ttft_p99_s if "ttft" in self.slo.stated else None
+        p99 = (ttft if ttft is not None else s.p99_latency_s) or 0.0
         return self.queue_grows or (s.queue_wait_p99_s or 0.0) >= QUEUE_SHARE * p99 > 0
 
     def observed(self) -> dict[str, float]:

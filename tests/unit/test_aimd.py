@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 from batchpilot_operator.policy.memory import PolicyMemory
 from batchpilot_operator.policy.round import decide
-from batchpilot_operator.replica_rule import Fleet, ReplicaBounds
+from batchpilot_operator.policy.window import Window
+from batchpilot_operator.replica_rule import Fleet, ReplicaBounds, ReplicaState
 from batchpilot_operator.signals import (
     Signals,
     misses_are_evidence,
@@ -262,3 +263,29 @@ def test_a_thin_window_whose_pods_judged_many_misses_is_evidence() -> None:
     chance = replace(thin, slo_met=37.0, slo_missed={"all": 3.0, "ttft": 3.0})
     assert not misses_are_evidence(40, 3, goal.slo.allowed_miss_share)
     assert step(chance, goal).action == "hold"
+
+
+CHAT = Goal(Slo(ttft_s=1.0, tpot_s=0.02), Bounds(1, 64), replicas=ReplicaBounds(1, 4))
+
+
+def test_a_wait_that_is_most_of_the_ttft_is_queueing_though_long_answers_hide_it() -> None:
+    # The wait is nearly all of the TTFT p99 and a quarter of the end-to-end p99 of long
+    # answers; no queue is left at the window's end.
+    s = signals(ttft_p99_s=2.3, queue_wait_p99_s=2.2, p99_latency_s=9.0, tpot_p99_s=0.01)
+    assert Window.of(s, CHAT.slo, None, None, ReplicaState()).queueing()
+    # an end-to-end SLO reads the wait against its own p99, as before
+    assert not Window.of(s, Slo(e2e_s=10.0), None, None, ReplicaState()).queueing()
+
+
+def test_a_grown_batch_counts_for_nothing_where_the_tpot_is_outside_its_band() -> None:
+    # 20 finished a second by a pod always busy; 22 arrive. With TPOT headroom a batch
+    # grown 1.5x carries 24 at 80 % busy (knobs first); with TPOT past its band more
+    # rows lengthen every step, so one pod carries 16 and two are needed now.
+    queued = dict(ttft_p99_s=2.3, queue_wait_p99_s=2.2, p99_latency_s=9.0, arrival_rate=22.0)
+    roomy = step(signals(tpot_p99_s=0.01, **queued), CHAT, fleet=Fleet(1, 1), now=100.0)
+    assert roomy.scale is not None and roomy.scale.replicas == 1
+    assert "knobs first" in roomy.scale.reason
+    tight = step(signals(tpot_p99_s=0.018, **queued), CHAT, fleet=Fleet(1, 1), now=100.0)
+    assert tight.action == "grow_batch"
+    assert tight.scale is not None and tight.scale.replicas == 2
+    assert "a grown batch adds nothing usable" in tight.scale.reason
