@@ -301,7 +301,6 @@ def gather_cost(model: Decoder, steps: int, threads: int) -> dict[str, float]:
             for _ in range(steps):
                 step()
             best[name] = min(best[name], (time.perf_counter() - start) / steps)
-    runner.close()
     return {
         "contiguous_step_s": best["contiguous"],
         "paged_step_s": best["paged"],

@@ -109,7 +109,6 @@ def step_profile(loaded: LoadedModel, batch: int, steps: int) -> dict[str, float
     sums: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         sums[category(event.key)] += event.self_cpu_time_total / 1e3 / steps
-    runner.close()
     ops = sum(sums.values())
     out = {k: round(v, 2) for k, v in sorted(sums.items(), key=lambda kv: -kv[1])}
     # profiled wall time beyond the ops' own time: Python, dispatch, the profiler itself

@@ -100,9 +100,6 @@ class Decoding:
         self.step_s.append(done - began)
         self.sample_s.append(done - sampling)
 
-    def close(self) -> None:
-        self.runner.close()
-
 
 def measure(ref: model_refs.ModelRef, plan: Plan) -> dict[str, Any]:
     loaded = load_model(ref.source, device="cpu", dtype="float32")
@@ -120,8 +117,6 @@ def measure(ref: model_refs.ModelRef, plan: Plan) -> dict[str, Any]:
         for _ in range(plan.steps):
             for run in runs.values():
                 run.step()
-    for run in runs.values():
-        run.close()
     greedy = statistics.median(runs["greedy"].step_s)
     rows = {
         name: {

@@ -155,7 +155,6 @@ class StepCost:
                 )
                 for seq in batch:
                     cache.pool.release(seq.block_table)
-        runner.close()
         positions = np.array([c * w for c, w in rectangles], float)
         slope, base = np.polyfit(positions, [best_prefill[r] for r in rectangles], 1)
         return cls(

@@ -1,14 +1,12 @@
 """Decode attention through the native C kernel (`csrc/paged_attention.c`, built
 and loaded by `attention_kernel_build`): one call per layer, its rows shared among the
-engine's threads when a step is long enough, and the choice between this path
-and the torch one (`model_runner.PagedDecodeAttention`)."""
+engine thread's OpenMP team when a step is long enough, and the choice between this
+path and the torch one (`model_runner.PagedDecodeAttention`)."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from concurrent.futures import ThreadPoolExecutor
-from itertools import pairwise
 
 import numpy as np
 import torch
@@ -26,47 +24,17 @@ KERNEL_POOL_DTYPES = (torch.float32, torch.bfloat16)
 
 class NativeKernel:
     """The C function, where each layer's K and V pools start (they never move), and
-    the threads that share a long step's rows.
+    the threads a step's rows may share: the kernel runs them on the calling thread's
+    OpenMP team (torch's own, where the library links torch's libgomp:
+    `attention_kernel_build.shares_torch_openmp`)."""
 
-    Rows split only when each share holds `min_tokens_per_part` cached tokens: below
-    that, handing rows to another thread costs more than it saves (on the 2-core
-    benchmark machine a hand-off costs ~60 us; two threads gain 1.8x at batch 32,
-    context 512, and nothing at context 80)."""
-
-    def __init__(
-        self,
-        function: ctypes._CFuncPtr,
-        cache: KVCache,
-        threads: int = 1,
-        min_tokens_per_part: int = 4096,
-    ) -> None:
+    def __init__(self, function: ctypes._CFuncPtr, cache: KVCache, threads: int = 1) -> None:
         self.function = function
         self.block_size = cache.block_size
         self.layers = [(k.data_ptr(), v.data_ptr()) for k, v in zip(cache.k, cache.v, strict=True)]
         self.pool_dtype = cache.k.dtype
         self.pool_bf16 = self.pool_dtype == torch.bfloat16  # the C call's flag, read per layer
         self.threads = threads
-        self.min_tokens_per_part = min_tokens_per_part
-        self.workers = (
-            ThreadPoolExecutor(threads - 1, thread_name_prefix="batchpilot-attention")
-            if threads > 1
-            else None
-        )
-
-    def close(self) -> None:
-        if self.workers is not None:
-            self.workers.shutdown()
-
-
-def row_parts(lengths: np.ndarray, most: int, min_tokens: int) -> list[tuple[int, int]]:
-    """Contiguous row ranges [start, stop) with about equal token counts: at most `most`
-    of them, each of about `min_tokens` tokens or more."""
-    total = int(lengths.sum())
-    parts = max(1, min(most, len(lengths), total // max(1, min_tokens)))
-    shares = total * np.arange(1, parts) / parts
-    cuts = (np.searchsorted(np.cumsum(lengths), shares) + 1).tolist()
-    bounds = [0, *cuts, len(lengths)]
-    return [(start, stop) for start, stop in pairwise(bounds) if stop > start]
 
 
 class NativeDecodeAttention:
@@ -85,8 +53,7 @@ class NativeDecodeAttention:
         for row, seq in enumerate(seqs):
             self.tables[row, : len(seq.block_table)] = seq.block_table
         self.kernel = kernel
-        self.parts = row_parts(self.lengths, kernel.threads, kernel.min_tokens_per_part)
-        # addresses read once per step, not once per layer and part
+        # addresses read once per step, not once per layer
         self.tables_at, self.lengths_at = self.tables.ctypes.data, self.lengths.ctypes.data
 
     def __call__(
@@ -99,64 +66,24 @@ class NativeDecodeAttention:
         kv_heads = k.shape[2]
         if heads % kv_heads:
             raise ValueError(f"{heads} query heads do not split into {kv_heads} KV groups")
-        pool = self.kernel.pool_dtype
-        query, key, value = q.to(torch.float32), k.to(pool), v.to(pool)
+        kernel = self.kernel
+        query, key, value = q.to(torch.float32), k.to(kernel.pool_dtype), v.to(kernel.pool_dtype)
         # C reads rows `stride(0)` apart, heads and dims packed; k and v share a stride
         if query.stride()[2:] != (head_dim, 1):
             query = query.contiguous()
         if key.stride() != value.stride() or key.stride()[2:] != (head_dim, 1):
             key, value = key.contiguous(), value.contiguous()
         out = query.new_empty(batch, 1, heads, head_dim)
-        first, *rest = self.parts  # rest is empty without workers (row_parts' `most`)
-        workers = self.kernel.workers
-        pending = []
-        if workers is not None:
-            pending = [
-                workers.submit(self._rows, layer, query, key, value, out, *part) for part in rest
-            ]
-        self._rows(layer, query, key, value, out, *first)
-        for part in pending:
-            part.result()
-        return out.to(q.dtype)
-
-    def _rows(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        start: int,
-        stop: int,
-    ) -> None:
-        """The kernel over rows [start, stop): every pointer moved to row `start`."""
-        _, _, heads, head_dim = q.shape
-        kernel, tables = self.kernel, self.tables
-        q_row, kv_row = q.stride(0), k.stride(0)
-        size, kv_size = q.element_size(), k.element_size()
         k_pool, v_pool = kernel.layers[layer]
         status = kernel.function(
-            q.data_ptr() + start * q_row * size,
-            k.data_ptr() + start * kv_row * kv_size,
-            v.data_ptr() + start * kv_row * kv_size,
-            q_row,
-            kv_row,
-            k_pool,
-            v_pool,
-            kernel.pool_bf16,
-            self.tables_at + start * tables.strides[0],
-            tables.shape[1],
-            self.lengths_at + start * self.lengths.strides[0],
-            stop - start,
-            heads,
-            k.shape[2],
-            head_dim,
-            kernel.block_size,
-            head_dim**-0.5,
-            out.data_ptr() + start * out.stride(0) * size,
-        )
+            query.data_ptr(), key.data_ptr(), value.data_ptr(), query.stride(0), key.stride(0),
+            k_pool, v_pool, kernel.pool_bf16, self.tables_at, self.tables.shape[1],
+            self.lengths_at, batch, heads, kv_heads, head_dim, kernel.block_size,
+            head_dim**-0.5, out.data_ptr(), kernel.threads,
+        )  # fmt: skip
         if status != 0:
             raise MemoryError("the attention kernel could not allocate its scratch weights")
+        return out.to(q.dtype)
 
 
 def native_kernel_for(

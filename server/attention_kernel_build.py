@@ -10,6 +10,10 @@ with the reason; the engine then uses the torch path. A library that another
 user could have replaced (its file or folder writable by others, or owned by
 someone other than this user or root) is refused, not loaded.
 
+Where torch runs on GNU libgomp (its Linux wheels), the kernel is built with
+`-fopenmp` and shares a step's rows among the calling thread's OpenMP team: the
+same libgomp and the same workers as torch's own ops (`shares_torch_openmp`).
+
 ctypes releases the GIL for the call, so the event loop runs during it.
 """
 
@@ -25,9 +29,10 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+import torch
+
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-# -fopenmp-simd honours the source's `omp simd` reductions without -ffast-math
-FLAGS = ("-O3", "-fopenmp-simd", "-shared", "-fPIC", "-std=c11")
+BASE_FLAGS = ("-O3", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120.0
 
 
@@ -40,10 +45,33 @@ def cache_dir() -> Path:
     return Path(base) / "batchpilot"
 
 
+def shares_torch_openmp() -> bool:
+    """Whether torch runs on OpenMP and a GNU libgomp under its own soname
+    (`libgomp.so.1`) is loaded in this process: a library linked with `-fopenmp` then
+    binds to that same copy (the loader matches the soname), and its parallel regions
+    run on the calling thread's team of torch workers. A renamed copy (a wheel's
+    `libgomp-<hash>.so.1`) or another runtime (LLVM's, Intel's) would leave the kernel
+    a second pool of threads beside torch's, each spinning for the cores the other
+    needs, so the kernel is then built without OpenMP."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    loaded = {Path(line.split()[-1]).name for line in maps.splitlines() if "/" in line}
+    return "libgomp.so.1" in loaded and torch.backends.openmp.is_available()
+
+
+def flags() -> tuple[str, ...]:
+    # -fopenmp-simd honours the source's `omp simd` reductions without -ffast-math and
+    # leaves out its `omp parallel` (rows on the calling thread alone).
+    openmp = "-fopenmp" if shares_torch_openmp() else "-fopenmp-simd"
+    return (*BASE_FLAGS, openmp)
+
+
 def library_path() -> Path:
     """Where the library for this source, these flags and this architecture lives."""
     key = hashlib.sha256(SOURCE.read_bytes())
-    key.update(" ".join((*FLAGS, platform.machine())).encode())
+    key.update(" ".join((*flags(), platform.machine())).encode())
     return cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
 
 
@@ -58,7 +86,7 @@ def build(target: Path) -> None:
         raise KernelUnavailableError(f"cannot write the kernel to {target.parent}: {exc}") from exc
     try:
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", scratch, str(SOURCE), "-lm"],
+            [compiler, *flags(), "-o", scratch, str(SOURCE), "-lm"],
             capture_output=True,
             text=True,
             timeout=BUILD_TIMEOUT_S,
@@ -118,6 +146,7 @@ def paged_decode_kernel() -> ctypes._CFuncPtr:
         *(integer,) * 5,  # batch, heads, kv_heads, head_dim, block_size
         ctypes.c_float,  # scale
         pointer,  # out
+        integer,  # threads: the most of the caller's OpenMP team the rows may use
     ]
     function.restype = integer  # 0, or -1: no memory for the attention weights
     return function

@@ -284,7 +284,6 @@ class Engine:
                 self._scheduler, self._state = scheduler, "running"
         if not starting:
             built.set_exception(EngineStoppedError("engine shut down while starting"))
-            self._runner.close()
             return
         built.set_result(None)
         self._run(scheduler)
@@ -560,8 +559,6 @@ class Engine:
     def _stop(self, scheduler: Scheduler) -> None:
         """Thread exit: every stream still open ends with an error (after a failure,
         the scheduler's state is not to be trusted to find them)."""
-        if self._runner is not None:
-            self._runner.close()
         with self._cond:
             self._state = "stopped"
             error = EngineStoppedError(self._stopped_message())

@@ -209,17 +209,13 @@ class ModelRunner:
         attention: AttentionBackend = "auto",
         threads: int = 1,
     ) -> None:
-        """`threads`: how many threads decode attention may use (the native kernel's);
-        the projections run on torch's intra-op threads."""
+        """`threads`: how many threads decode attention may use (the native kernel's,
+        on the engine thread's OpenMP team); the projections run on torch's intra-op
+        threads."""
         self.model = model
         self.cache = cache
         self.device = model.device
         self.kernel = native_kernel_for(attention, cache, threads)
-
-    def close(self) -> None:
-        """Stop the attention threads, if any."""
-        if self.kernel is not None:
-            self.kernel.close()
 
     @property
     def attention(self) -> Literal["native", "torch"]:

@@ -25,6 +25,8 @@
  *   k_pool, v_pool   the pool's type [num_blocks, kv_heads, block_size, head_dim] (one layer)
  *   tables           [batch, width] block ids; lengths [batch] tokens incl. the new one
  *   out              float32 [batch, heads, head_dim]
+ * Rows are shared among up to `threads` threads of the caller's OpenMP team where the
+ * library is built with OpenMP (else, and for a small step, they run on the caller).
  * Returns 0, or -1 when the scratch for the attention weights cannot be allocated.
  */
 #include <math.h>
@@ -33,6 +35,8 @@
 #include <string.h>
 
 enum { LANES = 16 }; /* partial sums per dot product: one vector register wide */
+/* cached tokens in a step below which its rows stay on the calling thread */
+enum { MIN_PARALLEL_TOKENS = 256 };
 _Static_assert(LANES == 16, "sum_lanes() pairs up 16 vectors of 16 lanes");
 
 /* e^x for the scores less their maximum (x <= 0), in a form the compiler vectorizes
@@ -209,6 +213,41 @@ static inline __attribute__((always_inline)) void attend(const Context *c, const
     }
 }
 
+/* Row b: store its newest token's K/V in its last slot, then attend over its blocks. */
+static inline __attribute__((always_inline)) void row(
+    const void *k_new, const void *v_new, int64_t kv_stride, void *k_pool, void *v_pool,
+    int64_t pool_bf16, const int64_t *table, int64_t len, int64_t b, int64_t heads,
+    int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, const float *query,
+    float *mixed, float *weights)
+{
+    const size_t element = pool_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const int64_t head_stride = block_size * head_dim;
+    const int64_t block_stride = kv_heads * head_stride;
+    const int64_t slot =
+        table[(len - 1) / block_size] * block_stride + ((len - 1) % block_size) * head_dim;
+    for (int64_t kv = 0; kv < kv_heads; kv++) {
+        const int64_t from = b * kv_stride + kv * head_dim;
+        const size_t to = (size_t)(slot + kv * head_stride) * element;
+        memcpy((char *)k_pool + to, (const char *)k_new + from * element, head_dim * element);
+        memcpy((char *)v_pool + to, (const char *)v_new + from * element, head_dim * element);
+    }
+    const Context c = {k_pool,      v_pool,       table,    len,  block_size,
+                       head_stride, block_stride, kv_heads, heads / kv_heads, scale};
+    if (pool_bf16) {
+        if (head_dim == 64)
+            attend(&c, query, 64, 1, weights, mixed);
+        else if (head_dim == 128)
+            attend(&c, query, 128, 1, weights, mixed);
+        else
+            attend(&c, query, head_dim, 1, weights, mixed);
+    } else if (head_dim == 64)
+        attend(&c, query, 64, 0, weights, mixed);
+    else if (head_dim == 128)
+        attend(&c, query, 128, 0, weights, mixed);
+    else
+        attend(&c, query, head_dim, 0, weights, mixed);
+}
+
 /* One build serves every x86-64 CPU: the loader picks the widest vector unit. */
 #if defined(__x86_64__)
 __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -218,47 +257,35 @@ int64_t paged_decode_attention(const float *q, const void *k_new, const void *v_
                                int64_t pool_bf16, const int64_t *tables, int64_t width,
                                const int64_t *lengths, int64_t batch, int64_t heads,
                                int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                               float scale, float *out)
+                               float scale, float *out, int64_t threads)
 {
-    const size_t element = pool_bf16 ? sizeof(uint16_t) : sizeof(float);
-    const int64_t head_stride = block_size * head_dim;
-    const int64_t block_stride = kv_heads * head_stride;
-    const int64_t group = heads / kv_heads;
-    int64_t longest = 0;
-    for (int64_t b = 0; b < batch; b++) longest = lengths[b] > longest ? lengths[b] : longest;
-    /* the heap, not the stack: a long context times a large group outgrows a
-     * worker thread's stack */
-    float *weights = malloc((size_t)(heads * longest) * sizeof(float));
-    if (weights == NULL) return -1;
+    int64_t longest = 0, total = 0;
     for (int64_t b = 0; b < batch; b++) {
-        const int64_t len = lengths[b];
-        const int64_t *table = tables + b * width;
-        const int64_t slot =
-            table[(len - 1) / block_size] * block_stride + ((len - 1) % block_size) * head_dim;
-        for (int64_t kv = 0; kv < kv_heads; kv++) {
-            const int64_t from = b * kv_stride + kv * head_dim;
-            const size_t to = (size_t)(slot + kv * head_stride) * element;
-            memcpy((char *)k_pool + to, (const char *)k_new + from * element, head_dim * element);
-            memcpy((char *)v_pool + to, (const char *)v_new + from * element, head_dim * element);
-        }
-        const Context c = {k_pool,      v_pool,       table,    len,  block_size,
-                           head_stride, block_stride, kv_heads, group, scale};
-        const float *query = q + b * q_stride;
-        float *mixed = out + b * heads * head_dim;
-        if (pool_bf16) {
-            if (head_dim == 64)
-                attend(&c, query, 64, 1, weights, mixed);
-            else if (head_dim == 128)
-                attend(&c, query, 128, 1, weights, mixed);
-            else
-                attend(&c, query, head_dim, 1, weights, mixed);
-        } else if (head_dim == 64)
-            attend(&c, query, 64, 0, weights, mixed);
-        else if (head_dim == 128)
-            attend(&c, query, 128, 0, weights, mixed);
-        else
-            attend(&c, query, head_dim, 0, weights, mixed);
+        longest = lengths[b] > longest ? lengths[b] : longest;
+        total += lengths[b];
     }
-    free(weights);
-    return 0;
+    int failed = 0;
+    /* Rows are shared among the calling thread's OpenMP team: the engine thread's, as
+     * this library links the libgomp torch loaded (one team of workers, already
+     * spinning between torch's own parallel ops). A step too small to pay for the
+     * fork runs on the calling thread alone. */
+#pragma omp parallel num_threads(threads) if (batch > 1 && total >= MIN_PARALLEL_TOKENS) \
+    reduction(| : failed)
+    {
+        /* the heap, not the stack: a long context times a large group outgrows a
+         * worker thread's stack */
+        float *weights = malloc((size_t)(heads * longest) * sizeof(float));
+        failed |= weights == NULL;
+        /* every thread meets the loop (a work-sharing construct must be), and one
+         * without scratch does no row */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t b = 0; b < batch; b++) {
+            if (weights == NULL) continue;
+            row(k_new, v_new, kv_stride, k_pool, v_pool, pool_bf16, tables + b * width,
+                lengths[b], b, heads, kv_heads, head_dim, block_size, scale,
+                q + b * q_stride, out + b * heads * head_dim, weights);
+        }
+        free(weights);
+    }
+    return failed ? -1 : 0;
 }

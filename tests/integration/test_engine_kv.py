@@ -160,7 +160,6 @@ def test_chunked_prefill_on_the_real_model_matches_full_recompute(
             seq.token_ids.append(int(model.full_logits(seq.token_ids)[-1].argmax()))
         for seq, row in zip(seqs, runner.decode(seqs), strict=True):
             worst = max(worst, float((row - model.full_logits(seq.token_ids)[-1]).abs().max()))
-    runner.close()
     assert worst <= LOGIT_TOLERANCE
 
 

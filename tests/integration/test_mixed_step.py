@@ -4,8 +4,6 @@ their own, each projection computed once for the step (the weights read once).""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from batchpilot_server.engine_api import SamplingParams
@@ -22,16 +20,14 @@ PARAMS = SamplingParams(max_tokens=8)
 
 
 @pytest.fixture
-def runners(request: pytest.FixtureRequest) -> Iterator[tuple[ModelRunner, ModelRunner]]:
+def runners(request: pytest.FixtureRequest) -> tuple[ModelRunner, ModelRunner]:
     """Two runners over the same weights, each with a pool of its own."""
     model = build_model("tiny", "cpu")
     pair = tuple(
         ModelRunner(model, KVCache(SPEC, 64, block_size=16, device="cpu"), request.param, 2)
         for _ in range(2)
     )
-    yield pair  # type: ignore[misc]
-    for runner in pair:
-        runner.close()
+    return pair  # type: ignore[return-value]
 
 
 def sequences(runner: ModelRunner, prompts: list[list[int]]) -> list[Sequence]:

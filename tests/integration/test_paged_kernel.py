@@ -13,17 +13,16 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import replace
-from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from batchpilot_server.attention_kernel import NativeDecodeAttention, row_parts
 from batchpilot_server.attention_kernel_build import (
     KernelUnavailableError,
     library_path,
     paged_decode_kernel,
+    shares_torch_openmp,
 )
 from batchpilot_server.block_pool import KVAccountingError
 from batchpilot_server.engine_api import SamplingParams
@@ -146,16 +145,24 @@ def test_a_table_too_short_for_its_tokens_is_refused_before_c_reads_it() -> None
         native.decode([seq])
 
 
-def test_row_parts_cover_every_row_once_with_balanced_tokens() -> None:
-    lengths = np.array([500, 20, 20, 20, 400, 100, 300, 40])  # 1400 tokens
-    parts = row_parts(lengths, most=3, min_tokens=100)
-    assert parts[0][0] == 0 and parts[-1][1] == len(lengths)
-    assert all(a[1] == b[0] for a, b in pairwise(parts))  # contiguous, no gap or overlap
-    tokens = [int(lengths[start:stop].sum()) for start, stop in parts]
-    assert len(parts) == 3 and max(tokens) <= 2 * min(tokens), tokens
-    assert row_parts(lengths, most=3, min_tokens=1000) == [(0, 8)]  # too few tokens to split
-    assert row_parts(lengths, most=1, min_tokens=1) == [(0, 8)]
-    assert len(row_parts(np.array([5, 5]), most=8, min_tokens=1)) == 2  # never an empty part
+@requires_c_compiler
+def test_the_kernel_binds_to_torchs_openmp_runtime_not_a_second_one() -> None:
+    # Two runtimes would be two pools of threads on the same cores, each spinning for
+    # the cores the other needs: the kernel must share torch's. A fresh process, as the
+    # server loads it (other wheels bring their own renamed libgomp copies).
+    mapped = (
+        f"{LOAD}; from pathlib import Path; "
+        "print('\\n'.join(sorted({l.split()[-1] for l in "
+        "Path('/proc/self/maps').read_text().splitlines() if 'gomp' in l or 'libomp' in l})))"
+    )
+    done = subprocess.run([sys.executable, "-c", mapped], capture_output=True, text=True,
+                          check=True, timeout=120)  # fmt: skip
+    runtimes = done.stdout.split()
+    assert len(runtimes) == 1 and runtimes[0].startswith(str(Path(torch.__file__).parent))
+    assert shares_torch_openmp()
+    needed = subprocess.run(["readelf", "-d", str(library_path())], capture_output=True,
+                            text=True, check=True).stdout  # fmt: skip
+    assert "libgomp.so.1" in needed
 
 
 @requires_c_compiler
@@ -163,28 +170,24 @@ def test_rows_split_across_threads_decode_exactly_as_one_thread() -> None:
     model = build_model("tiny", "cpu")
     outputs = []
     for threads in (1, 3):
-        cache = KVCache(get_spec("tiny"), num_blocks=32, block_size=16, device="cpu")
+        cache = KVCache(get_spec("tiny"), num_blocks=64, block_size=16, device="cpu")
         runner = ModelRunner(model, cache, "native", threads)
-        assert runner.kernel is not None
-        runner.kernel.min_tokens_per_part = 1  # split even this small batch
+        assert runner.kernel is not None and runner.kernel.threads == threads
         params = SamplingParams(max_tokens=8)
+        # 5 rows of 60-96 cached tokens: enough for the kernel to share them out
         seqs = [
-            Sequence(str(n), [256, *range(1, 5 + 9 * n)], params, 0.0, None, None) for n in range(5)
+            Sequence(str(n), [256, *range(1, 60 + 9 * n)], params, 0.0, None, None)
+            for n in range(5)
         ]
         for seq in seqs:
             assert cache.pool.grow(seq.block_table, seq.max_total_tokens)
-        # the torch threads a 3-thread runner runs its steps on (prefill on 3, decode
-        # of these few rows on 1), for both runners: only the kernel's split differs
+        # the same torch threads for both runners: only the kernel's split differs
         torch.set_num_threads(3)
         logits = [runner.prefill(seqs)]
-        torch.set_num_threads(1)
         for _ in range(6):
             for seq, row in zip(seqs, logits[-1], strict=True):
                 seq.token_ids.append(int(row.argmax()))
             logits.append(runner.decode(seqs))
-        parts = NativeDecodeAttention(runner.kernel, seqs).parts
-        assert len(parts) == threads
-        runner.close()
         outputs.append(torch.stack(logits))
     assert torch.equal(outputs[0], outputs[1])
 

@@ -168,5 +168,4 @@ def paged_against_full_recompute(
             worst = max(worst, float((row - reference).abs().max()))
             seq.token_ids.append(int(row.argmax()))
         logits = runner.decode(seqs)
-    runner.close()
     return worst
