@@ -54,7 +54,13 @@ from batchpilot_operator.actuators import KubernetesActuator
 from batchpilot_operator.handlers import client_of, lock_of
 from batchpilot_operator.pods import ReadyPod, ready_pods
 from batchpilot_operator.policy.mode import ModeChoice
-from batchpilot_operator.reconcile import now_iso, read_mode, switch_mode, write_status
+from batchpilot_operator.reconcile import (
+    ensure_admin_token,
+    now_iso,
+    read_mode,
+    switch_mode,
+    write_status,
+)
 from batchpilot_operator.replica_rule import ReplicaState, ScaleDecision
 from batchpilot_operator.scaler import KubernetesScaler
 from batchpilot_operator.signals import Signals, no_data
@@ -334,6 +340,7 @@ async def tune_once(
         return read
     policy, spec = read
     interval = float(spec.autotune.interval_seconds)
+    await restore_admin_token(client, policy)
     if not spec.autotune.enabled:
         await write_status(client, policy, {}, [{
             "type": TUNING, "status": "False", "reason": "Disabled",
@@ -362,6 +369,22 @@ async def tune_once(
     lock = lock_of(memo, (namespace, name))
     await tuner.loop.round(spec.goal, spec.cadence, plugs, guard=lock)
     return interval
+
+
+async def restore_admin_token(client: kube.Client, policy: Mapping[str, Any]) -> None:
+    """A deleted admin token comes back at the round after (every round, tuning enabled or
+    not): the pods' mounted Secret needs it, and no watch on Secrets would say it is gone."""
+    created = await ensure_admin_token(client, policy)
+    if created is None:
+        return
+    meta = policy["metadata"]
+    log.warning("autotune %s/%s: the admin token was missing: %s", meta["namespace"],
+                meta["name"], created)
+    await client.create_event(
+        policy, "AdminTokenCreated",
+        f"the admin token was missing: {created}; running pods read the new token once "
+        "the kubelet refreshes their mounted Secret", "Warning",
+    )  # fmt: skip
 
 
 @dataclass

@@ -22,9 +22,11 @@ from batchpilot_operator.policy_metrics import PolicyMetrics
 from batchpilot_operator.reconcile import reconcile
 from batchpilot_operator.spec import PolicySpec
 
-OWNED_KINDS = (
-    kube.DEPLOYMENTS, kube.SERVICES, kube.CONFIGMAPS, kube.SECRETS, kube.PODDISRUPTIONBUDGETS,
-)
+# The owned kinds watched for drift. Not the admin-token Secret: watching Secrets needs
+# list+watch on every Secret of the cluster, which is reading them all. The token is
+# read and created by name instead (reconcile.ensure_admin_token), at every reconcile
+# and every tuning round.
+OWNED_KINDS = (kube.DEPLOYMENTS, kube.SERVICES, kube.CONFIGMAPS, kube.PODDISRUPTIONBUDGETS)
 ANNOTATION_PREFIX = "batchpilot.io"
 RETRY_DELAY_SECONDS = 10.0
 # Memo keys: the port to serve the policy targets on (0 or absent: not served,

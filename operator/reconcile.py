@@ -58,7 +58,8 @@ async def reconcile(client: Client, policy: Mapping[str, Any]) -> Outcome:
         return Outcome(spec=None, error=exc)
     outcome = Outcome(spec=spec)
     await _fill_in_replicas(client, policy, spec, outcome)
-    await _ensure_secret(client, policy, outcome)
+    if (created := await ensure_admin_token(client, policy)) is not None:
+        outcome.actions.append(created)
     outcome.config, outcome.mode = await _ensure_config_map(client, policy, spec, outcome)
     await _ensure(client, SERVICES, builders.build_service(policy), outcome)
     deployment = await _ensure(
@@ -141,17 +142,23 @@ def _owned_by(obj: Mapping[str, Any], policy: Mapping[str, Any]) -> bool:
     return any(ref.get("uid") == uid for ref in refs)
 
 
-async def _ensure_secret(client: Client, policy: Mapping[str, Any], outcome: Outcome) -> None:
+async def ensure_admin_token(client: Client, policy: Mapping[str, Any]) -> str | None:
+    """Create the policy's admin-token Secret when it is missing; the action taken, or None.
+
+    Read by name, never listed or watched: the operator may not read other Secrets.
+    Reconcile and every tuning round call it, so a deleted token is back within one
+    tuning interval (or at the next reconcile, if that comes first). An existing token is
+    never regenerated: running pods hold it."""
     name = builders.secret_name(policy["metadata"]["name"])
     namespace = policy["metadata"]["namespace"]
     if await client.get(SECRETS, namespace, name) is not None:
-        return  # never regenerated: running pods hold this token
+        return None
     try:
         secret = builders.build_secret(policy, builders.new_admin_token())
         await client.create(SECRETS, namespace, secret)
     except Conflict:
-        return
-    outcome.actions.append(f"created Secret {name}")
+        return None  # another writer created it meanwhile
+    return f"created Secret {name}"
 
 
 async def _ensure_config_map(

@@ -14,9 +14,11 @@ from tests.support import ROOT
 from tests.support.crd import SCHEMA, refusals, with_defaults
 from tests.support.manifests import (
     ENTRY_POINTS,
+    OPERATOR,
     operator_object,
     render,
     render_manifests,
+    served_namespaces,
     service_url_target,
 )
 
@@ -74,8 +76,12 @@ def test_every_entry_point_renders_the_operator_in_its_namespace(
     docs = entry_points[name]
     namespace = one(docs, "Namespace")["metadata"]["name"]
     cluster_scoped = {"Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"}
+    # manifests/namespaced/: the operator's Role and its binding live where it serves
+    served = served_namespaces(operator_args(docs))
     for doc in docs:
-        if doc["kind"] not in cluster_scoped:
+        if doc["kind"] in ("Role", "RoleBinding") and doc["metadata"]["name"] == OPERATOR:
+            assert doc["metadata"].get("namespace") in served, (name, doc["metadata"])
+        elif doc["kind"] not in cluster_scoped:
             assert doc["metadata"].get("namespace") == namespace, (name, doc["metadata"])
         assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "batchpilot"
     assert operator_args(docs)[0] == "operator"

@@ -125,6 +125,29 @@ async def test_spec_changes_are_followed_and_token_kept(cluster: Cluster) -> Non
     assert after is not None and after["data"] == secret["data"]
 
 
+async def test_deleted_admin_token_is_recreated_at_the_next_tuning_round(
+    cluster: Cluster,
+) -> None:
+    # Secrets are not watched (that would read every Secret of the cluster): nothing
+    # reconciles on the deletion, and the round after it puts a new token in place.
+    await cluster.create(
+        kube.POLICIES,
+        policy("token", autotune={"enabled": False, "intervalSeconds": 5, "windowSeconds": 10}),
+    )
+    first = await cluster.wait_for(kube.SECRETS, "token", "llm-admin")
+    await cluster.wait_for_condition("token", "llm", "Tuning", "False", "Disabled")
+    await cluster.delete(kube.SECRETS, "token", "llm-admin")
+    again = await cluster.wait_for(
+        kube.SECRETS, "token", "llm-admin",
+        lambda s: s["metadata"]["uid"] != first["metadata"]["uid"], "a recreated Secret",
+    )
+    assert again["data"][builders.TOKEN_KEY] != first["data"][builders.TOKEN_KEY]
+    assert again["metadata"]["ownerReferences"] == first["metadata"]["ownerReferences"]
+    await cluster.wait_for_events(
+        "token", "llm", lambda e: e["reason"] == "AdminTokenCreated", "an AdminTokenCreated Event"
+    )
+
+
 async def test_deleted_deployment_comes_back(cluster: Cluster) -> None:
     await cluster.create(kube.POLICIES, policy("drift"))
     first = await cluster.wait_for(kube.DEPLOYMENTS, "drift", "llm")

@@ -9,11 +9,15 @@ from batchpilot_operator.handlers import KOPF_PERMISSIONS
 
 from tests.support import ROOT
 from tests.support.manifests import (
+    ENTRY_POINTS,
     Grant,
     cluster_role,
     granted_by_cluster_role,
+    grants,
     operator_object,
+    render,
     render_manifests,
+    served_namespaces,
 )
 
 
@@ -29,6 +33,40 @@ def declared() -> set[Grant]:
 
 def test_cluster_role_grants_exactly_the_declared_calls() -> None:
     assert granted_by_cluster_role() == declared()
+
+
+def test_nothing_can_list_or_watch_secrets_in_any_entry_point() -> None:
+    # list and watch return every Secret's data: as good as reading them all. The operator
+    # gets its admin token by name; no account of any variant may do more.
+    for entry, directory in ENTRY_POINTS.items():
+        for doc in render(directory):
+            if doc["kind"] in ("Role", "ClusterRole"):
+                secret_verbs = {verb for group, resource, verb in grants(doc)
+                                if (group, resource) == ("", "secrets")}
+                assert not secret_verbs & {"list", "watch", "*"}, (entry, doc["metadata"]["name"])
+
+
+def test_the_operator_neither_watches_nor_lists_secrets() -> None:
+    secret_grants = {grant for grant in declared() if grant[1] == "secrets"}
+    assert secret_grants == {("", "secrets", "get"), ("", "secrets", "create")}
+
+
+def test_the_namespaced_variant_grants_the_same_only_where_it_serves() -> None:
+    docs = render(ENTRY_POINTS["namespaced"])
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    role, binding = operator_object(docs, "Role"), operator_object(docs, "RoleBinding")
+    assert grants(role) == declared()
+    args = operator_object(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--all-namespaces" not in args
+    assert served_namespaces(args) == {role["metadata"]["namespace"]}
+    assert binding["metadata"]["namespace"] == role["metadata"]["namespace"]
+    assert binding["roleRef"]["kind"] == "Role"
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    account = operator_object(docs, "ServiceAccount")
+    (subject,) = binding["subjects"]
+    assert (subject["name"], subject["namespace"]) == (
+        account["metadata"]["name"], account["metadata"]["namespace"],
+    )
 
 
 def test_no_wildcards_and_no_unused_rule_fields() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ ENTRY_POINTS = {
     "with-monitoring": ROOT / "manifests",
     "base": ROOT / "manifests" / "base",
     "kube-prometheus-stack": ROOT / "manifests" / "kube-prometheus-stack",
+    "namespaced": ROOT / "manifests" / "namespaced",
 }
 
 
@@ -63,15 +65,25 @@ def operator_object(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found
 
 
+def served_namespaces(operator_args: list[str]) -> set[str]:
+    """The namespaces `batchpilot operator ARGS` serves by name (none with --all-namespaces)."""
+    return {value for flag, value in itertools.pairwise(operator_args) if flag == "--namespace"}
+
+
+def grants(role: dict[str, Any]) -> set[Grant]:
+    """What a Role or ClusterRole grants, one (apiGroup, resource, verb) at a time."""
+    return {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
 def cluster_role() -> dict[str, Any]:
     return operator_object(render_manifests(), "ClusterRole")
 
 
 def granted_by_cluster_role() -> set[Grant]:
-    return {
-        (group, resource, verb)
-        for rule in cluster_role()["rules"]
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-        for verb in rule["verbs"]
-    }
+    return grants(cluster_role())
