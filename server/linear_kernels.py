@@ -77,6 +77,25 @@ def packed_kernels_available(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available()
 
 
+def packed_bfloat16_available() -> bool:
+    """oneDNN packs bfloat16 only where the CPU computes it (AVX512-BF16, AMX, or
+    AVX512BW/VL/DQ or AVX-NE-CONVERT); elsewhere `mkldnn._reorder_linear_weight` raises."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def dense_bfloat16(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """A bfloat16 projection for every row count: oneDNN's packed kernel where the CPU
+    has it, else torch's own bfloat16 matmul over the plain weight."""
+    if packed_kernels_available(weight.device) and packed_bfloat16_available():
+        return PackedLinear(weight, bias)
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None,
+                       device=weight.device, dtype=weight.dtype)  # fmt: skip
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    return linear
+
+
 def fp16_kernel_fits(weight: torch.Tensor) -> bool:
     """FBGEMM's float16-weight GEMM: a build of torch with FBGEMM (x86), and weights
     float16 holds."""
@@ -165,11 +184,11 @@ class Int4Linear(nn.Module):
         self.scales_and_zeros = pairs.to(torch.bfloat16).contiguous()
         self.bias = None if bias is None else bias.to(torch.bfloat16)
         self.max_rows = sys.maxsize if max_rows is None else max_rows
-        self.dense = None
+        self.dense: nn.Module | None = None
         if max_rows is not None:
             dequantized = codes.view(*scales.shape, INT4_GROUP) * scales[..., None]
             dequantized = (dequantized + minimums[..., None]).view_as(weight)
-            self.dense = PackedLinear(dequantized.to(torch.bfloat16), self.bias)
+            self.dense = dense_bfloat16(dequantized.to(torch.bfloat16), self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -225,9 +244,8 @@ def kernel_for(
         return linear
     if weight.dtype == torch.float32:
         return PackedLinear(weight, bias)
-    # oneDNN packs bfloat16 only where the CPU computes it (AVX512-BF16, AMX or
-    # AVX-NE-CONVERT); elsewhere torch's own bfloat16 matmul runs it
-    if weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    # elsewhere torch's own bfloat16 matmul runs it
+    if weight.dtype == torch.bfloat16 and packed_bfloat16_available():
         if fp16_kernel_fits(weight):
             return FewRowsLinear(weight, bias, max_rows.fp16)
         return PackedLinear(weight, bias)

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 from batchpilot_server.engine_api import DTYPES, QUANTIZATIONS, DTypeName, Quantization
 from batchpilot_server.gguf_checkpoint import GGUFCheckpoint
-from batchpilot_server.linear_kernels import swap_linear_kernels
+from batchpilot_server.linear_kernels import packed_bfloat16_available, swap_linear_kernels
 from batchpilot_server.model_presets import PRESET_NAMES
 from batchpilot_server.models import (
     Decoder,
@@ -136,7 +136,7 @@ def resolve_dtype(
         return getattr(torch, dtype)
     if device == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    native_bf16 = packed_bfloat16_available()
     checkpoint = source is not None and source not in PRESET_NAMES
     if native_bf16 and (checkpoint or quantization == "int8"):
         return torch.bfloat16
