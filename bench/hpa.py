@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from batchpilot_operator.replica_rule import (
+from batchpilot_operator.policy.types import (
     Fleet,
     ReplicaBounds,
     ReplicaState,

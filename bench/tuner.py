@@ -45,9 +45,9 @@ import numpy as np
 import tuner_fleet as fleet
 import tuner_llm as llm
 from batchpilot_operator.actuators import get_batching
+from batchpilot_operator.policy.types import Cadence, Goal
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.tune_local import TuneOptions, tune_loop
-from batchpilot_operator.tuner import Cadence, Goal
 from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_tools.demo.supervisor import ServerProcess, stop_process, wait_ready
 from batchpilot_tools.loadgen import LengthDist, LoadReport, LoadSpec, run_load

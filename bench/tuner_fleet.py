@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from batchpilot_operator.replica_rule import ReplicaBounds
+from batchpilot_operator.policy.types import Cadence, Goal, ReplicaBounds
 from batchpilot_operator.slo import Slo
-from batchpilot_operator.tuner import Cadence, Goal
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_tools.simulator import (
     Scenario,

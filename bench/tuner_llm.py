@@ -36,10 +36,17 @@ from typing import Any, Protocol
 
 import numpy as np
 from batchpilot_operator.policy.predictor import Prediction, predict_config
-from batchpilot_operator.replica_rule import Fleet, ReplicaBounds, ReplicaState, ScaleDecision
+from batchpilot_operator.policy.types import (
+    Bounds,
+    Cadence,
+    Fleet,
+    Goal,
+    ReplicaBounds,
+    ReplicaState,
+    ScaleDecision,
+)
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.slo import Slo
-from batchpilot_operator.tuner import Bounds, Cadence, Goal
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_tools.simulator import (
     Interval,

@@ -51,11 +51,11 @@ import tuner as real
 import tuner_llm as llm
 from batchpilot_operator.actuators import get_batching, put_batching
 from batchpilot_operator.policy.predictor import Prediction, predict_config
+from batchpilot_operator.policy.types import Bounds, Cadence, Goal
 from batchpilot_operator.signals import MIN_REQUESTS_PER_WINDOW, Signals
 from batchpilot_operator.signals_scrape import ScrapeSource, parse_metrics
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.tune_local import TuneOptions, tune_loop
-from batchpilot_operator.tuner import Bounds, Cadence, Goal
 from batchpilot_operator.tuning_loop import TuneStep
 from batchpilot_server import metric_names as names
 from batchpilot_server.batching_config import BatchingConfig

@@ -54,6 +54,8 @@ from batchpilot_operator.actuators import KubernetesActuator
 from batchpilot_operator.handlers import client_of, lock_of
 from batchpilot_operator.pods import ReadyPod, ready_pods
 from batchpilot_operator.policy.mode import ModeChoice
+from batchpilot_operator.policy.round import Decision
+from batchpilot_operator.policy.types import ReplicaState, ScaleDecision
 from batchpilot_operator.reconcile import (
     ensure_admin_token,
     now_iso,
@@ -61,7 +63,6 @@ from batchpilot_operator.reconcile import (
     switch_mode,
     write_status,
 )
-from batchpilot_operator.replica_rule import ReplicaState, ScaleDecision
 from batchpilot_operator.scaler import KubernetesScaler
 from batchpilot_operator.signals import Signals, no_data
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_policy
@@ -69,7 +70,6 @@ from batchpilot_operator.signals_scrape import ScrapeSource
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.slo_status import slo_condition, slo_fields
 from batchpilot_operator.spec import PolicySpec, SpecError, parse_spec
-from batchpilot_operator.tuner import Decision
 from batchpilot_operator.tuning_loop import PlugPoints, SignalSource, TuneStep, TuningLoop
 from batchpilot_server.batching_config import Mode
 

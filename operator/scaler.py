@@ -23,7 +23,7 @@ from typing import Any
 
 from batchpilot_operator import builders, kube
 from batchpilot_operator.pods import ReadyPod
-from batchpilot_operator.replica_rule import Fleet, ScaleDecision
+from batchpilot_operator.policy.types import Fleet, ScaleDecision
 from batchpilot_operator.spec import PolicySpec
 
 

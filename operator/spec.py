@@ -3,7 +3,7 @@
 The CRD schema (crds/batchingpolicy.yaml) refuses most bad specs at the API
 server. This module applies its defaults too (the test emulator applies none,
 and a test keeps both in step), taking the tuning ones from their one home
-(`BatchingConfig`, `tuner.Bounds`, `tuner.Cadence`, `tuner.KV_HIGH_WATERMARK`),
+(`BatchingConfig`, `policy.types.Bounds`, `policy.types.Cadence`, `KV_HIGH_WATERMARK`),
 and adds the checks a schema cannot make: bounds that cannot hold together,
 model presets that do not exist, and model references the schema cannot type
 (`server.model` is a string or an object, which Kubernetes cannot give a type
@@ -19,14 +19,13 @@ from dataclasses import dataclass, replace
 from pathlib import PurePosixPath
 from typing import Any, Literal, cast
 
-from batchpilot_operator.replica_rule import ReplicaBounds
+from batchpilot_operator.policy.types import Bounds, Cadence, Goal, ReplicaBounds
 from batchpilot_operator.slo import (
     DEFAULT_ATTAINMENT,
     DEFAULT_BUDGET_WINDOW_S,
     KV_HIGH_WATERMARK,
     Slo,
 )
-from batchpilot_operator.tuner import Bounds, Cadence, Goal
 from batchpilot_server.batching_config import (
     MAX_BATCH_SIZE_LIMIT,
     MAX_BATCH_TIMEOUT_MS,
@@ -39,7 +38,7 @@ from batchpilot_server.batching_config import (
 )
 from batchpilot_server.model_presets import PRESET_NAMES
 
-# A policy's batching.mode: a server mode, or auto (the operator chooses, mode_choice.py).
+# A policy's batching.mode: a server mode, or auto (the operator chooses, policy/mode.py).
 PolicyMode = Mode | Literal["auto"]
 POLICY_MODES: tuple[PolicyMode, ...] = (*MODES, "auto")
 # The CRD's default mode, and the one an auto policy serves until it has chosen.

@@ -25,11 +25,11 @@ from typing import Any, Protocol
 
 import aiohttp
 from batchpilot_operator.actuators import LocalActuator, get_batching
+from batchpilot_operator.policy.types import Bounds, Cadence, Goal
 from batchpilot_operator.signals import MIN_REQUESTS_PER_WINDOW
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_instances
 from batchpilot_operator.signals_scrape import ScrapeSource
 from batchpilot_operator.slo import DEFAULT_ATTAINMENT, KV_HIGH_WATERMARK, Slo
-from batchpilot_operator.tuner import Bounds, Cadence, Goal
 from batchpilot_operator.tuning_loop import PlugPoints, Scaler, TuneStep, TuningLoop
 from batchpilot_server.batching_config import BatchingConfig, ConfigError
 

@@ -38,10 +38,9 @@ from typing import Protocol
 
 from batchpilot_operator.policy.memory import PolicyMemory
 from batchpilot_operator.policy.mode import ModeChoice
-from batchpilot_operator.policy.round import decide
-from batchpilot_operator.replica_rule import Fleet, ReplicaState, ScaleDecision
+from batchpilot_operator.policy.round import Decision, decide, signal_window_s
+from batchpilot_operator.policy.types import Cadence, Fleet, Goal, ReplicaState, ScaleDecision
 from batchpilot_operator.signals import Signals
-from batchpilot_operator.tuner import Cadence, Decision, Goal, signal_window_s
 from batchpilot_server.batching_config import BatchingConfig, Mode
 
 

@@ -49,8 +49,9 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 from batchpilot_operator.policy.predictor import Prediction
+from batchpilot_operator.policy.round import Decision
 from batchpilot_operator.policy.step_model import StepPoint
-from batchpilot_operator.replica_rule import Fleet, ReplicaState, ScaleDecision
+from batchpilot_operator.policy.types import Cadence, Fleet, Goal, ReplicaState, ScaleDecision
 from batchpilot_operator.signals import (
     LENGTH_QUANTILES,
     MIN_REQUESTS_PER_WINDOW,
@@ -60,7 +61,6 @@ from batchpilot_operator.signals import (
     traffic_status,
 )
 from batchpilot_operator.slo import Slo
-from batchpilot_operator.tuner import Cadence, Decision, Goal
 from batchpilot_operator.tuning_loop import (
     ActuationReport,
     Applied,

@@ -54,9 +54,13 @@ from batchpilot_operator.policy.memory import PolicyMemory
 from batchpilot_operator.policy.reasons import ms
 from batchpilot_operator.policy.replicas import Need
 from batchpilot_operator.policy.sizing import Sizing
+from batchpilot_operator.policy.types import (
+    SCALE_IN_UTILISATION,
+    SCALE_OUT_UTILISATION,
+    Bounds,
+    Goal,
+)
 from batchpilot_operator.policy.window import Window
-from batchpilot_operator.replica_rule import SCALE_IN_UTILISATION, SCALE_OUT_UTILISATION
-from batchpilot_operator.tuner import Bounds, Goal
 from batchpilot_server.batching_config import BatchingConfig
 
 

@@ -40,8 +40,8 @@ from batchpilot_operator.policy.reasons import action_of, knob_change, targets
 from batchpilot_operator.policy.replicas import Need
 from batchpilot_operator.policy.sizing import Sizing
 from batchpilot_operator.policy.step_model import StepModel
+from batchpilot_operator.policy.types import Bounds, Goal
 from batchpilot_operator.policy.window import Window
-from batchpilot_operator.tuner import Bounds, Goal
 from batchpilot_server.batching_config import BatchingConfig
 
 # The fit is a plane through the operating points seen: a batch past this many times the

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from batchpilot_operator.policy.mode import ModeState
 from batchpilot_operator.policy.step_model import StepPoint
-from batchpilot_operator.replica_rule import ReplicaState
+from batchpilot_operator.policy.types import ReplicaState
 
 SINCE_CHANGE_CAP = 1000
 ERROR_HISTORY = 3  # a fit's last errors kept: the median of three rides out one outlier

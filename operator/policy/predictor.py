@@ -46,8 +46,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 from batchpilot_operator.policy.step_model import StepModel, StepPoint, fit_for
+from batchpilot_operator.policy.types import ReplicaState
 from batchpilot_operator.policy.window import Lengths, Window, length_grid, mean_length
-from batchpilot_operator.replica_rule import ReplicaState
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.slo import Slo
 from batchpilot_server.batching_config import BatchingConfig

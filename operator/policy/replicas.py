@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from batchpilot_operator.replica_rule import (
+from batchpilot_operator.policy.types import (
     ARRIVAL_HISTORY,
     RECOMMENDATION_LIMIT,
     Fleet,

@@ -29,22 +29,44 @@ mode) always gives the same decision; `tuning_loop.TuningLoop` is its one caller
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from batchpilot_operator.policy import aimd
 from batchpilot_operator.policy.choice import choose
 from batchpilot_operator.policy.memory import CEILING_TTL, SINCE_CHANGE_CAP, FitErrors, PolicyMemory
 from batchpilot_operator.policy.mode import ModeChoice, ModeState, choose_mode
-from batchpilot_operator.policy.predictor import Candidate, predict
+from batchpilot_operator.policy.predictor import Candidate, Prediction, predict
 from batchpilot_operator.policy.reasons import knob_change
 from batchpilot_operator.policy.replicas import Need, observe, stabilize
 from batchpilot_operator.policy.sizing import Sizing
 from batchpilot_operator.policy.step_model import StepModel, fit_for, point_of, remember
+from batchpilot_operator.policy.types import Action, Cadence, Fleet, Goal, ScaleDecision
 from batchpilot_operator.policy.window import Forecast, Window
-from batchpilot_operator.replica_rule import Fleet
 from batchpilot_operator.signals import Signals, misses_are_evidence
-from batchpilot_operator.tuner import Decision, Goal
 from batchpilot_server.batching_config import BatchingConfig, Mode
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One round's answer: the knobs in force after it, why, and the rest of the round."""
+
+    config: BatchingConfig
+    action: Action
+    reason: str
+    memory: PolicyMemory = field(default_factory=PolicyMemory)
+    scale: ScaleDecision | None = None  # None: the round does not own the replica count
+    mode: ModeChoice | None = None  # None: the policy's mode is not auto
+    prediction: Prediction | None = None  # the chosen candidate's, where the fit chose
+
+
+def signal_window_s(memory: PolicyMemory, cadence: Cadence) -> float:
+    """The window the next signals should cover: never reaching back past the last change.
+
+    Right after a change the window is one interval long, so the rule judges the new
+    config alone instead of a blend of old and new.
+    """
+    since = min(memory.since_change, SINCE_CHANGE_CAP) + 1
+    return min(cadence.window_s, cadence.interval_s * since)
 
 
 def decide(

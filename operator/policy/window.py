@@ -30,7 +30,7 @@ import statistics
 from dataclasses import dataclass
 
 import numpy as np
-from batchpilot_operator.replica_rule import ARRIVAL_HISTORY, Fleet, ReplicaBounds, ReplicaState
+from batchpilot_operator.policy.types import ARRIVAL_HISTORY, Fleet, ReplicaBounds, ReplicaState
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.slo import Slo
 

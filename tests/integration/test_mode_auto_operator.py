@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from batchpilot_operator import builders, kube
-from batchpilot_operator.mode_choice import ModeParams
+from batchpilot_operator.policy.mode import ModeParams
 from batchpilot_operator.spec import parse_spec
 from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
 

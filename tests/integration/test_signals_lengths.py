@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
-from batchpilot_operator.mode_choice import ModeParams
+from batchpilot_operator.policy.mode import ModeParams
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_instances
 from batchpilot_operator.signals_scrape import ScrapeSource

@@ -10,11 +10,11 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
+from batchpilot_operator.policy.types import Bounds, Cadence, Goal
 from batchpilot_operator.signals_prometheus import PrometheusSource, selector_for_instances
 from batchpilot_operator.signals_scrape import ScrapeSource
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.tune_local import TuneOptions, tune_loop
-from batchpilot_operator.tuner import Bounds, Cadence, Goal
 from batchpilot_operator.tuning_loop import TuneStep
 from batchpilot_server import metric_names as names
 from batchpilot_server.batching_config import BatchingConfig

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from batchpilot_operator.replica_rule import Fleet, ReplicaBounds, ReplicaState, ScaleDecision
+from batchpilot_operator.policy.round import Decision
+from batchpilot_operator.policy.types import Fleet, Goal, ReplicaBounds, ReplicaState, ScaleDecision
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.slo import Slo
-from batchpilot_operator.tuner import Decision, Goal
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.scheduler_continuous import ContinuousScheduler
 from batchpilot_tools.simulator import (

@@ -17,8 +17,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from batchpilot_operator.policy.types import Goal
 from batchpilot_operator.slo import Slo
-from batchpilot_operator.tuner import Goal
 from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.engine_api import SamplingParams, TokenEvent
 from batchpilot_tools.simulator import SimOptions, StepCurve, Workload, simulate_workload

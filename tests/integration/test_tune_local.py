@@ -12,10 +12,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 from batchpilot_operator.actuators import get_batching, write_config_file
-from batchpilot_operator.replica_rule import Fleet, ScaleDecision
+from batchpilot_operator.policy.types import Cadence, Fleet, Goal, ScaleDecision
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.tune_local import TuneOptions, main, options_from_args, parser, tune_loop
-from batchpilot_operator.tuner import Cadence, Goal
 from batchpilot_operator.tuning_loop import TuneStep
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_tools.demo.fleet import ProcessFleet

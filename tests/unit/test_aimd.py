@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 from batchpilot_operator.policy.memory import PolicyMemory
 from batchpilot_operator.policy.round import decide
+from batchpilot_operator.policy.types import Bounds, Fleet, Goal, ReplicaBounds, ReplicaState
 from batchpilot_operator.policy.window import Window
-from batchpilot_operator.replica_rule import Fleet, ReplicaBounds, ReplicaState
 from batchpilot_operator.signals import (
     Signals,
     misses_are_evidence,
@@ -17,7 +17,6 @@ from batchpilot_operator.signals import (
     traffic_status,
 )
 from batchpilot_operator.slo import Slo
-from batchpilot_operator.tuner import Bounds, Goal
 from batchpilot_server.batching_config import BatchingConfig
 
 E2E = Goal(Slo(e2e_s=1.0), Bounds(1, 64, 0.0, 200.0))

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from batchpilot_operator.replica_rule import ReplicaBounds, ReplicaState, ScaleChange
+from batchpilot_operator.policy.types import ReplicaBounds, ReplicaState, ScaleChange
 from batchpilot_operator.spec import (
     DEFAULT_API_KEY_KEY,
     MAX_REPLICAS,

@@ -77,6 +77,27 @@ def test_the_server_modules_the_operator_imports_never_reach_torch() -> None:
         pending += [t for t in targets if t in server]
 
 
+def test_the_tuning_rule_imports_nothing_that_imports_it() -> None:
+    # operator/policy/ is the whole rule, pure: what it takes from the rest of the operator
+    # (the Signals and Slo types) must not lead back into it, directly or through others.
+    operator = modules("batchpilot_operator")
+    rule = {name for name in operator if name.startswith("batchpilot_operator.policy")}
+    outside = {
+        target for name in rule for target in imported(operator[name])
+        if target in operator and target not in rule
+    }  # fmt: skip
+    assert outside, "the rule imports nothing of the operator: this test checks nothing"
+    pending, seen = list(outside), set()
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        targets = {t for t in imported(operator[name]) if t in operator}
+        assert not targets & rule, f"{name} is imported by the rule and imports it back"
+        pending += targets
+
+
 def test_every_test_file_lives_in_a_test_folder() -> None:
     tests = ROOT / "tests"
     misplaced = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from batchpilot_operator.replica_rule import ReplicaBounds
+from batchpilot_operator.policy.types import ReplicaBounds
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.spec import (
     MAX_REPLICAS,

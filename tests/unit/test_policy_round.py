@@ -10,10 +10,9 @@ from batchpilot_operator.policy.memory import FitErrors, PolicyMemory
 from batchpilot_operator.policy.replicas import observe
 from batchpilot_operator.policy.round import decide
 from batchpilot_operator.policy.step_model import fit
+from batchpilot_operator.policy.types import Bounds, Fleet, Goal, ReplicaBounds, ReplicaState
 from batchpilot_operator.policy.window import forecast
-from batchpilot_operator.replica_rule import Fleet, ReplicaBounds, ReplicaState
 from batchpilot_operator.slo import Slo
-from batchpilot_operator.tuner import Bounds, Goal
 from batchpilot_server.batching_config import BatchingConfig
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -7,8 +7,8 @@ import math
 
 from batchpilot_operator.policy.predictor import Candidate, predict, predict_config
 from batchpilot_operator.policy.step_model import fit
+from batchpilot_operator.policy.types import ReplicaState
 from batchpilot_operator.policy.window import Window
-from batchpilot_operator.replica_rule import ReplicaState
 from batchpilot_operator.slo import Slo
 from batchpilot_server.batching_config import BatchingConfig
 from hypothesis import given

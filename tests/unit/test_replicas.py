@@ -6,12 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from batchpilot_operator.policy.replicas import Need, observe, stabilize
-from batchpilot_operator.replica_rule import (
-    Fleet,
-    ReplicaBounds,
-    ReplicaState,
-    ScaleChange,
-)
+from batchpilot_operator.policy.types import Fleet, ReplicaBounds, ReplicaState, ScaleChange
 from batchpilot_operator.signals import Signals
 
 OK = Signals(status="ok", pods=2, arrival_rate=10.0)

@@ -8,10 +8,16 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 from batchpilot_operator.policy.mode import ModeChoice
-from batchpilot_operator.replica_rule import Fleet, ReplicaBounds, ScaleDecision
+from batchpilot_operator.policy.types import (
+    Bounds,
+    Cadence,
+    Fleet,
+    Goal,
+    ReplicaBounds,
+    ScaleDecision,
+)
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.slo import Slo
-from batchpilot_operator.tuner import Bounds, Cadence, Goal
 from batchpilot_operator.tuning_loop import (
     ActuationReport,
     Applied,

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 from batchpilot_operator.actuators import resync
 from batchpilot_operator.pods import ReadyPod
-from batchpilot_operator.replica_rule import Fleet, ScaleDecision
+from batchpilot_operator.policy.types import Fleet, ScaleDecision
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_tools.demo.options import ADMIN_TOKEN
 from batchpilot_tools.demo.supervisor import (

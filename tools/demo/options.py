@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from batchpilot_operator.replica_rule import ReplicaBounds
+from batchpilot_operator.policy.types import Bounds, ReplicaBounds
 from batchpilot_operator.slo import Slo
-from batchpilot_operator.tuner import Bounds
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.model_presets import PRESET_NAMES
 from batchpilot_tools.loadgen import LengthDist

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from batchpilot_operator.policy.types import Cadence, Goal
 from batchpilot_operator.tune_local import TuneOptions, tune_loop
-from batchpilot_operator.tuner import Cadence, Goal
 from batchpilot_tools.demo.exporter import policy_exporter
 from batchpilot_tools.demo.fleet import ProcessFleet
 from batchpilot_tools.demo.options import ADMIN_TOKEN, INITIAL, DemoOptions
