@@ -3,6 +3,7 @@ load and tuner; it must write its plot and summary and leave no process behind."
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from batchpilot_tools.demo.capacity import Capacity
 from batchpilot_tools.demo.cli import main as demo_main
 from batchpilot_tools.demo.cli import options_from
 from batchpilot_tools.demo.options import DEFAULT_REPLICAS, Replicas
@@ -122,6 +124,9 @@ def test_short_demo_with_a_fixed_fleet_writes_plot_and_summary(tmp_path: Path) -
     code = run.run_to_exit()
     output = run.output()
     assert code == 0, output
+    # no --rate: the load is sized from the first server's measured throughput
+    assert re.search(r"one server carries \d+\.\d+ req/s at batch 8: the load is "
+                     r"\d+\.\d+ req/s", output), output
     lines = interval_lines(output)
     assert len(lines) >= 3, output
     assert all(" replicas=2 serving=2 " in line for line in lines), output
@@ -273,9 +278,15 @@ def test_the_default_demo_scales_one_to_two_servers_and_the_load_falls_back() ->
     assert bounds is not None and (bounds.min_replicas, bounds.max_replicas) == (1, 2)
     # scale-down patience of a few intervals, not HPA's 300 s: the fall lasts 45 s
     assert bounds.scale_down_stabilization_s == 3 * options.interval_s
+    assert options.base_rate is None  # sized from the first server at the start
+    with pytest.raises(ValueError, match="not sized yet"):
+        options.offered_rate(0)
+    capacity = Capacity(requests_per_s=2.0, batch=options.max_batch, seconds=10.0)
+    options = dataclasses.replace(options, base_rate=capacity.base_rate(options.surge_factor))
     base = options.base_rate
     step, surge = base * options.step_factor, base * options.surge_factor
-    assert base < step < surge
+    # one server carries the step at its batch ceiling; the surge needs a second
+    assert base < step < capacity.requests_per_s < surge < 2 * capacity.requests_per_s
     times = (0, options.step_at_s, options.surge_at_s - 1, options.surge_at_s,
              options.fall_at_s - 1, options.fall_at_s, options.duration_s)  # fmt: skip
     assert [options.offered_rate(t) for t in times] == [base, step, step, surge, surge, base,
@@ -283,12 +294,9 @@ def test_the_default_demo_scales_one_to_two_servers_and_the_load_falls_back() ->
     assert options_from(["--replicas", "2"]).replica_bounds is None  # a fixed fleet
 
 
-def test_a_real_model_gets_a_lighter_load_and_a_longer_slo_unless_told_otherwise() -> None:
+def test_a_real_model_gets_a_longer_slo_and_longer_intervals_unless_told_otherwise() -> None:
     tiny, real = options_from([]), options_from(["--model", "SmolLM2.gguf"])
     assert tiny.model == "tiny" and real.model == "SmolLM2.gguf"
-    assert real.base_rate < tiny.base_rate
-    assert real.base_rate * real.step_factor < tiny.base_rate * tiny.step_factor
-    assert real.base_rate * real.surge_factor < tiny.base_rate * tiny.surge_factor
     assert real.slo_p99_ms > tiny.slo_p99_ms
     # a slow model finishes few requests an interval: longer intervals, a smaller sample
     assert real.interval_s > tiny.interval_s and real.min_requests < tiny.min_requests
@@ -318,8 +326,8 @@ def sample(t_s: float, **signals: float | None) -> Sample:
 
 
 def test_an_interval_is_judged_by_attainment_else_by_each_targets_p99(tmp_path: Path) -> None:
-    options = options_from(["--slo-ttft-ms", "500", "--slo-tpot-ms", "40", "--out",
-                            str(tmp_path / "demo.png")])  # fmt: skip
+    options = options_from(["--slo-ttft-ms", "500", "--slo-tpot-ms", "40", "--rate", "4",
+                            "--out", str(tmp_path / "demo.png")])  # fmt: skip
     judged = sample(5.0, ttft=900.0, tpot=30.0, attainment=0.95)
     assert judged.met(options) is True  # the pods' judgement wins over the p99s
     assert sample(5.0, ttft=400.0, tpot=30.0, attainment=0.5).met(options) is False

@@ -2,8 +2,10 @@
 
 `batchpilot serve` processes (continuous batching, a deliberately poor start
 config) form one local "policy"; Prometheus scrapes them when its binary is
-installed (otherwise the tuner scrapes `/metrics` itself); the load generator
-offers a steady rate, a quarter of the run each: the base rate, a step up that
+installed (otherwise the tuner scrapes `/metrics` itself); the first server's
+throughput at the batch ceiling is measured (demo/capacity.py) and the load sized from
+it; the load generator offers a steady rate, a quarter of the run each: the base rate,
+a step up that
 one server carries at a larger batch, a surge beyond it, and the base rate
 again; the local tuning loop moves both knobs and, with a range of replicas,
 the number of servers: it sizes the batch for the step, starts a second server
@@ -13,7 +15,7 @@ what happens; at the end the run is plotted to `batchpilot-demo.png`
 is a run with `--out docs/demo.png`) and summarised.
 
 `--model DIR|FILE.gguf` runs it on a real model instead of `tiny`, with a load
-scaled down to what a real model serves on a few CPU cores and LLM targets (time to
+sized the same way and LLM targets (time to
 first token, time per output token) beside the end-to-end one. `--slo-ttft-ms` and
 `--slo-tpot-ms` state those targets for any model; the view and the plot show each
 target against its observed p99, and the attainment.
@@ -91,8 +93,9 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--rate", type=float,
-        help=f"requests/s before the load step (default {tiny.rate:g}, {real.rate:g} for a "
-        "real model)",
+        help="requests/s before the load step (default: sized from the first server's "
+        "throughput at the batch ceiling, measured at the start, so that the surge "
+        "needs a second server on any CPU)",
     )  # fmt: skip
     p.add_argument(
         "--step-factor", type=float,
@@ -128,7 +131,7 @@ def options_from(argv: list[str]) -> DemoOptions:
     args = p.parse_args(argv)
     profile = profile_for(args.model)
     targets = slo_targets(args, profile)
-    rate = profile.rate if args.rate is None else args.rate
+    rate = args.rate
     duration = profile.duration_s if args.duration is None else args.duration
     interval = profile.interval_s if args.interval is None else args.interval
     step_factor = profile.step_factor if args.step_factor is None else args.step_factor
@@ -137,7 +140,7 @@ def options_from(argv: list[str]) -> DemoOptions:
         ("--duration", duration),
         *((SLO_FLAGS[name], ms) for name, ms in targets.items() if ms is not None),
         ("--interval", interval),
-        ("--rate", rate),
+        *((("--rate", rate),) if rate is not None else ()),
         ("--step-factor", step_factor),
         ("--surge-factor", surge_factor),
     ):

