@@ -299,7 +299,9 @@ def markdown(
         f"and `max_gpu_budget` {llm.MAX_REPLICAS} at one GPU a replica as the bounds; "
         "`pre_deployment_sweeping_mode: none` (its profiler needs AISimulate and GPUs); "
         "`load_adjustment_interval_seconds` and `scale_interval_seconds` 30 (one tick per "
-        "round; default 5). As Dynamo resolved them: "
+        "round; default 5), so its `sla` load rule, which waits for 5 forward-pass "
+        "observations (`load_min_observations`), holds for its first 150 s. As Dynamo "
+        "resolved them: "
         + "; ".join(
             f"{t}: throughput scaling {e['enable_throughput_scaling']}, load scaling "
             f"{e['enable_load_scaling']}, load predictor {e['load_predictor']}"
@@ -312,6 +314,10 @@ def markdown(
         "`sla` the forward-pass time estimator, a least-squares fit of step time on prefill "
         "tokens, decode rows and KV tokens from the FPMs (what Dynamo configures without "
         "a profile: `fpm_regression`), not AISimulate's. `throughput` never calls it.",
+        "",
+        "Run: `bench/peers/install_dynamo.sh` once (its own virtualenv under "
+        "`$BATCHPILOT_PEERS_CACHE`, about 2 minutes), then `.venv/bin/python "
+        "bench/planners.py` (`--quick` for two scenarios).",
         "",
         "Goodput: requests meeting every target per second. Goodput/replica-s: good "
         "requests per replica-second. Ratio: batchpilot's goodput/replica-s over the row's.",

@@ -6,6 +6,7 @@ KEDA's rule runs here; Dynamo's planner runs in its own virtualenv
 
 from __future__ import annotations
 
+import pickle
 import sys
 from pathlib import Path
 
@@ -21,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import planner_baselines as pb
 
 BOUNDS = ReplicaBounds(1, 4)
+CAPABILITIES = pb.dynamo_capabilities(BatchingConfig(), kv_blocks=4096, block_size=16,
+                                      context_length=4500)  # fmt: skip
 
 
 def _keda(waiting: float, desired: int, state: ReplicaState, now: float):
@@ -62,14 +65,20 @@ def test_dynamo_config_sets_the_targets_only_for_sla() -> None:
     assert "ttft_ms" not in pb.dynamo_config("throughput", slo, BOUNDS, 30.0)
 
 
+def test_a_dynamo_planner_travels_to_a_worker_process_without_its_driver() -> None:
+    slo = Slo(ttft_s=1.0, tpot_s=0.015, attainment=0.95)
+    planner = pb.DynamoPlanner(
+        "sla", pb.dynamo_config("sla", slo, BOUNDS, 30.0), CAPABILITIES, BOUNDS
+    )
+    copy = pickle.loads(pickle.dumps(planner))
+    assert (copy.process, copy.fleet_id, copy.config) == (None, None, planner.config)
+
+
 needs_dynamo = pytest.mark.skipif(
     not pb.dynamo_installed(),
     reason=f"Dynamo's planner is not installed ({pb.DYNAMO_PYTHON}): "
     "run bench/peers/install_dynamo.sh; `make test` does not need it",
 )
-
-CAPABILITIES = pb.dynamo_capabilities(BatchingConfig(), kv_blocks=4096, block_size=16,
-                                      context_length=4500)  # fmt: skip
 
 
 def _tick(now_s: float, ready: int, queued_prefill_tokens: int) -> dict:
