@@ -212,7 +212,8 @@ class DynamoProcess:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            with contextlib.suppress(DynamoError, BrokenPipeError):
+            # also at interpreter exit (from __del__), when the pipes may be gone already
+            with contextlib.suppress(DynamoError, OSError, ValueError):
                 self.call({"op": "stop"})
             self.proc.wait(timeout=30)
         self.log.close()
