@@ -48,20 +48,8 @@ class HpaRule:
             return ScaleDecision(current, "hold", f"no {self.metric} metric", state)
         ratio = value / self.target
         raw = current if abs(ratio - 1.0) <= TOLERANCE else math.ceil(basis * ratio - 1e-9)
-        limit = max(current * (100 + UP_PERCENT) // 100, current + UP_PODS)
-        recommended = self.bounds.clamp(min(raw, limit))
-        window = self.bounds.scale_down_stabilization_s
-        recent = [(at, n) for at, n in state.recommendations if at > now - window]
-        recs = (*recent, (now, recommended))
-        # Down only to the highest recommendation of the window; up at once.
-        replicas = recommended if recommended >= current else min(current, max(n for _, n in recs))
-        kept = replace(state, recommendations=recs)
-        reason = f"{self.metric} {value:.3g} against target {self.target:.3g}: {recommended}"
-        if replicas == current:
-            return ScaleDecision(current, "hold", reason, kept)
-        action = "scale_out" if replicas > current else "scale_in"
-        changed = replace(kept, last_change=ScaleChange(now, current, replicas))
-        return ScaleDecision(replicas, action, f"{current} -> {replicas}: {reason}", changed)
+        reason = f"{self.metric} {value:.3g} against target {self.target:.3g}"
+        return hpa_decision(raw, current, self.bounds, state, now, reason)
 
     def _metric(self, signals: Signals, fleet: Fleet) -> tuple[float | None, int]:
         """The metric's value and the replica count it scales (see the module docstring)."""
@@ -70,3 +58,25 @@ class HpaRule:
         if self.metric == "p99":
             return signals.p99_latency_s, fleet.desired
         return signals.utilisation, signals.pods
+
+
+def hpa_decision(
+    raw: int, current: int, bounds: ReplicaBounds, state: ReplicaState, now: float, reason: str
+) -> ScaleDecision:
+    """HPA's default behaviour around a raw recommendation: the scale-up policies' limit,
+    the bounds, then down only to the highest recommendation of the scale-down window
+    (up at once). Shared by the HPA-like rules here and the KEDA-style one
+    (bench/planner_baselines.py), since KEDA hands its metric to an HPA."""
+    limit = max(current * (100 + UP_PERCENT) // 100, current + UP_PODS)
+    recommended = bounds.clamp(min(raw, limit))
+    window = bounds.scale_down_stabilization_s
+    recent = [(at, n) for at, n in state.recommendations if at > now - window]
+    recs = (*recent, (now, recommended))
+    replicas = recommended if recommended >= current else min(current, max(n for _, n in recs))
+    kept = replace(state, recommendations=recs)
+    reason = f"{reason}: {recommended}"
+    if replicas == current:
+        return ScaleDecision(current, "hold", reason, kept)
+    action = "scale_out" if replicas > current else "scale_in"
+    changed = replace(kept, last_change=ScaleChange(now, current, replicas))
+    return ScaleDecision(replicas, action, f"{current} -> {replicas}: {reason}", changed)

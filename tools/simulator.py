@@ -371,6 +371,18 @@ class SimResult:
 SAMPLED_TOKEN = 0  # what the model "samples": never an EOS (the simulated server has none)
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """A server's last planned step, as an engine's per-step metrics report it (what a
+    peer planner reads per engine, e.g. Dynamo's forward-pass metrics)."""
+
+    prefill_requests: int
+    prefill_tokens: int  # prompt tokens computed
+    decode_requests: int
+    kv_tokens: int  # KV tokens the step's rows attend to
+    seconds: float
+
+
 class SimulatedServer:
     """One replica: its scheduler and KV pool, stepping on the fleet's virtual clock.
 
@@ -396,6 +408,7 @@ class SimulatedServer:
         self.step_end: float | None = None  # busy until then
         self.rows: list[Sequence] = []  # the step in flight's rows that sample
         self.forwarding = False  # the step in flight is a fast-forward
+        self.last_step: StepRecord | None = None  # the last planned step (`_observe`)
 
     @property
     def name(self) -> str:
@@ -514,6 +527,10 @@ class SimulatedServer:
         if plan.batch_size:
             self.fleet.record_batches(plan.batch_size, 1)
         iv.kv_max = max(iv.kv_max, self.pool.usage_ratio)
+        self.last_step = StepRecord(
+            len(plan.prefill), _prefill_tokens(plan) if plan.prefill else 0,
+            len(plan.decode), _kv_tokens(plan), seconds,
+        )  # fmt: skip
 
     def _fast_forward(self, decode: list[Sequence], now: float) -> None:
         """The next steps, applied at once where each would decode exactly `decode` (the
@@ -611,6 +628,13 @@ class ReplicaController(Protocol):
     def decide(
         self, signals: Signals, fleet: Fleet, state: ReplicaState, now: float
     ) -> ScaleDecision: ...
+
+
+class FleetObserver(Protocol):
+    """A controller that also reads the fleet itself before it decides (a peer planner that
+    takes per-engine metrics and traffic over the interval: bench/planner_baselines.py)."""
+
+    def observe(self, fleet: SimulatedFleet) -> None: ...
 
 
 class SimulatedFleet:
@@ -926,6 +950,9 @@ class SimulatedFleet:
             )
 
     async def _controlled_round(self, controller: ReplicaController) -> None:
+        observe = getattr(controller, "observe", None)
+        if observe is not None:  # a peer planner reads per-engine state the signals lack
+            observe(self)
         signals = await self.read(self.opt.cadence.window_s)
         fleet = await self.fleet()
         decision = controller.decide(signals, fleet, self.controller_state, self.now)
