@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 import numpy as np
-from batchpilot_operator.replica_rule import Fleet, ReplicaBounds, ReplicaState, ScaleDecision
+from batchpilot_operator.policy.types import Fleet, ReplicaBounds, ReplicaState, ScaleDecision
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.slo import Slo
 from batchpilot_server.batching_config import BatchingConfig

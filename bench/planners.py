@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import tuner
 import tuner_llm as llm
-from batchpilot_operator.tuner import Goal
+from batchpilot_operator.policy.types import Goal
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_tools.simulator import Scenario, SimOptions, SimResult, StepCurve
 from planner_baselines import (

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from batchpilot_operator.replica_rule import Fleet, ReplicaBounds, ReplicaState
+from batchpilot_operator.policy.types import Fleet, ReplicaBounds, ReplicaState
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.slo import Slo
 from batchpilot_server.batching_config import BatchingConfig
