@@ -17,12 +17,20 @@ from batchpilot_server.linear_kernels import (
     FewRowsLinear,
     Int4Linear,
     RowLimits,
+    fp16_kernel_fits,
+    packed_bfloat16_available,
     swap_linear_kernels,
 )
 from batchpilot_server.weight_quality import BOUND, INT8_BOUND, compare
 from batchpilot_server.weights import LoadedModel, ModelLoadError, load_model, resolve_dtype
+from torch import nn
 
 from tests.support.smollm2 import LOGIT_TOLERANCE, load_float32
+
+# The kernel a bfloat16 projection gets: FBGEMM's few-row one beside oneDNN's packed one
+# where the CPU computes bfloat16 (AVX512-BF16, AMX, ...), torch's own matmul elsewhere.
+NATIVE_BFLOAT16 = packed_bfloat16_available() and fp16_kernel_fits(torch.zeros(1))
+BFLOAT16_KERNEL: type[nn.Module] = FewRowsLinear if NATIVE_BFLOAT16 else nn.Linear
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -84,7 +92,14 @@ def test_16_and_8_bit_weights_stay_within_the_quality_bound(
 
 @pytest.mark.parametrize(
     ("quantization", "limits", "kernel"),
-    [("int4", RowLimits(int4=None), Int4Linear), ("none", RowLimits(fp16=None), FewRowsLinear)],
+    [
+        ("int4", RowLimits(int4=None), Int4Linear),
+        pytest.param(
+            "none", RowLimits(fp16=None), FewRowsLinear,
+            marks=pytest.mark.skipif(not NATIVE_BFLOAT16, reason="the CPU has no native "
+                                     "bfloat16: bfloat16 projections keep torch's matmul"),
+        ),
+    ],
 )
 @torch.inference_mode()
 def test_few_row_kernels_alone_stay_within_the_quality_bound(
@@ -113,18 +128,19 @@ def test_bfloat16_loads_few_row_kernels_and_int4_keeps_a_16_bit_head(smollm2_dir
     bf16 = load_model(str(smollm2_dir), device="cpu", dtype="bfloat16")
     layer = bf16.model.layers[0]
     for projection in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-        assert isinstance(projection, FewRowsLinear)
-    assert isinstance(bf16.model.lm_head, FewRowsLinear)
+        assert type(projection) is BFLOAT16_KERNEL
+    assert type(bf16.model.lm_head) is BFLOAT16_KERNEL
     loaded = load_model(str(smollm2_dir), device="cpu", quantization="int4")
     layer = loaded.model.layers[0]
     for projection in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
         assert isinstance(projection, Int4Linear)
-    assert isinstance(loaded.model.lm_head, FewRowsLinear)
-    assert loaded.model.lm_head.dtype == torch.bfloat16
+    head = loaded.model.lm_head
+    assert type(head) is BFLOAT16_KERNEL
+    assert (head.dtype if isinstance(head, FewRowsLinear) else head.weight.dtype) == torch.bfloat16
 
 
 def test_auto_dtype_is_bfloat16_for_checkpoints_only(smollm2_dir: Path) -> None:
-    expected = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    expected = torch.bfloat16 if packed_bfloat16_available() else torch.float32
     assert resolve_dtype("auto", "cpu", source=str(smollm2_dir)) == expected
     assert resolve_dtype("auto", "cpu", source="tiny") == torch.float32
     assert resolve_dtype("float32", "cpu", source=str(smollm2_dir)) == torch.float32
