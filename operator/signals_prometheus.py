@@ -22,13 +22,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
-from batchpilot_operator.signals import (
-    MIN_REQUESTS_PER_WINDOW,
-    Signals,
-    no_data,
-    status_detail,
-    traffic_status,
+from batchpilot_operator.signal_fields import (
+    ARRIVALS,
+    COUNTERS,
+    GAUGES,
+    HISTOGRAMS,
+    PEAKS,
+    POD_SERIES,
+    WindowTotals,
+    signals_from,
 )
+from batchpilot_operator.signals import MIN_REQUESTS_PER_WINDOW, Signals, no_data
 from batchpilot_operator.slo import DEFAULT_BUDGET_WINDOW_S
 from batchpilot_server import metric_names as names
 
@@ -56,66 +60,30 @@ def _escape(value: str) -> str:
 def queries(
     selector: str, window_s: float, budget_window_s: float = DEFAULT_BUDGET_WINDOW_S
 ) -> dict[str, str]:
-    """The PromQL behind each signal; `[window]` is a whole number of seconds."""
+    """The PromQL behind a window's totals (signal_fields.py), by what each fills:
+    `buckets:H` and `slo` answer one sample per label set, the rest one value.
+    `[window]` is a whole number of seconds."""
     w = f"{max(1, round(window_s))}s"
     half = f"{max(1, round(window_s / 2))}s"  # the arrival rate's: the newer half
     budget = f"{max(1, round(budget_window_s))}s"
     sel = "{" + selector + "}"
 
-    def judged(extra: str, window: str = w) -> str:
-        return f"sum(increase({names.REQUESTS_SLO_TOTAL}{{{selector},{extra}}}[{window}]))"
-
-    def increase(counter: str) -> str:
-        return f"sum(increase({counter}{sel}[{w}]))"
+    def judged(extra: str) -> str:
+        return f"sum(increase({names.REQUESTS_SLO_TOTAL}{{{selector},{extra}}}[{budget}]))"
 
     every = f'target="{names.SLO_ALL}"'  # each judged request once
     met = f'{every},result="met"'
-
-    def quantile(q: float, histogram: str) -> str:
-        return f"histogram_quantile({q}, sum by (le) (rate({histogram}_bucket{sel}[{w}])))"
-
-    def mean(histogram: str) -> str:
-        return f"sum(rate({histogram}_sum{sel}[{w}])) / sum(rate({histogram}_count{sel}[{w}]))"
-
     return {
-        "requests": f"sum(increase({names.REQUEST_DURATION}_count{sel}[{w}]))",
-        "request_rate": f"sum(rate({names.REQUESTS_TOTAL}{sel}[{w}]))",
-        "p99": quantile(0.99, names.REQUEST_DURATION),
-        "queue_wait_p99": quantile(0.99, names.QUEUE_WAIT),
-        "kv_usage": f"max(max_over_time({names.KV_CACHE_USAGE}{sel}[{w}]))",
-        "waiting": f"sum({names.REQUESTS_WAITING}{sel})",
-        "running": f"sum({names.REQUESTS_RUNNING}{sel})",
-        "preemption_rate": f"sum(rate({names.PREEMPTIONS_TOTAL}{sel}[{w}]))",
-        "tokens_per_s": f"sum(rate({names.GENERATION_TOKENS_TOTAL}{sel}[{w}]))",
-        "mean_batch_size": mean(names.BATCH_SIZE),
-        "mean_latency": mean(names.REQUEST_DURATION),
-        "output_tokens_p10": quantile(0.1, names.REQUEST_GENERATION_TOKENS),
-        "output_tokens_p50": quantile(0.5, names.REQUEST_GENERATION_TOKENS),
-        "output_tokens_p90": quantile(0.9, names.REQUEST_GENERATION_TOKENS),
-        "output_tokens_p99": quantile(0.99, names.REQUEST_GENERATION_TOKENS),
-        "arrival_rate": f"sum(rate({names.REQUESTS_ARRIVED_TOTAL}{sel}[{half}]))",
-        "busy_per_token": f"sum(rate({names.ENGINE_BUSY_SECONDS_TOTAL}{sel}[{w}])) / "
-        f"sum(rate({names.GENERATION_TOKENS_TOTAL}{sel}[{w}]))",
-        # every pod exports the config it runs: one series each
-        "pods": f"count({names.CONFIG_MAX_BATCH_SIZE}{sel})",
-        "ttft_p99": quantile(0.99, names.TIME_TO_FIRST_TOKEN),
-        "tpot_p99": quantile(0.99, names.REQUEST_TIME_PER_OUTPUT_TOKEN),
-        "slo_judged": judged(every),
-        "slo_met": judged(met),
-        **{
-            f"slo_missed_{target}": judged(f'target="{target}",result="missed"')
-            for target in (*names.SLO_STATED, names.SLO_ALL)
-        },
-        "budget_attainment": f"{judged(met, budget)} / {judged(every, budget)}",
-        "prompt_tokens_p10": quantile(0.1, names.REQUEST_PROMPT_TOKENS),
-        "prompt_tokens_p50": quantile(0.5, names.REQUEST_PROMPT_TOKENS),
-        "prompt_tokens_p90": quantile(0.9, names.REQUEST_PROMPT_TOKENS),
-        "prompt_tokens_p99": quantile(0.99, names.REQUEST_PROMPT_TOKENS),
-        "steps": increase(f"{names.STEP_DURATION}_count"),
-        "step_seconds": increase(f"{names.STEP_DURATION}_sum"),
-        "step_decode_rows": increase(names.STEP_DECODE_ROWS_TOTAL),
-        "step_prefill_tokens": increase(names.STEP_PREFILL_TOKENS_TOTAL),
-        "step_kv_tokens": increase(names.STEP_KV_TOKENS_TOTAL),
+        **{f"buckets:{h}": f"sum by (le) (increase({h}_bucket{sel}[{w}]))" for h in HISTOGRAMS},
+        **{f"sum:{h}": f"sum(increase({h}_sum{sel}[{w}]))" for h in HISTOGRAMS},
+        **{f"count:{h}": f"sum(increase({h}_count{sel}[{w}]))" for h in HISTOGRAMS},
+        **{f"count:{c}": f"sum(increase({c}{sel}[{w}]))" for c in COUNTERS},
+        **{f"now:{g}": f"sum({g}{sel})" for g in GAUGES},
+        **{f"peak:{g}": f"max(max_over_time({g}{sel}[{w}]))" for g in PEAKS.values()},
+        "slo": f"sum by (result, target) (increase({names.REQUESTS_SLO_TOTAL}{sel}[{w}]))",
+        "arrival_rate": f"sum(rate({ARRIVALS}{sel}[{half}]))",
+        "pods": f"count({POD_SERIES}{sel})",  # every pod exports the config it runs
+        "budget_attainment": f"{judged(met)} / {judged(every)}",
     }
 
 
@@ -137,9 +105,9 @@ class PrometheusSource:
         self.min_requests = min_requests
         self.budget_window_s = budget_window_s
 
-    async def query(self, promql: str, at: float | None = None) -> float | None:
-        """The single value of an instant query (at Unix time `at`, else Prometheus' now);
-        None for an empty result or NaN."""
+    async def query(self, promql: str, at: float | None = None) -> list[Sample]:
+        """The samples of an instant query (at Unix time `at`, else Prometheus' now);
+        NaN samples are left out."""
         params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
         try:
             timeout = aiohttp.ClientTimeout(total=QUERY_TIMEOUT_S)
@@ -167,7 +135,7 @@ class PrometheusSource:
             raise PrometheusQueryError(
                 f"Prometheus at {self.url} refused {promql!r} (HTTP {status}): {error}"
             )
-        return _single_value(body, f"Prometheus at {self.url} answered {promql!r}")
+        return _samples(body, f"Prometheus at {self.url} answered {promql!r}")
 
     async def read(self, window_s: float) -> Signals:
         named = queries(self.selector, window_s, self.budget_window_s)
@@ -176,88 +144,85 @@ class PrometheusSource:
             # and the operator): each query extrapolates its range to its evaluation
             # time, so queries evaluated apart disagree on shares of series scraped
             # together.
-            at = await self.query("vector(time())")
-            values = dict(
-                zip(
-                    named,
-                    await asyncio.gather(*(self.query(q, at) for q in named.values())),
-                    strict=True,
-                )
-            )
+            at = _one_value(await self.query("vector(time())"), "vector(time())")
+            answers = dict(zip(
+                named, await asyncio.gather(*(self.query(q, at) for q in named.values())),
+                strict=True,
+            ))  # fmt: skip
+            totals = _window_totals(answers, window_s)
         except PrometheusQueryError as exc:
             return no_data(str(exc), window_s)
-        requests = values["requests"]
-        if requests is None:
+        if names.REQUEST_DURATION not in totals.counts:
             return no_data(
                 f"no {names.REQUEST_DURATION} series match {{{self.selector}}} over the last "
                 f"{window_s:.0f} s (is Prometheus scraping the servers, at least twice a window?)",
                 window_s,
             )
-        waiting, running = values["waiting"] or 0.0, values["running"] or 0.0
-        status = traffic_status(requests, waiting, running, min_requests=self.min_requests)
-        return Signals(
-            status=status,
-            window_s=window_s,
-            requests=requests,
-            request_rate=values["request_rate"] or 0.0,
-            p99_latency_s=values["p99"] if status == "ok" else None,
-            queue_wait_p99_s=values["queue_wait_p99"],
-            kv_usage=values["kv_usage"],
-            waiting=waiting,
-            running=running,
-            preemption_rate=values["preemption_rate"] or 0.0,
-            tokens_per_s=values["tokens_per_s"] or 0.0,
-            mean_batch_size=values["mean_batch_size"],
-            mean_latency_s=values["mean_latency"],
-            output_tokens_p10=values["output_tokens_p10"],
-            output_tokens_p50=values["output_tokens_p50"],
-            output_tokens_p90=values["output_tokens_p90"],
-            output_tokens_p99=values["output_tokens_p99"],
-            arrival_rate=values["arrival_rate"],
-            busy_s_per_token=values["busy_per_token"],
-            pods=round(values["pods"] or 0),
-            ttft_p99_s=values["ttft_p99"],
-            tpot_p99_s=values["tpot_p99"],
-            slo_judged=values["slo_judged"],
-            # no request met every target: the met series may not exist yet
-            slo_met=_zero_if_judged(values["slo_met"], values["slo_judged"]),
-            slo_missed={
-                target: value
-                for target in (*names.SLO_STATED, names.SLO_ALL)
-                if (value := values[f"slo_missed_{target}"]) is not None
-            },
-            budget_attainment=values["budget_attainment"],
-            prompt_tokens_p10=values["prompt_tokens_p10"],
-            prompt_tokens_p50=values["prompt_tokens_p50"],
-            prompt_tokens_p90=values["prompt_tokens_p90"],
-            prompt_tokens_p99=values["prompt_tokens_p99"],
-            steps=values["steps"],
-            step_seconds=values["step_seconds"],
-            step_decode_rows=values["step_decode_rows"],
-            step_prefill_tokens=values["step_prefill_tokens"],
-            step_kv_tokens=values["step_kv_tokens"],
-            detail=status_detail(
-                status, requests, waiting, running, min_requests=self.min_requests
-            ),
-        )
+        return signals_from(totals, min_requests=self.min_requests)
 
 
-def _zero_if_judged(met: float | None, judged: float | None) -> float | None:
-    """Met requests where some were judged; a server counts a label set only once it has
-    seen one, so judged requests without a `met` series all missed."""
-    return 0.0 if met is None and judged is not None else met
+Sample = tuple[dict[str, str], float]  # a series' labels and its value
 
 
-def _single_value(body: Mapping[str, Any], answered: str) -> float | None:
-    """The value of an instant query's first sample; a malformed answer is a query error."""
+def _window_totals(answers: Mapping[str, list[Sample]], window_s: float) -> WindowTotals:
+    """The answers to `queries` as the window's totals; a query that found no series
+    leaves its entry out (the field then says "not exported")."""
+
+    def value(key: str) -> float | None:
+        samples = answers[key]
+        return samples[0][1] if samples else None
+
+    def present(prefix: str) -> dict[str, float]:
+        return {key.removeprefix(prefix): v for key in answers
+                if key.startswith(prefix) and (v := value(key)) is not None}  # fmt: skip
+
+    return WindowTotals(
+        window_s=window_s,
+        buckets={
+            key.removeprefix("buckets:"): {_le(labels, key): n for labels, n in samples}
+            for key, samples in answers.items()
+            if key.startswith("buckets:") and samples
+        },
+        sums=present("sum:"),
+        counts=present("count:"),
+        now=present("now:"),
+        peaks=present("peak:"),
+        slo={(labels.get("result", ""), labels.get("target", "")): n
+             for labels, n in answers["slo"]},
+        arrival_rate=value("arrival_rate"),
+        pods=round(value("pods") or 0),
+        budget_attainment=value("budget_attainment"),
+    )
+
+
+def _one_value(samples: list[Sample], promql: str) -> float:
+    if len(samples) != 1:
+        raise PrometheusQueryError(f"Prometheus answered {promql!r} with {len(samples)} "
+                                   "samples, not one")  # fmt: skip
+    return samples[0][1]
+
+
+def _le(labels: Mapping[str, str], key: str) -> float:
+    """A bucket sample's upper bound; a sample without one is a query error."""
+    try:
+        return float(labels["le"])
+    except (KeyError, ValueError):
+        raise PrometheusQueryError(
+            f"Prometheus answered the {key} query with a sample that has no bucket bound "
+            f"(le): {dict(labels)}"
+        ) from None
+
+
+def _samples(body: Mapping[str, Any], answered: str) -> list[Sample]:
+    """An instant query's samples; a malformed answer is a query error."""
     try:
         result = body["data"]["result"]
-        if not result:
-            return None
-        value = float(result[0]["value"][1])
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        if body["data"].get("resultType") == "scalar":
+            result = [{"metric": {}, "value": result}]
+        samples = [(dict(item.get("metric") or {}), float(item["value"][1])) for item in result]
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
         raise PrometheusQueryError(
             f"{answered} with a malformed result ({type(exc).__name__}: {exc}): "
             f"{json.dumps(body)[:120]}"
         ) from None
-    return None if math.isnan(value) else value
+    return [(labels, v) for labels, v in samples if not math.isnan(v)]

@@ -17,21 +17,23 @@ count the whole window.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import aiohttp
-from batchpilot_operator.signals import (
-    MIN_REQUESTS_PER_WINDOW,
-    Signals,
-    histogram_quantile,
-    no_data,
-    status_detail,
-    traffic_status,
+from batchpilot_operator.signal_fields import (
+    ARRIVALS,
+    COUNTERS,
+    GAUGES,
+    HISTOGRAMS,
+    PEAKS,
+    WindowTotals,
+    signals_from,
+    slo_attainment,
 )
+from batchpilot_operator.signals import MIN_REQUESTS_PER_WINDOW, Signals, no_data
 from batchpilot_operator.slo import DEFAULT_BUDGET_WINDOW_S
 from batchpilot_server import metric_names as names
 from prometheus_client.parser import text_string_to_metric_families
@@ -43,20 +45,6 @@ SCHEDULING_SLACK_S = 0.25
 SCHEDULING_SLACK_SHARE = 0.05
 # The budget window is kept as this many snapshots, evenly spaced, at most.
 BUDGET_MARKS = 60
-HISTOGRAMS = (
-    names.REQUEST_DURATION, names.QUEUE_WAIT, names.BATCH_SIZE, names.REQUEST_GENERATION_TOKENS,
-    names.TIME_TO_FIRST_TOKEN, names.REQUEST_TIME_PER_OUTPUT_TOKEN, names.REQUEST_PROMPT_TOKENS,
-    names.STEP_DURATION,
-)
-COUNTERS = (
-    names.REQUESTS_TOTAL, names.REQUESTS_ARRIVED_TOTAL, names.GENERATION_TOKENS_TOTAL,
-    names.PREEMPTIONS_TOTAL, names.ENGINE_BUSY_SECONDS_TOTAL,
-    names.STEP_DECODE_ROWS_TOTAL, names.STEP_PREFILL_TOKENS_TOTAL,
-    names.STEP_KV_TOKENS_TOTAL,
-)
-GAUGES = (names.KV_CACHE_USAGE, names.REQUESTS_WAITING, names.REQUESTS_RUNNING)
-
-
 @dataclass
 class Totals:
     """One server's cumulative values at one scrape."""
@@ -118,13 +106,6 @@ def parse_metrics(text: str) -> Totals:
 
 def _add(into: dict[str, float], key: str, value: float) -> None:
     into[key] = into.get(key, 0.0) + value
-
-
-def quantile_from_buckets(q: float, buckets: dict[float, float]) -> float | None:
-    if not buckets:
-        return None
-    bounds = sorted(buckets)
-    return histogram_quantile(q, bounds, [buckets[b] for b in bounds])
 
 
 @dataclass
@@ -216,69 +197,19 @@ class ScrapeSource:
 
     def _signals(self, baseline: Snapshot, now: Snapshot) -> Signals:
         window_s = now.at - baseline.at
-        deltas = [
-            totals.minus(baseline.per_server[url])
-            for url, totals in now.per_server.items()
-            if url in baseline.per_server
-        ]
+        deltas = _deltas(now, baseline)
         if not deltas:
             return no_data("no server answered both scrapes of the window", window_s)
-        duration = _merged_buckets(deltas, names.REQUEST_DURATION)
-        if not duration:
+        if not any(names.REQUEST_DURATION in t.buckets for t in deltas):
             return no_data(f"no {names.REQUEST_DURATION} series on the servers", window_s)
-        requests = _total(deltas, names.REQUEST_DURATION)
-        waiting = _gauge_sum(now, names.REQUESTS_WAITING)
-        running = _gauge_sum(now, names.REQUESTS_RUNNING)
-        status = traffic_status(requests, waiting, running, min_requests=self.min_requests)
-        detail = status_detail(status, requests, waiting, running, min_requests=self.min_requests)
-        if self.errors:
-            detail = "; ".join([detail, *self.errors.values()]).lstrip("; ")
-        lengths = _merged_buckets(deltas, names.REQUEST_GENERATION_TOKENS)
-        prompts = _merged_buckets(deltas, names.REQUEST_PROMPT_TOKENS)
-        judged, met = _judged(deltas)
-        return Signals(
-            status=status,
-            window_s=window_s,
-            requests=requests,
-            request_rate=_total(deltas, names.REQUESTS_TOTAL) / window_s,
-            p99_latency_s=quantile_from_buckets(0.99, duration) if status == "ok" else None,
-            queue_wait_p99_s=quantile_from_buckets(
-                0.99, _merged_buckets(deltas, names.QUEUE_WAIT)
-            ),
-            kv_usage=self._kv_max(baseline.at),
-            waiting=waiting,
-            running=running,
-            preemption_rate=_total(deltas, names.PREEMPTIONS_TOTAL) / window_s,
-            tokens_per_s=_total(deltas, names.GENERATION_TOKENS_TOTAL) / window_s,
-            mean_batch_size=_mean(deltas, names.BATCH_SIZE),
-            mean_latency_s=_mean(deltas, names.REQUEST_DURATION),
-            output_tokens_p10=quantile_from_buckets(0.1, lengths),
-            output_tokens_p50=quantile_from_buckets(0.5, lengths),
-            output_tokens_p90=quantile_from_buckets(0.9, lengths),
-            output_tokens_p99=quantile_from_buckets(0.99, lengths),
-            arrival_rate=self._arrival_rate(baseline, now),
-            busy_s_per_token=_busy_per_token(deltas),
-            pods=len(deltas),
-            ttft_p99_s=quantile_from_buckets(
-                0.99, _merged_buckets(deltas, names.TIME_TO_FIRST_TOKEN)
-            ),
-            tpot_p99_s=quantile_from_buckets(
-                0.99, _merged_buckets(deltas, names.REQUEST_TIME_PER_OUTPUT_TOKEN)
-            ),
-            slo_judged=judged,
-            slo_met=met,
-            slo_missed=_missed(deltas),
-            budget_attainment=self._budget_attainment(now),
-            prompt_tokens_p10=quantile_from_buckets(0.1, prompts),
-            prompt_tokens_p50=quantile_from_buckets(0.5, prompts),
-            prompt_tokens_p90=quantile_from_buckets(0.9, prompts),
-            prompt_tokens_p99=quantile_from_buckets(0.99, prompts),
-            steps=_total_if_exported(deltas, names.STEP_DURATION),
-            step_seconds=_sum_if_exported(deltas, names.STEP_DURATION),
-            step_decode_rows=_total_if_exported(deltas, names.STEP_DECODE_ROWS_TOTAL),
-            step_prefill_tokens=_total_if_exported(deltas, names.STEP_PREFILL_TOKENS_TOTAL),
-            step_kv_tokens=_total_if_exported(deltas, names.STEP_KV_TOKENS_TOTAL),
-            detail=detail,
+        totals = _window_totals(deltas, window_s)
+        totals.now = {g: sum(t.gauges.get(g, 0.0) for t in now.per_server.values())
+                      for g in GAUGES}  # fmt: skip
+        totals.peaks = self._peaks(baseline.at)
+        totals.arrival_rate = self._arrival_rate(baseline, now)
+        totals.budget_attainment = self._budget_attainment(now)
+        return signals_from(
+            totals, min_requests=self.min_requests, detail="; ".join(self.errors.values())
         )
 
     def _budget_attainment(self, now: Snapshot) -> float | None:
@@ -286,98 +217,50 @@ class ScrapeSource:
         baseline = self.budget_marks[0] if self.budget_marks else None
         if baseline is None or baseline is now:
             return None
-        judged, met = _judged(
-            [t.minus(baseline.per_server[url]) for url, t in now.per_server.items()
-             if url in baseline.per_server]
-        )  # fmt: skip
-        return met / judged if judged and met is not None else None
+        return slo_attainment(_window_totals(_deltas(now, baseline), 0.0).slo)
 
     def _arrival_rate(self, baseline: Snapshot, now: Snapshot) -> float | None:
         """Arrivals per second since the newest snapshot in the newer half of the window
-        (the whole window when the scrapes in between are missing)."""
+        (the whole window when the scrapes in between are missing); None when no server
+        exports the counter (an older one)."""
         newer = self._baseline(now.at - (now.at - baseline.at) / 2, exclude=now) or baseline
-        deltas = [
-            totals.minus(newer.per_server[url])
-            for url, totals in now.per_server.items()
-            if url in newer.per_server
-        ]
-        return _rate_if_exported(deltas, names.REQUESTS_ARRIVED_TOTAL, now.at - newer.at)
+        arrived = _window_totals(_deltas(now, newer), 0.0).counts.get(ARRIVALS)
+        return None if arrived is None else arrived / (now.at - newer.at)
 
-    def _kv_max(self, since: float) -> float | None:
-        values = [
-            totals.gauges[names.KV_CACHE_USAGE]
-            for snap in self.history
-            if snap.at >= since
-            for totals in snap.per_server.values()
-            if names.KV_CACHE_USAGE in totals.gauges
-        ]
-        return max(values) if values else None
-
-
-def _gauge_sum(snapshot: Snapshot, name: str) -> float:
-    """A gauge's value now, summed over the servers (0 where none exports it)."""
-    return sum(t.gauges.get(name, 0.0) for t in snapshot.per_server.values())
+    def _peaks(self, since: float) -> dict[str, float]:
+        """Each peak gauge's highest value on any server in any snapshot of the window."""
+        peaks: dict[str, float] = {}
+        for snapshot in self.history:
+            if snapshot.at < since:
+                continue
+            for totals in snapshot.per_server.values():
+                for gauge in PEAKS.values():
+                    if gauge in totals.gauges:
+                        peaks[gauge] = max(peaks.get(gauge, totals.gauges[gauge]),
+                                           totals.gauges[gauge])  # fmt: skip
+        return peaks
 
 
-def _merged_buckets(deltas: Sequence[Totals], name: str) -> dict[float, float]:
-    merged: dict[float, float] = {}
-    for totals in deltas:
-        for le, n in totals.buckets.get(name, {}).items():
-            merged[le] = merged.get(le, 0.0) + n
-    if merged and math.inf not in merged:
-        raise ValueError(f"{name} has no +Inf bucket")
-    return merged
+def _deltas(now: Snapshot, since: Snapshot) -> list[Totals]:
+    """Each server's increases since `since`, for the servers seen at both ends."""
+    return [
+        totals.minus(since.per_server[url])
+        for url, totals in now.per_server.items()
+        if url in since.per_server
+    ]
 
 
-def _judged(deltas: Sequence[Totals]) -> tuple[float | None, float | None]:
-    """(requests judged, requests that met every target); (None, None) when no server
-    exports the SLO counter (an older one, or none has judged a request yet)."""
-    every = [(result, n) for t in deltas for (result, target), n in t.slo.items()
-             if target == names.SLO_ALL]  # fmt: skip
-    if not every:
-        return None, None
-    return sum(n for _, n in every), sum(n for result, n in every if result == "met")
-
-
-def _missed(deltas: Sequence[Totals]) -> dict[str, float]:
-    """Misses per target (ttft, tpot, e2e; all: requests that missed any)."""
-    missed: dict[str, float] = {}
-    for totals in deltas:
-        for (result, target), n in totals.slo.items():
-            if result == "missed":
-                missed[target] = missed.get(target, 0.0) + n
-    return missed
-
-
-def _total_if_exported(deltas: Sequence[Totals], name: str) -> float | None:
-    """A counter's (or histogram's count's) increase; None when no server exports it."""
-    return _total(deltas, name) if any(name in t.counts for t in deltas) else None
-
-
-def _sum_if_exported(deltas: Sequence[Totals], histogram: str) -> float | None:
-    if not any(histogram in t.sums for t in deltas):
-        return None
-    return sum(t.sums.get(histogram, 0.0) for t in deltas)
-
-
-def _total(deltas: Sequence[Totals], name: str) -> float:
-    return sum(t.counts.get(name, 0.0) for t in deltas)
-
-
-def _rate_if_exported(deltas: Sequence[Totals], name: str, window_s: float) -> float | None:
-    """Per second over the window; None when no server exports the counter (an older one)."""
-    if not any(name in t.counts for t in deltas):
-        return None
-    return _total(deltas, name) / window_s
-
-
-def _busy_per_token(deltas: Sequence[Totals]) -> float | None:
-    """The engines' busy seconds per generated token; None when no token was generated."""
-    tokens = _total(deltas, names.GENERATION_TOKENS_TOTAL)
-    return _total(deltas, names.ENGINE_BUSY_SECONDS_TOTAL) / tokens if tokens else None
-
-
-def _mean(deltas: Sequence[Totals], histogram: str) -> float | None:
-    """A histogram's mean over the window; None when it observed nothing."""
-    count = _total(deltas, histogram)
-    return sum(t.sums.get(histogram, 0.0) for t in deltas) / count if count else None
+def _window_totals(deltas: Sequence[Totals], window_s: float) -> WindowTotals:
+    """The servers' increases summed, in the declared series' terms."""
+    totals = WindowTotals(window_s=window_s, pods=len(deltas))
+    for delta in deltas:
+        for histogram, per in delta.buckets.items():
+            merged = totals.buckets.setdefault(histogram, {})
+            for le, n in per.items():
+                merged[le] = merged.get(le, 0.0) + n
+        for into, values in ((totals.sums, delta.sums), (totals.counts, delta.counts)):
+            for name, value in values.items():
+                into[name] = into.get(name, 0.0) + value
+        for key, n in delta.slo.items():
+            totals.slo[key] = totals.slo.get(key, 0.0) + n
+    return totals

@@ -52,14 +52,8 @@ from batchpilot_operator.policy.predictor import Prediction
 from batchpilot_operator.policy.round import Decision
 from batchpilot_operator.policy.step_model import StepPoint
 from batchpilot_operator.policy.types import Cadence, Fleet, Goal, ReplicaState, ScaleDecision
-from batchpilot_operator.signals import (
-    LENGTH_QUANTILES,
-    MIN_REQUESTS_PER_WINDOW,
-    Signals,
-    histogram_quantile,
-    status_detail,
-    traffic_status,
-)
+from batchpilot_operator.signal_fields import WindowTotals, signals_from
+from batchpilot_operator.signals import Signals
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.tuning_loop import (
     ActuationReport,
@@ -68,6 +62,7 @@ from batchpilot_operator.tuning_loop import (
     TuneStep,
     TuningLoop,
 )
+from batchpilot_server import metric_names as names
 from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.block_pool import BlockPool
 from batchpilot_server.engine_api import (
@@ -672,58 +667,12 @@ class SimulatedFleet:
     # -- the tuning loop's plug points --------------------------------------------
 
     async def read(self, window_s: float) -> Signals:
-        """Signals over the last window, built like the scrape source builds them: p99 over
-        every server's requests, KV as the fullest server, rates summed."""
+        """Signals over the last window, from the totals a scrape of the simulated servers
+        would give: the servers' histogram buckets, their counters summed, KV as the
+        fullest server."""
         interval_s = self.opt.cadence.interval_s
         window = self.intervals[-max(1, round(window_s / interval_s)) :]
-        window_s = len(window) * interval_s
-        requests = sum(iv.completed for iv in window)
-        waiting = float(window[-1].waiting_at_end)
-        running = float(window[-1].running_at_end)
-        pods = min(iv.pods for iv in window)
-        status = traffic_status(requests, waiting, running)
-        if status != "ok":
-            return Signals(
-                status=status,
-                window_s=window_s,
-                requests=requests,
-                waiting=waiting,
-                running=running,
-                pods=pods,
-                detail=status_detail(
-                    status, requests, waiting, running, min_requests=MIN_REQUESTS_PER_WINDOW
-                ),
-                **_llm_signals(window),  # evidence for a rule that judges thin windows
-            )
-        batches = sum(iv.batch_count for iv in window)
-        tokens = sum(iv.tokens for iv in window)
-        newer = window[len(window) // 2 :]
-        return Signals(
-            status="ok",
-            window_s=window_s,
-            requests=requests,
-            request_rate=requests / window_s,
-            p99_latency_s=_bucket_quantile(
-                0.99, [x for iv in window for x in iv.latencies], BUCKET_BOUNDS
-            ),
-            queue_wait_p99_s=_bucket_quantile(
-                0.99, [x for iv in window for x in iv.queue_waits], BUCKET_BOUNDS
-            ),
-            kv_usage=max(iv.kv_max for iv in window),
-            waiting=waiting,
-            running=running,
-            preemption_rate=sum(iv.preemptions for iv in window) / window_s,
-            tokens_per_s=tokens / window_s,
-            mean_batch_size=(sum(iv.batch_weighted for iv in window) / batches)
-            if batches
-            else None,
-            # the newer half of the window, as both signal sources read it
-            arrival_rate=sum(iv.arrived for iv in newer) / (len(newer) * interval_s),
-            **_length_quantiles("output", [n for iv in window for n in iv.outputs]),
-            busy_s_per_token=sum(iv.busy_s for iv in window) / tokens if tokens else None,
-            pods=pods,
-            **_llm_signals(window),
-        )
+        return signals_from(_window_totals(window, interval_s))
 
     async def in_force(self) -> BatchingConfig:
         return self.config
@@ -969,38 +918,60 @@ class SimulatedFleet:
         )
 
 
-def _length_quantiles(kind: str, lengths: list[int]) -> dict[str, float | None]:
-    """Prompt or output tokens per finished request at the quantiles both signal sources
-    read, from the server's buckets."""
-    return {
-        f"{kind}_tokens_p{round(q * 100)}": _bucket_quantile(q, lengths, GENERATION_TOKEN_BOUNDS)
-        for q in LENGTH_QUANTILES
+def _window_totals(window: list[Interval], interval_s: float) -> WindowTotals:
+    """The declared series' totals (signal_fields.py) over the window's intervals, as the
+    servers' metrics would show them: samples in the servers' histogram buckets, counts
+    summed, gauges as read at the window's end."""
+    window_s = len(window) * interval_s
+    newer = window[len(window) // 2 :]  # the newer half, as both signal sources read it
+
+    def samples(name: str) -> list[float]:
+        return [x for iv in window for x in getattr(iv, name)]
+
+    histograms = {  # histogram -> (the intervals' samples, its bucket bounds)
+        names.REQUEST_DURATION: (samples("latencies"), BUCKET_BOUNDS),
+        names.QUEUE_WAIT: (samples("queue_waits"), BUCKET_BOUNDS),
+        names.TIME_TO_FIRST_TOKEN: (samples("ttfts"), BUCKET_BOUNDS),
+        names.REQUEST_TIME_PER_OUTPUT_TOKEN: (samples("tpots"), BUCKET_BOUNDS),
+        names.REQUEST_GENERATION_TOKENS: (samples("outputs"), GENERATION_TOKEN_BOUNDS),
+        names.REQUEST_PROMPT_TOKENS: (samples("prompts"), GENERATION_TOKEN_BOUNDS),
     }
-
-
-def _llm_signals(window: list[Interval]) -> dict[str, Any]:
-    """The LLM SLO's fields of Signals over the window's intervals, as the scrape source
-    reads them: quantiles from the server's histogram buckets, counters summed."""
-    ttfts = [x for iv in window for x in iv.ttfts]
-    tpots = [x for iv in window for x in iv.tpots]
-    prompts = [n for iv in window for n in iv.prompts]
-    missed: dict[str, float] = {}
+    # the pods' judgement: requests that met every target, misses per target and "all"
+    met = float(sum(iv.slo_met for iv in window))
+    slo: dict[tuple[str, str], float] = {("met", names.SLO_ALL): met}
     for iv in window:
-        for name, count in iv.slo_missed.items():
-            missed[name] = missed.get(name, 0.0) + count
-    return {
-        "ttft_p99_s": _bucket_quantile(0.99, ttfts, BUCKET_BOUNDS),
-        "tpot_p99_s": _bucket_quantile(0.99, tpots, BUCKET_BOUNDS),
-        "slo_judged": float(sum(iv.slo_judged for iv in window)),
-        "slo_met": float(sum(iv.slo_met for iv in window)),
-        "slo_missed": missed,
-        **_length_quantiles("prompt", prompts),
-        "steps": float(sum(iv.steps for iv in window)),
-        "step_seconds": sum(iv.step_seconds for iv in window),
-        "step_decode_rows": float(sum(iv.step_decode_rows for iv in window)),
-        "step_prefill_tokens": float(sum(iv.step_prefill_tokens for iv in window)),
-        "step_kv_tokens": float(sum(iv.step_kv_tokens for iv in window)),
-    }
+        for target, count in iv.slo_missed.items():
+            slo["missed", target] = slo.get(("missed", target), 0.0) + count
+    return WindowTotals(
+        window_s=window_s,
+        buckets={name: _cumulative_buckets(values, bounds)
+                 for name, (values, bounds) in histograms.items() if values},
+        sums={
+            names.REQUEST_DURATION: sum(samples("latencies")),
+            names.BATCH_SIZE: sum(iv.batch_weighted for iv in window),
+            names.STEP_DURATION: sum(iv.step_seconds for iv in window),
+        },
+        counts={
+            names.REQUEST_DURATION: float(sum(iv.completed for iv in window)),
+            names.REQUESTS_TOTAL: float(sum(iv.completed for iv in window)),
+            names.BATCH_SIZE: sum(iv.batch_count for iv in window),
+            names.PREEMPTIONS_TOTAL: float(sum(iv.preemptions for iv in window)),
+            names.GENERATION_TOKENS_TOTAL: float(sum(iv.tokens for iv in window)),
+            names.ENGINE_BUSY_SECONDS_TOTAL: sum(iv.busy_s for iv in window),
+            names.STEP_DURATION: float(sum(iv.steps for iv in window)),
+            names.STEP_DECODE_ROWS_TOTAL: float(sum(iv.step_decode_rows for iv in window)),
+            names.STEP_PREFILL_TOKENS_TOTAL: float(sum(iv.step_prefill_tokens for iv in window)),
+            names.STEP_KV_TOKENS_TOTAL: float(sum(iv.step_kv_tokens for iv in window)),
+        },
+        now={
+            names.REQUESTS_WAITING: float(window[-1].waiting_at_end),
+            names.REQUESTS_RUNNING: float(window[-1].running_at_end),
+        },
+        peaks={names.KV_CACHE_USAGE: max(iv.kv_max for iv in window)},
+        slo=slo,
+        arrival_rate=sum(iv.arrived for iv in newer) / (len(newer) * interval_s),
+        pods=min(iv.pods for iv in window),
+    )
 
 
 def _prefill_tokens(plan: StepPlan) -> int:
@@ -1042,15 +1013,14 @@ def _compute(plan: StepPlan) -> list[Sequence]:
     return [seq for seq in (*plan.prefill, *plan.decode) if seq.ready_to_sample]
 
 
-def _bucket_quantile(
-    q: float, values: list[float] | list[int], bounds: tuple[float, ...]
-) -> float | None:
-    """The quantile a server's histogram with these bucket bounds (ending +Inf) reports."""
-    if not values:
-        return None
+def _cumulative_buckets(
+    values: list[float] | list[int], bounds: tuple[float, ...]
+) -> dict[float, float]:
+    """le -> how many of `values` a server's histogram with these bounds (ending +Inf)
+    counts at or below it."""
     counts = np.searchsorted(np.asarray(bounds[:-1]), np.asarray(values), side="left")
     cumulative = np.cumsum(np.bincount(counts, minlength=len(bounds)))
-    return histogram_quantile(q, bounds, cumulative.tolist())
+    return dict(zip(bounds, cumulative.astype(float).tolist(), strict=True))
 
 
 def simulate(

@@ -67,18 +67,27 @@ class FakePrometheus:
     mode: str = "ok"
     queries: list[float] = field(default_factory=list)  # arrival times
 
-    def value(self, query: str) -> float:
+    def samples(self, query: str) -> list[dict[str, Any]]:
+        """The answer to one of the source's queries (signals_prometheus.queries)."""
+
+        def sample(value: float, **labels: str) -> dict[str, Any]:
+            return {"metric": labels, "value": [time.time(), str(value)]}
+
+        if "sum by (le)" in query:  # p99s with headroom under the 1 s SLO; queueing at 40 %
+            bound = "0.4" if names.QUEUE_WAIT in query else "0.5"
+            return [sample(1000.0, le=bound), sample(1000.0, le="+Inf")]
+        if "sum by (result, target)" in query:
+            return [sample(1000.0, result="met", target=names.SLO_ALL)]
         if names.PREEMPTIONS_TOTAL in query:
-            return 0.0
-        if names.QUEUE_WAIT in query:
-            return 0.4  # queueing: 40 % of the 1 s SLO
-        if "histogram_quantile" in query:
-            return 0.5  # p99 with headroom under the SLO
+            return [sample(0.0)]
+        if f"{names.BATCH_SIZE}_sum" in query:
+            return [sample(1_000_000.0)]  # a mean batch of 1000: every batch full
         if " / " in query:
-            return 1000.0  # mean batch size: every batch full
-        return {"increase(": 1000.0, "max_over_time": 0.1}.get(
+            return [sample(1.0)]  # the error budget's attainment
+        value = {"increase(": 1000.0, "max_over_time": 0.1}.get(
             next((k for k in ("increase(", "max_over_time") if k in query), ""), 10.0
         )
+        return [sample(value)]
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.queries.append(time.monotonic())
@@ -90,8 +99,7 @@ class FakePrometheus:
             return web.json_response({"status": "success", "data": {}})
         if self.mode == "error":
             return web.Response(status=503, text="Service Unavailable")
-        value = self.value(request.query["query"])
-        result = [{"metric": {}, "value": [time.time(), str(value)]}]
+        result = self.samples(request.query["query"])
         return web.json_response({"status": "success", "data": {"resultType": "vector",
                                                                  "result": result}})
 

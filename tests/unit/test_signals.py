@@ -7,14 +7,10 @@ import math
 import aiohttp
 import numpy as np
 import pytest
+from batchpilot_operator.signal_fields import bucket_quantile
 from batchpilot_operator.signals import histogram_quantile, status_detail, traffic_status
 from batchpilot_operator.signals_prometheus import queries
-from batchpilot_operator.signals_scrape import (
-    ScrapeSource,
-    Totals,
-    parse_metrics,
-    quantile_from_buckets,
-)
+from batchpilot_operator.signals_scrape import ScrapeSource, Totals, parse_metrics
 from batchpilot_server import metric_names as names
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine_api import EngineStats
@@ -103,7 +99,8 @@ def test_the_detail_says_what_runs_and_waits_when_too_little_finished() -> None:
 
 
 def test_prometheus_reads_what_runs_summed_over_pods() -> None:
-    assert queries('policy="p"', 60.0)["running"] == f'sum({names.REQUESTS_RUNNING}{{policy="p"}})'
+    running = queries('policy="p"', 60.0)[f"now:{names.REQUESTS_RUNNING}"]
+    assert running == f'sum({names.REQUESTS_RUNNING}{{policy="p"}})'
 
 
 async def test_the_scrape_counts_what_runs_on_every_pod_as_evidence(
@@ -151,7 +148,7 @@ def test_parse_and_delta_of_a_real_metrics_page() -> None:
     delta = after.minus(before)
     assert delta.counts[names.REQUEST_DURATION] == len(after_values)
     assert delta.sums[names.REQUEST_DURATION] == pytest.approx(sum(after_values))
-    median = quantile_from_buckets(0.5, delta.buckets[names.REQUEST_DURATION])
+    median = bucket_quantile(0.5, delta.buckets[names.REQUEST_DURATION])
     assert median is not None and bucket_of(median) == bucket_of(0.12)
     assert after.gauges[names.KV_CACHE_USAGE] == pytest.approx(stats.kv_usage_ratio)
     assert after.gauges[names.REQUESTS_WAITING] == stats.waiting
