@@ -604,7 +604,10 @@ _TEMPLATE_ROLES = {"developer": "system", "function": "tool"}
 
 def _for_template(message: ChatMessage, index: int) -> dict[str, Any]:
     """The message as chat templates read it (as vLLM and transformers hand it over):
-    text parts joined into one string, tool-call arguments as the JSON object they hold."""
+    text parts joined into one string, tool-call arguments as the JSON object they hold.
+    An assistant turn's null content (beside its tool calls) becomes "", as vLLM renders
+    it: templates join content to text (SmolLM2's `+ message['content'] +`), and those
+    that test it (`if message['content']`) read "" as they read null."""
     content = message.content
     calls = list(message.tool_calls or ())
     if content is None and not (message.role == "assistant" and (calls or message.function_call)):
@@ -617,7 +620,7 @@ def _for_template(message: ChatMessage, index: int) -> dict[str, Any]:
     if isinstance(content, list):
         content = "\n".join(part.text for part in content)
     turn: dict[str, Any] = {"role": _TEMPLATE_ROLES.get(message.role, message.role)}
-    turn["content"] = content
+    turn["content"] = content or ""
     if message.name is not None:
         turn["name"] = message.name
     if message.tool_call_id is not None:
