@@ -939,18 +939,63 @@ def _authorize(request: web.Request, current_token: Callable[[], str] | None) ->
             type_="permission_error",
             code="admin_disabled",
         )
+    require_bearer(request, current_token(), ADMIN_TOKEN)
+
+
+@dataclass(frozen=True)
+class BearerGuard:
+    """How one kind of route answers a missing or wrong bearer credential: a missing one
+    is always 401; a wrong one is the `invalid_status` the route's convention says
+    (OpenAI's API key: 401; the admin token: 403, the caller is known but not allowed)."""
+
+    realm: str
+    missing_message: str
+    missing_code: str
+    invalid_status: int
+    invalid_message: str
+    invalid_code: str
+
+
+ADMIN_TOKEN = BearerGuard(
+    realm="batchpilot-admin",
+    missing_message="missing admin token: send 'Authorization: Bearer <token>'",
+    missing_code="missing_token",
+    invalid_status=403,
+    invalid_message="the admin token is not valid",
+    invalid_code="invalid_token",
+)
+# OpenAI's answer to a missing or wrong key: 401, never the key itself
+API_KEY = BearerGuard(
+    realm="batchpilot",
+    missing_message="this server needs an API key: send 'Authorization: Bearer <key>'",
+    missing_code="missing_api_key",
+    invalid_status=401,
+    invalid_message="the API key is not valid",
+    invalid_code="invalid_api_key",
+)
+
+
+def require_bearer(request: web.Request, expected: str, guard: BearerGuard) -> None:
+    """The one bearer-token check: an ApiError unless the request sends `expected`."""
+    challenge = {"WWW-Authenticate": f'Bearer realm="{guard.realm}"'}
     given = _bearer(request)
     if given is None:
         raise ApiError(
             401,
-            "missing admin token: send 'Authorization: Bearer <token>'",
+            guard.missing_message,
             type_="authentication_error",
-            code="missing_token",
-            headers={"WWW-Authenticate": 'Bearer realm="batchpilot-admin"'},
+            code=guard.missing_code,
+            headers=challenge,
         )
-    if not _same(given, current_token()):
+    # constant time, so that the answer's timing tells nothing of the secret
+    if not hmac.compare_digest(given, expected.encode("utf-8", "surrogateescape")):
+        unauthenticated = guard.invalid_status == 401  # a 401 names its scheme (RFC 9110)
         raise ApiError(
-            403, "the admin token is not valid", type_="permission_error", code="invalid_token"
+            guard.invalid_status,
+            guard.invalid_message,
+            type_="authentication_error" if unauthenticated else "permission_error",
+            code=guard.invalid_code,
+            headers=challenge if unauthenticated else None,
         )
 
 
@@ -964,11 +1009,6 @@ def _bearer(request: web.Request) -> bytes | None:
     return given.strip().encode("utf-8", "surrogateescape")
 
 
-def _same(given: bytes, expected: str) -> bool:
-    """Constant time, so that the answer's timing tells nothing of the secret."""
-    return hmac.compare_digest(given, expected.encode("utf-8", "surrogateescape"))
-
-
 # routes behind --api-key: what OpenAI clients call (vLLM guards the same ones)
 KEYED_PREFIXES = ("/v1/",)
 KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
@@ -979,24 +1019,7 @@ async def api_key_middleware(request: web.Request, handler: Handler) -> web.Stre
     current_key = request.app[STATE].api_key
     path = request.path
     if current_key is not None and (path.startswith(KEYED_PREFIXES) or path in KEYED_PATHS):
-        given = _bearer(request)
-        # OpenAI's answer to a missing or wrong key: 401, never the key itself
-        if given is None:
-            raise ApiError(
-                401,
-                "this server needs an API key: send 'Authorization: Bearer <key>'",
-                type_="authentication_error",
-                code="missing_api_key",
-                headers={"WWW-Authenticate": 'Bearer realm="batchpilot"'},
-            )
-        if not _same(given, current_key()):
-            raise ApiError(
-                401,
-                "the API key is not valid",
-                type_="authentication_error",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": 'Bearer realm="batchpilot"'},
-            )
+        require_bearer(request, current_key(), API_KEY)
     return await handler(request)
 
 
