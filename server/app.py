@@ -35,6 +35,7 @@ from batchpilot_server.generation_defaults import (
     GenerationDefaults,
     generation_defaults,
 )
+from batchpilot_server.grammar_compiler import GrammarCompiler
 from batchpilot_server.metrics import CONTENT_TYPE, MetricsCompat, ServerMetrics
 from batchpilot_server.openapi import openapi_document
 from batchpilot_server.protocol import (
@@ -82,7 +83,6 @@ from batchpilot_server.protocol_parse import (
     read_tokenize,
 )
 from batchpilot_server.slo_judge import RequestTiming, judge
-from batchpilot_server.structured_output import StructuredOutput
 from batchpilot_server.tokenizer import ChatTemplate, Tokenizer
 from batchpilot_server.tool_calls import ParsedCall, ToolCallStream, parse_tool_calls
 from pydantic import BaseModel
@@ -160,7 +160,7 @@ class ServerState:
     chat_template: str | None = None  # --chat-template: replaces the model's at start
     defaults: GenerationDefaults = MODEL_NEUTRAL
     # response_format and forced tool calls: compiled once the engine has its tokenizer
-    structured: StructuredOutput | None = None
+    structured: GrammarCompiler | None = None
     config_version: int = 1  # of the engine's config: increases with every accepted PUT
     ready: bool = False
     draining: bool = False
@@ -258,7 +258,7 @@ async def _start_engine(app: web.Application) -> None:
         special = tokenizer.chat_template.special_tokens
         tokenizer.chat_template = ChatTemplate(state.chat_template, special)
     phases = state.metrics.structured_output
-    state.structured = StructuredOutput(state.engine.tokenizer, phases["compile"], phases["mask"])
+    state.structured = GrammarCompiler(state.engine.tokenizer, phases["compile"], phases["mask"])
     state.ready = True
 
 

@@ -305,7 +305,7 @@ def _choice_kind(value: Any) -> str | None:
     return "<string>" if isinstance(value, str) else "<object>"
 
 
-# "required" and a named tool: decoding constrained to a call (structured_output.py)
+# "required" and a named tool: decoding constrained to a call (grammar_compiler.py)
 ToolChoice = Annotated[
     Annotated[Literal["none", "auto", "required"], Tag("<string>")]
     | Annotated[NamedToolChoice, Tag("<object>")],

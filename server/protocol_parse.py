@@ -327,7 +327,7 @@ class PromptInput:
 
 @dataclass(frozen=True)
 class GrammarRequest:
-    """What a request wants its output to match (structured_output.py compiles it): any
+    """What a request wants its output to match (grammar_compiler.py compiles it): any
     JSON object, or a JSON schema. `param`: the request field an error names."""
 
     schema: dict[str, Any] | None  # None: any JSON object (json_object)

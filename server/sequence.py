@@ -17,7 +17,7 @@ from batchpilot_server.engine_api import (
 
 if TYPE_CHECKING:
     import torch
-    from batchpilot_server.structured_output import GrammarState
+    from batchpilot_server.grammar import GrammarState
 
 # per generated token: the most likely (token id, logprob) it asked for, best first
 TopLogprobs = tuple[tuple[int, float], ...]

@@ -23,6 +23,25 @@ ALLOWED = {
     "batchpilot_tools": {"batchpilot_server", "batchpilot_operator"},
 }
 TEST_FOLDERS = ("unit", "integration", "e2e")
+# server/'s modules in layers, lowest first: each imports only its own layer and those
+# below, so the engine never reaches the HTTP side and only the process wires the two
+SERVER_LAYERS: dict[str, frozenset[str]] = {
+    # what both sides speak: the engine's interface, configs, the tokenizer
+    "shared": frozenset({"batching_config", "engine_api", "metric_names", "model_presets",
+                         "tokenizer"}),
+    # models, KV cache, schedulers, the step loop, sampling and the grammar state it masks
+    "engine": frozenset({"attention_kernel", "attention_kernel_build", "block_pool", "engine",
+                         "gguf_checkpoint", "grammar", "kv_cache", "linear_kernels",
+                         "model_runner", "models", "sampling", "scheduler",
+                         "scheduler_continuous", "scheduler_dynamic", "scheduler_policies",
+                         "sequence", "weight_quality", "weights"}),
+    # the aiohttp app: routes, the wire models, parsing, grammar compiling, answers, metrics
+    "http": frozenset({"app", "connections", "generation_defaults", "grammar_compiler",
+                       "metrics", "openapi", "protocol", "protocol_output", "protocol_parse",
+                       "slo_judge", "tool_calls"}),
+    # the `batchpilot` CLI: builds the engine and the app and runs them
+    "process": frozenset({"admin_token", "cli", "cpu_quota", "serve"}),
+}  # fmt: skip
 
 
 def imported(path: Path) -> Iterator[str]:
@@ -32,6 +51,8 @@ def imported(path: Path) -> Iterator[str]:
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             yield node.module
+            # `from package import module` imports the module too
+            yield from (f"{node.module}.{alias.name}" for alias in node.names)
 
 
 def modules(package: str) -> dict[str, Path]:
@@ -55,6 +76,32 @@ def test_each_package_imports_only_the_packages_below_it() -> None:
         if (top := target.split(".")[0]) in PACKAGES and top != package and top not in allowed
     }
     assert not crossings
+
+
+def server_module_names() -> set[str]:
+    """server/'s modules, named as SERVER_LAYERS names them (the package itself left out)."""
+    prefix = "batchpilot_server."
+    return {name.removeprefix(prefix) for name in modules("batchpilot_server") if prefix in name}
+
+
+def test_every_server_module_is_in_exactly_one_layer() -> None:
+    layered = [name for layer in SERVER_LAYERS.values() for name in layer]
+    assert len(layered) == len(set(layered)), "a module is in two layers"
+    assert set(layered) == server_module_names()
+
+
+def test_each_server_layer_imports_only_its_own_and_the_layers_below() -> None:
+    rank = {name: i for i, layer in enumerate(SERVER_LAYERS.values()) for name in layer}
+    layer_names = list(SERVER_LAYERS)
+    server = modules("batchpilot_server")
+    upward = {
+        f"{name} ({layer_names[rank[name]]}) imports {target} ({layer_names[rank[target]]})"
+        for name in server_module_names()
+        for target in (t.removeprefix("batchpilot_server.") for t in imported(
+            server[f"batchpilot_server.{name}"]))
+        if target in rank and rank[target] > rank[name]
+    }  # fmt: skip
+    assert not upward
 
 
 def test_the_server_modules_the_operator_imports_never_reach_torch() -> None:
