@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from batchpilot_server.engine_api import SamplingParams
 from batchpilot_server.grammar_compiler import GrammarCompiler
-from batchpilot_server.protocol_parse import GrammarRequest
+from batchpilot_server.grammar_request import GrammarRequest
 from batchpilot_server.sampling import Sampler
 from batchpilot_server.sequence import Sequence
 from batchpilot_server.weights import load_model

@@ -23,8 +23,8 @@ from typing import Any, Protocol
 import torch
 import xgrammar as xgr
 from batchpilot_server.grammar import CLOSERS, Grammar, Vocabulary
+from batchpilot_server.grammar_request import GrammarRequest
 from batchpilot_server.protocol import ApiError, invalid
-from batchpilot_server.protocol_parse import GrammarRequest
 from batchpilot_server.tokenizer import Tokenizer
 
 # Caps on what one schema may ask of the compiler (docs/api.md): its JSON text, how

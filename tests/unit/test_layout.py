@@ -36,9 +36,12 @@ SERVER_LAYERS: dict[str, frozenset[str]] = {
                          "scheduler_continuous", "scheduler_dynamic", "scheduler_policies",
                          "sequence", "weight_quality", "weights"}),
     # the aiohttp app: routes, the wire models, parsing, grammar compiling, answers, metrics
-    "http": frozenset({"app", "connections", "generation_defaults", "grammar_compiler",
-                       "metrics", "openapi", "protocol", "protocol_output", "protocol_parse",
-                       "slo_judge", "tool_calls"}),
+    "http": frozenset({"accounting", "admin", "answer_formats", "app", "auth", "chat_prompt",
+                       "connections", "generation", "generation_defaults", "grammar_compiler",
+                       "grammar_request", "metrics", "openapi", "probes", "protocol",
+                       "protocol_output", "protocol_parse", "request_body",
+                       "request_validation", "responses", "sampling_fields", "server_state",
+                       "serving", "slo_judge", "streaming", "tool_calls"}),
     # the `batchpilot` CLI: builds the engine and the app and runs them
     "process": frozenset({"admin_token", "cli", "cpu_quota", "serve"}),
 }  # fmt: skip
