@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 import torch
+from batchpilot_server.engine.sampling import Sampler
+from batchpilot_server.engine.sequence import Sequence
+from batchpilot_server.engine.weights import load_model
 from batchpilot_server.engine_api import SamplingParams
-from batchpilot_server.grammar_compiler import GrammarCompiler
-from batchpilot_server.grammar_request import GrammarRequest
-from batchpilot_server.sampling import Sampler
-from batchpilot_server.sequence import Sequence
-from batchpilot_server.weights import load_model
+from batchpilot_server.http.grammar_compiler import GrammarCompiler
+from batchpilot_server.http.grammar_request import GrammarRequest
 from prometheus_client import Histogram
 
 ROOT = Path(__file__).resolve().parent.parent

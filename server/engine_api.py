@@ -1,6 +1,6 @@
 """What the engine promises its callers (the HTTP app, benchmarks, tests).
 
-Torch-free. `batchpilot_server.engine.Engine` implements it:
+Torch-free. `batchpilot_server.engine.core.Engine` implements it:
 
     engine = Engine(EngineOptions(mode="continuous", config=BatchingConfig(...)), observer)
     await engine.start()

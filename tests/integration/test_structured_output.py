@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 import requests
-from batchpilot_server import grammar_compiler
+from batchpilot_server.http import grammar_compiler
 from batchpilot_server.tokenizer import CHATML_TEMPLATE
 
 from tests.support.servers import serve_on_thread

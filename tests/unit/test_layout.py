@@ -23,27 +23,20 @@ ALLOWED = {
     "batchpilot_tools": {"batchpilot_server", "batchpilot_operator"},
 }
 TEST_FOLDERS = ("unit", "integration", "e2e")
-# server/'s modules in layers, lowest first: each imports only its own layer and those
-# below, so the engine never reaches the HTTP side and only the process wires the two
-SERVER_LAYERS: dict[str, frozenset[str]] = {
+# server/ in layers, lowest first: a module imports only its own layer and those below,
+# so the engine never reaches the HTTP side and only the process wires the two. The
+# engine and the HTTP side are the packages server/engine/ and server/http/ (models, KV
+# cache, schedulers, the step loop, sampling and the grammar state it masks; the aiohttp
+# app and its parts, the wire models, parsing, grammar compiling, answers, metrics).
+SERVER_LAYERS = ("shared", "engine", "http", "process")
+SERVER_PACKAGES = ("engine", "http")
+# the layer of each module at server/'s top
+TOP_LEVEL_LAYER = {
     # what both sides speak: the engine's interface, configs, the tokenizer
-    "shared": frozenset({"batching_config", "engine_api", "metric_names", "model_presets",
-                         "tokenizer"}),
-    # models, KV cache, schedulers, the step loop, sampling and the grammar state it masks
-    "engine": frozenset({"attention_kernel", "attention_kernel_build", "block_pool", "engine",
-                         "gguf_checkpoint", "grammar", "kv_cache", "linear_kernels",
-                         "model_runner", "models", "sampling", "scheduler",
-                         "scheduler_continuous", "scheduler_dynamic", "scheduler_policies",
-                         "sequence", "weight_quality", "weights"}),
-    # the aiohttp app: routes, the wire models, parsing, grammar compiling, answers, metrics
-    "http": frozenset({"accounting", "admin", "answer_formats", "app", "auth", "chat_prompt",
-                       "connections", "generation", "generation_defaults", "grammar_compiler",
-                       "grammar_request", "metrics", "openapi", "probes", "protocol",
-                       "protocol_output", "protocol_parse", "request_body",
-                       "request_validation", "responses", "sampling_fields", "server_state",
-                       "serving", "slo_judge", "streaming", "tool_calls"}),
+    **dict.fromkeys(("batching_config", "engine_api", "metric_names", "model_presets",
+                     "tokenizer"), "shared"),
     # the `batchpilot` CLI: builds the engine and the app and runs them
-    "process": frozenset({"admin_token", "cli", "cpu_quota", "serve"}),
+    **dict.fromkeys(("admin_token", "cli", "cpu_quota", "serve"), "process"),
 }  # fmt: skip
 
 
@@ -81,29 +74,31 @@ def test_each_package_imports_only_the_packages_below_it() -> None:
     assert not crossings
 
 
-def server_module_names() -> set[str]:
-    """server/'s modules, named as SERVER_LAYERS names them (the package itself left out)."""
-    prefix = "batchpilot_server."
-    return {name.removeprefix(prefix) for name in modules("batchpilot_server") if prefix in name}
+def server_layer(module: str) -> str | None:
+    """The layer of a batchpilot_server module, or of a name inside one; None: the package."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return None
+    return parts[0] if parts[0] in SERVER_PACKAGES else TOP_LEVEL_LAYER.get(parts[0])
 
 
-def test_every_server_module_is_in_exactly_one_layer() -> None:
-    layered = [name for layer in SERVER_LAYERS.values() for name in layer]
-    assert len(layered) == len(set(layered)), "a module is in two layers"
-    assert set(layered) == server_module_names()
+def test_every_module_at_the_server_top_has_a_layer() -> None:
+    top = {path.stem for path in (ROOT / "server").glob("*.py")} - {"__init__"}
+    assert top == set(TOP_LEVEL_LAYER)
+    assert all((ROOT / "server" / package / "__init__.py").is_file() for package in SERVER_PACKAGES)
 
 
 def test_each_server_layer_imports_only_its_own_and_the_layers_below() -> None:
-    rank = {name: i for i, layer in enumerate(SERVER_LAYERS.values()) for name in layer}
-    layer_names = list(SERVER_LAYERS)
-    server = modules("batchpilot_server")
+    rank = {layer: i for i, layer in enumerate(SERVER_LAYERS)}
     upward = {
-        f"{name} ({layer_names[rank[name]]}) imports {target} ({layer_names[rank[target]]})"
-        for name in server_module_names()
-        for target in (t.removeprefix("batchpilot_server.") for t in imported(
-            server[f"batchpilot_server.{name}"]))
-        if target in rank and rank[target] > rank[name]
-    }  # fmt: skip
+        f"{name} ({layer}) imports {target} ({target_layer})"
+        for name, path in modules("batchpilot_server").items()
+        if (layer := server_layer(name)) is not None
+        for target in imported(path)
+        if target.split(".")[0] == "batchpilot_server"
+        and (target_layer := server_layer(target)) is not None
+        and rank[target_layer] > rank[layer]
+    }
     assert not upward
 
 

@@ -1,0 +1,569 @@
+"""The engine: an asyncio front over a model loop that runs in its own thread.
+
+`submit` (event loop) hands a request to the scheduler under a lock and returns
+a `RequestStream`. The engine thread loops: the scheduler plans a step, the
+model runs it outside the lock, and the scheduler takes the sampled tokens
+back and says which events go out; they reach the loop in one
+`call_soon_threadsafe`, so HTTP keeps answering while the model computes. The
+scheduler (`scheduler.py`) owns every queue and every policy decision; the
+engine owns the model, the request streams and the thread.
+
+Shutdown: `shutdown()` stops admitting new requests; requests already
+scheduled (running, or preempted and waiting to be recomputed) run to the end;
+requests never scheduled end with `EngineStoppedError` at once.
+`shutdown(drain=True)` instead serves every admitted request before stopping.
+`abort(reason)` ends every admitted request now with `EngineStoppedError(reason)`
+(a shutdown grace period ran out); `shutdown()` then returns after one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+
+import torch
+from batchpilot_server.batching_config import MODES, BatchingConfig, Mode
+from batchpilot_server.engine.block_pool import BlockPool
+from batchpilot_server.engine.kv_cache import KVCache, bytes_per_block
+from batchpilot_server.engine.model_runner import ModelRunner
+from batchpilot_server.engine.models import ModelSpec, resolve_device
+from batchpilot_server.engine.sampling import Sampler, gather_prompt_logprobs, make_generator
+from batchpilot_server.engine.scheduler import Output, Scheduler, StepPlan
+from batchpilot_server.engine.scheduler_policies import PolicyOptions, new_scheduler
+from batchpilot_server.engine.sequence import Sequence, TopLogprobs
+from batchpilot_server.engine.weights import LoadedModel, load_model
+from batchpilot_server.engine_api import (
+    EngineError,
+    EngineObserver,
+    EngineOptions,
+    EngineStats,
+    EngineStoppedError,
+    NullObserver,
+    PromptTooLongError,
+    SamplingParams,
+    TokenEvent,
+)
+from batchpilot_server.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_END = object()  # a stream's end marker
+StreamItem = TokenEvent | EngineError | object
+Delivery = list[tuple["RequestStream", StreamItem]]
+
+
+class BusyClock:
+    """The engine thread's working time: wall time between laps, less its waits for work.
+
+    What a step really costs the pod (scheduling, forwards, sampling, handing tokens
+    to the event loop, and waiting for the GIL or the lock meanwhile), where
+    `batchpilot_step_duration_seconds` times the forwards alone.
+    """
+
+    def __init__(self) -> None:
+        self._since = time.perf_counter()
+        self._idle = 0.0
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._idle += time.perf_counter() - began
+
+    def lap(self) -> float:
+        """Busy seconds since the last lap."""
+        now = time.perf_counter()
+        busy = now - self._since - self._idle
+        self._since, self._idle = now, 0.0
+        return max(0.0, busy)
+
+
+class RequestStream:
+    """Async iterator of one request's `TokenEvent`s; raises the `EngineError` it ends with.
+
+    A deque and one waiter future rather than an asyncio.Queue: the event loop
+    hands out every token of every step, and its time there is time the engine
+    thread may wait for the GIL."""
+
+    def __init__(self, request_id: str, on_cancel: Callable[[], None]) -> None:
+        self.request_id = request_id
+        self._on_cancel = on_cancel
+        self._items: deque[StreamItem] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._closed = False  # no more items will be yielded
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._closed:
+            raise StopAsyncIteration
+        if not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
+        if item is _END or self._closed:
+            self._closed = True
+            raise StopAsyncIteration
+        if isinstance(item, EngineError):
+            self._closed = True
+            raise item
+        assert isinstance(item, TokenEvent)
+        return item
+
+    def cancel(self) -> None:
+        """Stop the request and free its KV blocks; iteration ends. Safe at any time."""
+        if self._closed:
+            return
+        self._closed = True
+        self._put(_END)  # wakes a reader blocked in __anext__
+        self._on_cancel()
+
+    def _push(self, item: StreamItem) -> None:
+        if not self._closed:
+            self._put(item)
+
+    def _put(self, item: StreamItem) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class Engine:
+    def __init__(self, options: EngineOptions, observer: EngineObserver | None = None) -> None:
+        if options.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}; got {options.mode!r}")
+        self._options = options
+        self._observer: EngineObserver = observer or NullObserver()
+        self._device = resolve_device(options.device)
+        self._loaded: LoadedModel | None = None  # by `start`: loading may take minutes
+        self._max_model_len = 0  # by `start`: the model's context, capped to the KV pool
+        self._cond = threading.Condition()
+        self._streams: dict[Sequence, RequestStream] = {}
+        self._outbox: Delivery = []  # items for the event loop, in order
+        self._outbox_lock = threading.Lock()
+        self._wakeup_pending = False
+        self._state = "new"  # new -> running -> stopping -> stopped
+        self._abort: EngineError | None = None  # end every request with this, then stop
+        self._failure: str | None = None
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._cache: KVCache | None = None
+        self._runner: ModelRunner | None = None
+        self._sampler: Sampler | None = None
+        self._scheduler: Scheduler | None = None
+
+    # ---- properties -------------------------------------------------------
+
+    @property
+    def _spec(self) -> ModelSpec:
+        return self._model.spec
+
+    @property
+    def _model(self) -> LoadedModel:
+        if self._loaded is None:
+            raise RuntimeError("the engine loads its model in start(); not started yet")
+        return self._loaded
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._model.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """Tokens one request may hold, prompt + output: the model's context (or
+        --max-model-len), capped to what the KV pool holds for one sequence."""
+        if not self._max_model_len:
+            raise RuntimeError("the engine sizes its context in start(); not started yet")
+        return self._max_model_len
+
+    @property
+    def model_name(self) -> str:
+        """The name the model is served as."""
+        return self._options.served_name
+
+    @property
+    def device(self) -> str:
+        return self._device
+
+    @property
+    def mode(self) -> Mode:
+        return self._options.mode
+
+    @property
+    def config(self) -> BatchingConfig:
+        """The batching config in force: the scheduler's (before start, the one it
+        will start with)."""
+        return self._options.config if self._scheduler is None else self._scheduler.config
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine thread died, if it did: it serves nothing more."""
+        return self._stopped_message() if self._failure else None
+
+    @property
+    def attention(self) -> str | None:
+        """The decode attention in use (native or torch); None before `start`."""
+        return self._runner.attention if self._runner else None
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            pool = self._cache.pool if self._cache else None
+            scheduler = self._scheduler
+            return EngineStats(
+                running=scheduler.num_running if scheduler else 0,
+                waiting=scheduler.num_waiting if scheduler else 0,
+                kv_blocks_total=pool.num_blocks if pool else 0,
+                kv_blocks_used=pool.num_used if pool else 0,
+                steps=scheduler.steps if scheduler else 0,
+                preemptions=scheduler.preemptions if scheduler else 0,
+            )
+
+    # ---- lifecycle --------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._state != "new":
+            raise RuntimeError("an Engine starts once")
+        self._loop = asyncio.get_running_loop()
+        if self._options.threads is not None:
+            torch.set_num_threads(self._options.threads)
+        # read here: torch's thread count may differ in the engine thread
+        threads = torch.get_num_threads()
+        built: Future[None] = Future()
+        self._thread = threading.Thread(
+            target=self._main, args=(threads, built), name="batchpilot-engine", daemon=True
+        )
+        self._thread.start()
+        await asyncio.wrap_future(built)
+        log.info(
+            "engine ready: %s (%s) on %s, %d KV blocks, %s decode attention",
+            self.model_name,
+            self._model.dtype,
+            self._device,
+            self._cache.pool.num_blocks,
+            self._runner.attention,
+        )
+
+    def _main(self, threads: int, built: Future[None]) -> None:
+        """The engine thread: builds the model, then runs its steps; `built` says how the
+        build went (`start` awaits it).
+
+        One thread does both because torch's OpenMP runtime (libgomp) keeps a team of
+        worker threads for every thread that ever ran a parallel op. With more of them
+        than CPUs (a helper thread's idle team from loading beside the engine thread's),
+        libgomp stops spinning at barriers and sleeps on a futex instead, and a step
+        passes hundreds of barriers: SmolLM2-135M at batch 10 on 2 CPUs took 50 ms a
+        step against 30 ms with the engine thread's team alone."""
+        built.set_running_or_notify_cancel()  # from here `start` can no longer cancel it
+        try:
+            torch.set_num_threads(threads)  # torch's count is per thread
+            self._cache, self._runner = self._build(threads)
+            self._max_model_len = self._context_length(self._cache)
+            self._sampler = Sampler(self._spec.vocab_size, self.tokenizer.eos_ids, self._device)
+            scheduler = self._new_scheduler(self._cache.pool)
+        except Exception as exc:
+            built.set_exception(exc)
+            return
+        with self._cond:
+            starting = self._state == "new"  # not shut down while the model loaded
+            if starting:
+                self._scheduler, self._state = scheduler, "running"
+        if not starting:
+            built.set_exception(EngineStoppedError("engine shut down while starting"))
+            return
+        built.set_result(None)
+        self._run(scheduler)
+
+    def _build(self, threads: int) -> tuple[KVCache, ModelRunner]:
+        options = self._options
+        self._loaded = load_model(
+            options.model,
+            device=self._device,
+            dtype=options.dtype,
+            quantization=options.quantization,
+            seed=options.seed,
+            max_model_len=options.max_model_len,
+        )
+        model = self._loaded.model
+        budget = options.kv_cache_mb * 2**20
+        if self._device == "cuda" and options.gpu_memory_fraction is not None:
+            free, _ = torch.cuda.mem_get_info()
+            budget = free * options.gpu_memory_fraction
+        cache = KVCache.sized(self._spec, budget, options.block_size, self._device, self._kv_dtype)
+        runner = ModelRunner(model, cache, options.attention, threads)
+        cache.pool.prefix_caching = options.prefix_caching and self._may_share_blocks(runner)
+        return cache, runner
+
+    @staticmethod
+    def _may_share_blocks(runner: ModelRunner) -> bool:
+        """Whether decode attention reads blocks that several sequences share: the
+        native kernel does; the torch path scores each pool block for one owner."""
+        if runner.attention == "native":
+            return True
+        log.warning("prefix caching is off: the torch decode attention cannot share blocks")
+        return False
+
+    @property
+    def _kv_dtype(self) -> torch.dtype:
+        # The model's K/V dtype where that is bfloat16 or on CUDA: a bfloat16 model's K/V
+        # are bfloat16 values, held exactly in half float32's bytes (twice the tokens per
+        # MiB, half the bytes decode attention reads); the native kernel computes in
+        # float32 over either. float16 on the CPU: float32, which the kernel reads.
+        if self._device == "cuda" or self._model.dtype == torch.bfloat16:
+            return self._model.dtype
+        return torch.float32
+
+    def _context_length(self, cache: KVCache) -> int:
+        """The model's context, or fewer tokens if the whole pool holds fewer: a longer
+        request could never be scheduled (as vLLM, but a warning rather than an error,
+        so that a small default pool still serves)."""
+        context, size = self._spec.max_seq_len, cache.block_size
+        pool_tokens = cache.pool.num_blocks * size
+        if pool_tokens >= context:
+            return context
+        needed = cache.pool.blocks_for(context) * bytes_per_block(self._spec, size, self._kv_dtype)
+        log.warning(
+            "the KV cache holds %d tokens, fewer than the model's context of %d: "
+            "max_model_len is %d tokens (prompt + output). Raise --kv-cache-mb (%.0f MiB "
+            "holds the whole context) or lower --max-model-len",
+            pool_tokens,
+            context,
+            pool_tokens,
+            needed / 2**20,
+        )
+        return pool_tokens
+
+    def _new_scheduler(self, pool: BlockPool) -> Scheduler:
+        """The batching policy `mode` names."""
+        options = self._options
+        policy = PolicyOptions(
+            padded=options.dynamic_execution == "padded",
+            max_wait_s=None if options.max_wait_ms is None else options.max_wait_ms / 1000.0,
+        )
+        return new_scheduler(options.mode, pool, options.config, self.tokenizer.eos_ids, policy)
+
+    async def shutdown(self, drain: bool = False) -> None:
+        """Stop; see the module docstring for what happens to admitted requests."""
+        with self._cond:
+            if self._state == "new":
+                self._state = "stopped"
+            if self._state == "running":
+                assert self._scheduler is not None
+                self._scheduler.stop(drain)
+                self._state = "stopping"
+                self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            await asyncio.to_thread(thread.join)
+
+    def abort(self, reason: str) -> None:
+        """End every admitted request now with EngineStoppedError(reason) and stop
+        admitting. Their streams are answered at once; the scheduler frees their
+        blocks once the step in progress ends, and `shutdown()` waits for that."""
+        error = EngineStoppedError(reason)
+        with self._cond:
+            if self._state not in ("running", "stopping"):
+                return
+            self._abort, self._state = error, "stopping"
+            out: Delivery = [(stream, error) for stream in self._streams.values()]
+            self._streams.clear()
+            self._cond.notify_all()
+        self._send(out)
+
+    # ---- requests ---------------------------------------------------------
+
+    def reconfigure(self, config: BatchingConfig) -> None:
+        """Takes effect at the next scheduling decision; no admitted request fails."""
+        with self._cond:
+            if self._scheduler is None:
+                raise RuntimeError("the engine applies a config once started")
+            self._scheduler.reconfigure(config)
+            self._cond.notify_all()
+
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        deadline_s: float | None = None,
+    ) -> RequestStream:
+        """A request the API validated (token ids, sampling values); raises
+        QueueFullError, PromptTooLongError or EngineStoppedError."""
+        now = time.monotonic()
+        seq = Sequence(
+            request_id=f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}",
+            prompt_ids=list(prompt_token_ids),
+            params=params,
+            arrival=now,
+            deadline=None if deadline_s is None else now + deadline_s,
+            generator=make_generator(params, self._device),
+        )
+        stream = RequestStream(seq.request_id, lambda: self._cancel(seq))
+        with self._cond:
+            if self._state != "running" or self._scheduler is None:
+                raise EngineStoppedError(self._stopped_message())
+            self._check_fits(seq)
+            self._scheduler.add(seq)
+            self._streams[seq] = stream
+            self._cond.notify_all()
+        return stream
+
+    def _check_fits(self, seq: Sequence) -> None:
+        """Guards the KV pool: a request longer than max_model_len could never be
+        scheduled (the API refuses it first, with the field at fault)."""
+        if seq.max_total_tokens > self._max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({seq.num_prompt} tokens) + max_tokens ({seq.params.max_tokens}) = "
+                f"{seq.max_total_tokens} exceeds the context of {self._max_model_len} tokens"
+            )
+
+    def _stopped_message(self) -> str:
+        if self._failure:
+            return f"engine stopped after an internal error: {self._failure}"
+        return "engine is not running (not started or shutting down)"
+
+    def _cancel(self, seq: Sequence) -> None:
+        with self._cond:
+            self._streams.pop(seq, None)
+            if self._scheduler is not None:
+                self._scheduler.cancel(seq)
+            self._cond.notify_all()
+
+    # ---- engine thread ----------------------------------------------------
+
+    def _run(self, scheduler: Scheduler) -> None:
+        """Each step: schedule, run the model, hand the results back."""
+        busy = BusyClock()
+        try:
+            while (plan := self._next_plan(scheduler, busy)) is not None:
+                rows, tokens, logprobs, tops = self._run_model(plan)
+                with self._cond:
+                    outputs = scheduler.postprocess(rows, tokens, logprobs, time.monotonic(), tops)
+                    delivery = self._delivery(outputs)
+                self._send(delivery)
+                self._observer.on_busy(busy.lap())
+        except Exception as exc:
+            log.exception("engine thread failed")
+            self._failure = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._stop(scheduler)
+
+    def _next_plan(self, scheduler: Scheduler, busy: BusyClock) -> StepPlan | None:
+        """The next step to run, once there is one; None: stop. Requests that end
+        meanwhile (cancelled, past their deadline, refused) are answered at once."""
+        with self._cond:
+            while True:
+                if self._abort is not None:
+                    error, self._abort = self._abort, None
+                    self._send(self._delivery(scheduler.abort(error)))
+                plan = scheduler.schedule(time.monotonic())
+                self._send(self._delivery(plan.ended))
+                if plan.size:
+                    return plan
+                if self._state == "stopping" and scheduler.idle:
+                    return None
+                wake_at = scheduler.wake_at()
+                with busy.waiting():
+                    self._cond.wait(
+                        None if wake_at is None else max(0.0, wake_at - time.monotonic())
+                    )
+
+    def _run_model(
+        self, plan: StepPlan
+    ) -> tuple[list[Sequence], list[int], list[float], list[TopLogprobs]]:
+        """Outside the lock: the plan's forwards; the rows that sampled a token, the
+        tokens, their log-probabilities and the top log-probabilities they asked for."""
+        assert self._runner is not None and self._sampler is not None
+        observer, runner, sampler = self._observer, self._runner, self._sampler
+        for _ in plan.preempted:
+            observer.on_preemption()
+        for seq in plan.first_scheduled:
+            observer.on_scheduled((seq.first_scheduled or seq.arrival) - seq.arrival)
+        if plan.batch_size:
+            observer.on_batch(plan.batch_size)
+        slots = plan.slot_steps()
+        observer.on_slot_steps(slots.active, slots.finished, slots.padding)
+        work = plan.work()
+        observer.on_step_work(work.decode_rows, work.prefill_tokens, work.kv_tokens)
+        if plan.cache_queried:
+            observer.on_prefix_cache(plan.cache_queried, plan.cache_hit)
+        # padded execution: finished rows decode last, their outputs discarded
+        decode = plan.decode + plan.pad
+        began = time.perf_counter()
+        logits = runner.step(plan.prefill, decode, plan.chunks, gather_prompt_logprobs)
+        # a prefill chunk that leaves part of its prompt for later samples nothing
+        rows = [seq for seq in plan.prefill if seq.ready_to_sample] + plan.decode
+        sampled = sampler.sample(logits[: len(rows)], rows) if rows else None
+        # the step count and seconds a step-time model pairs with the work counters
+        observer.on_step(plan.size + len(plan.pad), time.perf_counter() - began)
+        if sampled is None:
+            return [], [], [], []
+        return rows, sampled.tokens, sampled.logprobs, sampled.top_logprobs
+
+    def _delivery(self, outputs: list[Output]) -> Delivery:
+        """Under the lock: each output paired with its request's stream (none once the
+        client cancelled); a final output closes the stream."""
+        out: Delivery = []
+        for output in outputs:
+            if output.held_s is not None:
+                self._observer.on_hostage(output.held_s)
+            if not output.final:
+                stream = self._streams.get(output.seq)
+                if stream is not None:
+                    out.append((stream, output.item))
+            elif (stream := self._streams.pop(output.seq, None)) is not None:
+                out.append((stream, output.item))
+                if isinstance(output.item, TokenEvent):
+                    out.append((stream, _END))
+        return out
+
+    def _send(self, out: Delivery) -> None:
+        """Queue items for the event loop; wake it only if no wake-up is pending.
+
+        Each wake-up is a socket write plus a GIL hand-over to the loop thread, so
+        steps that finish while the loop is still busy ride on one wake-up."""
+        if not out:
+            return
+        assert self._loop is not None
+        with self._outbox_lock:
+            self._outbox += out
+            if self._wakeup_pending:
+                return
+            self._wakeup_pending = True
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:
+            log.warning("event loop closed; %d stream items dropped", len(out))
+
+    def _deliver(self) -> None:
+        """On the event loop: hand every queued item to its stream."""
+        with self._outbox_lock:
+            items, self._outbox, self._wakeup_pending = self._outbox, [], False
+        for stream, item in items:
+            stream._push(item)
+
+    def _stop(self, scheduler: Scheduler) -> None:
+        """Thread exit: every stream still open ends with an error (after a failure,
+        the scheduler's state is not to be trusted to find them)."""
+        with self._cond:
+            self._state = "stopped"
+            error = EngineStoppedError(self._stopped_message())
+            out: Delivery = [(stream, error) for stream in self._streams.values()]
+            self._streams.clear()
+        self._send(out)
+        with self._cond:
+            scheduler.abort(error)  # frees what a failed step left behind

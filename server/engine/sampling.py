@@ -1,0 +1,660 @@
+"""Next-token choice, batched over the rows of a step.
+
+A plain greedy row (temperature below GREEDY_BELOW_TEMPERATURE, no penalty, no
+logit_bias, min_tokens reached) takes the argmax of the raw log-probabilities: the
+fast path, unchanged by the rest. Every other row goes through, batched with the
+step's other such rows (vLLM's order):
+
+1. min_tokens: EOS (unless ignore_eos) and stop_token_ids at -inf until min_tokens
+   tokens are out;
+2. logit_bias: added to the logits;
+3. penalties: repetition (transformers' RepetitionPenaltyLogitsProcessor: a logit of
+   a token seen in the prompt or the output is divided by the penalty if positive,
+   multiplied if negative), then frequency and presence (OpenAI's: minus count x
+   frequency_penalty + presence_penalty over the output tokens so far);
+3b. structured output: the tokens each grammar row's matcher forbids at -inf, one
+   bitmask for the step's grammar rows (grammar.mask_logits), EOS among
+   them until the grammar is complete; the chosen token then advances the matcher;
+4. a greedy row takes the argmax; a sampled row divides by its temperature, keeps
+   (transformers' order) the top_k most probable tokens, the smallest most-probable
+   prefix whose mass reaches top_p and the tokens of at least min_p x the top one's
+   probability (ties at a cut-off are kept), and draws one token by inverse CDF with
+   one uniform from its own generator: a seeded request is reproducible whatever
+   rows share its steps.
+
+Log-probabilities (the chosen token's, the top-k, the prompt's) are the model's raw
+distribution: log_softmax of the float32 logits before any of the above, as vLLM's
+default and OpenAI's `logprobs` report them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from batchpilot_server.engine.grammar import mask_logits
+from batchpilot_server.engine.sequence import Sequence, Status, TopLogprobs
+from batchpilot_server.engine_api import GREEDY_BELOW_TEMPERATURE, PromptLogprob, SamplingParams
+
+# top_k and top_p cut among this many most probable tokens first (torch.topk, far
+# cheaper than sorting a 50k-100k vocabulary per row); a row whose top_p mass lies
+# deeper widens the search, up to the whole vocabulary, so the result is exact
+CANDIDATES = 64
+
+
+def make_generator(params: SamplingParams, device: str) -> torch.Generator | None:
+    """A private generator for a sampled request; None for greedy ones."""
+    if params.temperature < GREEDY_BELOW_TEMPERATURE:
+        return None
+    generator = torch.Generator(device=device)
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return generator
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One step's choices, per row: the token, its raw log-probability, and the
+    `SamplingParams.logprobs` most likely (token id, logprob), best first (() if none)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    top_logprobs: list[TopLogprobs]
+
+
+class Sampler:
+    """The engine's sampler: `sample` once per forward, on the rows ready to sample."""
+
+    def __init__(self, vocab_size: int, eos_ids: frozenset[int], device: str) -> None:
+        self.eos = tuple(sorted(eos_ids))
+        self.penalties = PenaltyState(vocab_size, device)
+        # the last rows processed and what was built for them: a decoding batch samples
+        # the same sequences step after step, so a step builds none of it again
+        self._batch: Batch | None = None
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+        """One token per row of `logits` [len(seqs), vocab], which it processes in place
+        once the raw log-probabilities are taken (the engine's logits are scratch)."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        holds = tuple(seq.holds_stops for seq in seqs)
+        if any(holds) or any(seq.always_processed for seq in seqs):
+            batch = self._batch_of(seqs, holds, logits)
+            self.process(logits, seqs, batch.knobs)
+            uniform = next_uniforms(seqs, batch.knobs.sampled, logits.device)
+            chosen = self.choose(logits, batch.knobs, logprobs, uniform)
+            if batch.penalized is not None:
+                self.penalties.record(batch.penalized, chosen)
+            accept_grammar_tokens(seqs, batch.knobs.constrained, chosen)
+        else:
+            chosen = logprobs.argmax(dim=-1)
+        picked_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
+        return Sampled(chosen.tolist(), picked_logprobs.tolist(), step_top_logprobs(logprobs, seqs))
+
+    @torch.inference_mode()
+    def process(self, logits: torch.Tensor, seqs: list[Sequence], knobs: Knobs) -> None:
+        """Steps 1-3 of the module docstring on `logits` [len(seqs), vocab], in place."""
+        batch = self._batch
+        if batch is None or batch.knobs is not knobs:
+            batch = self._build(seqs, tuple(seq.holds_stops for seq in seqs), knobs, logits)
+        if batch.sparse is not None:
+            index, values = batch.sparse
+            # a token listed twice gets both (the API refuses duplicates); -inf plus a
+            # bias stays -inf
+            logits.index_put_(index, values, accumulate=True)
+        if batch.penalized is not None:
+            self.penalties.apply(logits, batch.penalized)
+        if knobs.constrained:
+            mask_logits(logits, knobs.constrained, [seqs[row] for row in knobs.constrained])
+
+    @staticmethod
+    def choose(
+        logits: torch.Tensor, knobs: Knobs, logprobs: torch.Tensor, uniform: torch.Tensor
+    ) -> torch.Tensor:
+        """Step 4: a token per row [rows]: the argmax of a processed greedy row, a draw
+        at `uniform` [sampled rows] for a sampled one, the argmax of the raw `logprobs`
+        for the others. The sampled rows' logits are divided by their temperature in
+        place (in a copy when other rows lie among them)."""
+        rows = logits.shape[0]
+        if len(knobs.greedy) == rows:
+            return logits.argmax(dim=-1)
+        if knobs.sampled_index is None:  # every row samples
+            return draw_rows(logits, knobs, uniform)
+        chosen = logprobs.argmax(dim=-1)
+        if knobs.greedy:
+            index = knobs.greedy_index
+            chosen.index_copy_(0, index, logits.index_select(0, index).argmax(dim=-1))
+        if knobs.sampled:
+            index = knobs.sampled_index
+            chosen.index_copy_(0, index, draw_rows(logits.index_select(0, index), knobs, uniform))
+        return chosen
+
+    def _batch_of(
+        self, seqs: list[Sequence], holds: tuple[bool, ...], logits: torch.Tensor
+    ) -> Batch:
+        """The kept Batch while `seqs` are its rows and hold the same stops back."""
+        batch = self._batch
+        if batch is None or batch.holds != holds or batch.seqs != tuple(seqs):
+            batch = self._build(seqs, holds, Knobs.of(seqs, logits.device), logits)
+        return batch
+
+    def _build(
+        self, seqs: list[Sequence], holds: tuple[bool, ...], knobs: Knobs, logits: torch.Tensor
+    ) -> Batch:
+        penalized = [seqs[row] for row in knobs.penalized]
+        self._batch = Batch(
+            seqs=tuple(seqs),
+            holds=holds,
+            knobs=knobs,
+            sparse=self._sparse(seqs, holds, logits),
+            penalized=self.penalties.rows_of(penalized, knobs, logits) if penalized else None,
+        )
+        return self._batch
+
+    def _sparse(
+        self, seqs: list[Sequence], holds: tuple[bool, ...], logits: torch.Tensor
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+        """min_tokens (the stops of the rows short of it at -inf) and logit_bias, as the
+        index and values of one accumulating index_put_."""
+        entries = [
+            (row, token, -torch.inf)
+            for row, seq in enumerate(seqs)
+            if holds[row]
+            for token in self._stops(seq.params)
+        ]
+        entries += [
+            (row, token, bias)
+            for row, seq in enumerate(seqs)
+            for token, bias in seq.params.logit_bias
+        ]
+        if not entries:
+            return None
+        rows, tokens, values = zip(*entries, strict=True)
+        device = logits.device
+        index = (torch.tensor(rows, device=device), torch.tensor(tokens, device=device))
+        return index, torch.tensor(values, dtype=logits.dtype, device=device)
+
+    def _stops(self, params: SamplingParams) -> tuple[int, ...]:
+        return params.stop_token_ids if params.ignore_eos else params.stop_token_ids + self.eos
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """What a step reads of its rows that changes only with the rows, built once for a
+    run of steps over the same sequences holding the same stops back: their knobs, the
+    min_tokens and logit_bias entries (`sparse`: index and values) and the penalized
+    rows as PenaltyState reads them (None: none)."""
+
+    seqs: tuple[Sequence, ...]
+    holds: tuple[bool, ...]  # each row's Sequence.holds_stops
+    knobs: Knobs
+    sparse: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    penalized: PenalizedRows | None
+
+
+def accept_grammar_tokens(seqs: list[Sequence], rows: list[int], tokens: torch.Tensor) -> None:
+    """Each grammar row's (`rows`) matcher advanced with the token it just chose."""
+    if rows:
+        chosen = tokens.tolist()
+        for row in rows:
+            grammar = seqs[row].grammar
+            assert grammar is not None, "a constrained row has a grammar"
+            grammar.accept(chosen[row])
+
+
+def next_uniforms(seqs: list[Sequence], rows: list[int], device: torch.device) -> torch.Tensor:
+    """This step's uniform of each sampled row (`rows`), float64."""
+    return torch.tensor(
+        [next_uniform(seqs[row]) for row in rows], dtype=torch.float64, device=device
+    )
+
+
+# the columns of Knobs.table
+TEMPERATURE, TOP_P, MIN_P, TOP_K, REPETITION, FREQUENCY, PRESENCE = range(7)
+# uniforms a sampled sequence's generator draws at a time (one a token)
+UNIFORMS_AHEAD = 64
+
+
+@dataclass(frozen=True, eq=False)
+class Knobs:
+    """The sampling values of a step's rows, in one tensor built at once:
+    `table` [rows, 7] of temperature, top_p (inf where 1: no cut, so that rounding
+    never cuts a tail), min_p, top_k (the vocabulary where unset), repetition,
+    frequency and presence penalties; which rows sample, which are greedy but
+    processed, which are penalized and which constrained by a grammar (with the index
+    tensors of the first two, None where they are every row); which cuts any sampled
+    row makes, so that a step skips the stages nobody uses; and the sampled rows' cut
+    knobs (`cuts`)."""
+
+    table: torch.Tensor
+    sampled: list[int]
+    greedy: list[int]  # greedy rows whose logits the processors change
+    penalized: list[int]
+    constrained: list[int]
+    sampled_index: torch.Tensor | None
+    greedy_index: torch.Tensor | None
+    top_k: bool
+    top_p: bool
+    min_p: bool
+    widest_k: int  # the largest top_k set
+    cuts: Cuts
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], device: torch.device | str) -> Knobs:
+        params = [seq.params for seq in seqs]
+        table = torch.tensor(
+            [
+                (
+                    p.temperature,
+                    p.top_p if p.top_p < 1.0 else torch.inf,
+                    p.min_p,
+                    p.top_k or torch.inf,
+                    p.repetition_penalty,
+                    p.frequency_penalty,
+                    p.presence_penalty,
+                )
+                for p in params
+            ],
+            device=device,
+        )
+        sampled = [row for row, seq in enumerate(seqs) if seq.sampled]
+        greedy = [
+            row
+            for row, seq in enumerate(seqs)
+            if not seq.sampled and (seq.always_processed or seq.holds_stops)
+        ]
+        cutting = [params[row] for row in sampled]
+        sampled_index = rows_index(sampled, len(seqs), device)
+        return cls(
+            table=table,
+            sampled=sampled,
+            greedy=greedy,
+            penalized=[row for row, seq in enumerate(seqs) if seq.penalized],
+            constrained=[row for row, seq in enumerate(seqs) if seq.grammar is not None],
+            sampled_index=sampled_index,
+            greedy_index=rows_index(greedy, len(seqs), device),
+            top_k=any(p.top_k for p in cutting),
+            top_p=any(p.top_p < 1.0 for p in cutting),
+            min_p=any(p.min_p > 0 for p in cutting),
+            widest_k=max((p.top_k for p in cutting), default=0),
+            cuts=Cuts.of(table if sampled_index is None else table.index_select(0, sampled_index)),
+        )
+
+    def cuts_of(self, table: torch.Tensor) -> Cuts:
+        """The cut knobs of `table`'s rows: the kept ones when they are the sampled rows'."""
+        return self.cuts if table is self.cuts.table else Cuts.of(table)
+
+
+def rows_index(rows: list[int], count: int, device: torch.device | str) -> torch.Tensor | None:
+    """`rows` of a step's `count` as an index tensor (None when they are all of it)."""
+    return None if len(rows) == count else torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+@dataclass(frozen=True, eq=False)
+class Cuts:
+    """Sampled rows' knobs as the draw reads them, each column [rows, 1] of their Knobs
+    `table`: temperature, top_k, top_p and min_p; where top_k is set (`renormalized`) and
+    where top_k or top_p is (`cutting`), None where every row sets them; and, per
+    candidate width met so far, which candidates lie within each row's top_k."""
+
+    table: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    renormalized: torch.Tensor | None
+    cutting: torch.Tensor | None
+    within: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, table: torch.Tensor) -> Cuts:
+        def column(index: int) -> torch.Tensor:
+            return table[:, index, None].contiguous()
+
+        top_k, top_p = column(TOP_K), column(TOP_P)
+        renormalized = top_k < torch.inf
+        cutting = renormalized | (top_p < torch.inf)
+        return cls(
+            table=table,
+            temperature=column(TEMPERATURE),
+            top_k=top_k,
+            top_p=top_p,
+            min_p=column(MIN_P),
+            renormalized=None if bool(renormalized.all()) else renormalized,
+            cutting=None if bool(cutting.all()) else cutting,
+        )
+
+    def within_k(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows, width]: which of `width` candidates, best first, lie in the row's
+        top_k, as bools and as 1.0 or 0.0 (a product with floats costs less than with
+        bools, for the same result)."""
+        if width not in self.within:
+            within = torch.arange(width, device=self.top_k.device) < self.top_k
+            self.within[width] = within, within.to(self.top_k.dtype)
+        return self.within[width]
+
+
+def next_uniform(seq: Sequence) -> float:
+    """The next uniform of a sampled sequence's own generator (drawn ahead in blocks:
+    one generator call per row and step would cost more than the rest of the draw)."""
+    if not seq.uniforms:
+        generator = seq.generator
+        assert generator is not None, "a sampled sequence has a generator"
+        ahead = torch.rand(
+            UNIFORMS_AHEAD, generator=generator, dtype=torch.float64, device=generator.device
+        )
+        seq.uniforms = ahead.tolist()[::-1]  # popped from the end, in the order drawn
+    return seq.uniforms.pop()
+
+
+def draw_rows(logits: torch.Tensor, knobs: Knobs, uniform: torch.Tensor) -> torch.Tensor:
+    """A token for each of the sampled rows' `logits` (divided by their temperature in
+    place) at their `uniform`."""
+    cuts = knobs.cuts
+    return draw(candidates(logits.div_(cuts.temperature), cuts.table, knobs), uniform)
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Sampled rows' most probable tokens, best first: `ids` [rows, width] and their
+    `probs`, and which of them the row's top_k, top_p and min_p keep (`keep`). A row
+    with a cut keeps only candidates; an uncut row (`cut` False) keeps the whole
+    vocabulary, the candidates and the rest: `every` [rows, vocab], its probabilities."""
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+    keep: torch.Tensor
+    cut: torch.Tensor
+    every: torch.Tensor
+
+
+def candidates(scaled: torch.Tensor, table: torch.Tensor, knobs: Knobs) -> Candidates:
+    """The candidates of `scaled` [rows, vocab] (logits over temperature), `table` the
+    rows' knobs: the CANDIDATES most probable tokens, more where a cut lies deeper."""
+    cuts = knobs.cuts_of(table)
+    vocab = scaled.shape[-1]
+    every = torch.softmax(scaled, dim=-1)
+    # one past the largest top_k: a row cut there settles at once
+    width = min(vocab, max(CANDIDATES, knobs.widest_k + 1))
+    while True:
+        probs, ids = every.topk(width, dim=-1)
+        threshold = cut_threshold(probs, cuts, knobs)
+        if threshold is None:  # no row cuts: every token stays
+            keep = torch.ones_like(probs, dtype=torch.bool)
+            return Candidates(ids, probs, keep, torch.zeros_like(keep[:, 0]), every)
+        keep = probs >= threshold[:, None]
+        cut = threshold > 0
+        # settled where the kept tokens of a row with a cut end inside the candidates
+        # (ties included)
+        if width == vocab or not bool((cut & keep[:, -1]).any()):
+            return Candidates(ids, probs, keep, cut, every)
+        width = min(vocab, width * 8)
+
+
+def cut_threshold(probs: torch.Tensor, cuts: Cuts, knobs: Knobs) -> torch.Tensor | None:
+    """Per row, the least probability its cuts keep (0: no cut; None: no row cuts),
+    from its most probable tokens `probs` [rows, width], best first. top_p's mass is
+    the top_k tokens' (renormalized), as transformers applies it; min_p is a share of
+    the top token's probability."""
+    threshold = None
+    if knobs.top_k or knobs.top_p:
+        # None where no row sets top_k: every candidate lies within it
+        within = cuts.within_k(probs.shape[-1]) if knobs.top_k else None
+        inside = None if within is None else within[0]
+        if knobs.top_p:
+            kept = probs if within is None else probs * within[1]
+            before = kept.cumsum(dim=-1) - kept  # mass above each token
+            if knobs.top_k:  # renormalized to the top_k tokens' mass (where set)
+                mass = kept.sum(dim=-1, keepdim=True)
+                before /= (
+                    mass if cuts.renormalized is None else torch.where(cuts.renormalized, mass, 1.0)
+                )
+            below = before < cuts.top_p
+            inside = below if inside is None else inside & below
+            inside[:, 0] = True  # the top token always: a top_p that rounds to 0 keeps one
+        assert inside is not None, "top_k or top_p cuts"
+        last = inside.sum(dim=-1, keepdim=True) - 1
+        least = probs.gather(1, last)
+        threshold = (least if cuts.cutting is None else torch.where(cuts.cutting, least, 0.0))[:, 0]
+    if knobs.min_p:
+        floor = cuts.min_p[:, 0] * probs[:, 0]
+        threshold = floor if threshold is None else torch.maximum(threshold, floor)
+    return threshold
+
+
+def draw(found: Candidates, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverse CDF over its kept tokens, the candidates first, at
+    `uniform` [rows] (float64, in [0, 1))."""
+    # the kept ones come first: up to the last of them, the cdf of every candidate is
+    # theirs (float64: float32 sums lose the rare tokens' shares)
+    last_kept = found.keep.sum(dim=-1, keepdim=True) - 1
+    cdf = found.probs.cumsum(dim=-1, dtype=torch.float64)
+    inside = cdf.gather(1, last_kept)  # the kept mass
+    every_cut = bool(found.cut.all())
+    uncut = ~found.cut[:, None]
+    # a row with a cut: u x its kept mass, which lies strictly below that mass; an
+    # uncut row: u x the whole vocabulary's, past the candidates' for some draws
+    target = uniform[:, None] * (inside if every_cut else torch.where(uncut, 1.0, inside))
+    # at most the last kept candidate: u x mass may round up to the mass itself, and
+    # an uncut row's draw past them is taken below
+    position = torch.minimum(torch.searchsorted(cdf, target, right=True), last_kept)
+    chosen = found.ids.gather(1, position)[:, 0]
+    if every_cut:
+        return chosen
+    beyond = (target >= inside)[:, 0] & uncut[:, 0]
+    if bool(beyond.any()):
+        rows = beyond.nonzero()[:, 0]
+        tail = _draw_tail(found.every[rows], found.ids[rows], target[rows] - inside[rows])
+        # no mass left past the candidates (all of the vocabulary, or underflow): the
+        # last candidate with any
+        last = (found.probs[rows] > 0).sum(dim=-1) - 1
+        fallback = found.ids[rows].gather(1, last[:, None])[:, 0]
+        chosen[rows] = torch.where(tail >= 0, tail, fallback)
+    return chosen
+
+
+def _draw_tail(probs: torch.Tensor, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Uncut rows whose draw lies past their candidates `ids`: the token at `target`
+    [rows, 1] of the mass of the others (`probs` [rows, vocab], a copy), in vocabulary
+    order (-1 where they have none)."""
+    cdf = probs.scatter_(1, ids, 0.0).double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # strictly below the tail's mass, so the first cdf above it is a token with some
+    below = total.nextafter(torch.zeros_like(total))
+    position = torch.searchsorted(cdf, torch.minimum(target, below), right=True)
+    return torch.where(total[:, 0] > 0, position[:, 0], -1)
+
+
+@dataclass(frozen=True, eq=False)
+class PenalizedRows:
+    """A batch's penalized rows as PenaltyState reads them, built once for the batch:
+    their sequences, their `slots` [rows] in the pool and each slot's start in the
+    flattened `counts` ([rows, 1]); their rows of the step's logits (`logits_at`: each
+    row's start in the flattened logits, [rows, 1]; `picked`: their places among the
+    step's rows; both None where they are every row, in order); their weights [rows, 1]
+    and whether any row repeats (a repetition penalty not 1) or counts (a frequency or
+    presence penalty not 0): a weight that changes nothing leaves a logit bit for bit,
+    so a stage no row uses is skipped. `repeated` picks each repeated logit, x times
+    the penalty where x < 0 and x over it elsewhere, from the two: with every penalty
+    at least 1 that is the lesser of them, with every one at most 1 the greater (the
+    rounding keeps the order), one float op in place of a comparison and a select;
+    None where the rows' penalties lie on both sides of 1."""
+
+    seqs: list[Sequence]
+    slots: torch.Tensor
+    counts_at: torch.Tensor
+    logits_at: torch.Tensor | None
+    picked: torch.Tensor | None
+    repetition: torch.Tensor
+    frequency: torch.Tensor
+    presence: torch.Tensor
+    repeats: bool
+    repeated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+    counted: bool
+    ones: torch.Tensor  # [rows], what each step adds to the counts
+
+
+def repeated_pick(
+    penalties: list[float],
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """PenalizedRows.repeated for rows of these repetition penalties (all above 0)."""
+    if all(penalty >= 1.0 for penalty in penalties):
+        return torch.minimum
+    if all(0.0 < penalty <= 1.0 for penalty in penalties):
+        return torch.maximum
+    return None
+
+
+class PenaltyState:
+    """What the penalties read of each penalized sequence, one row of pooled tensors
+    per sequence (`Sequence.penalty_slot`): its `tokens` (prompt and output, in order;
+    the places past its length repeat its first token, so that reading a batch's
+    widest row is harmless for the others) and `counts` [slot, vocab] of each token
+    in its output. A row is filled once, when its sequence first samples. A step
+    reads the counts only at the rows' tokens (a gather and a scatter of the logits
+    there, never a pass over the vocabulary) and adds the sampled tokens with two
+    batched scatters. A finished sequence's row is reused; the pool doubles when full."""
+
+    def __init__(self, vocab_size: int, device: str) -> None:
+        self.tokens = torch.zeros(0, 0, dtype=torch.int64, device=device)
+        self.counts = torch.zeros(0, vocab_size, device=device)
+        self.owners: list[Sequence | None] = []
+
+    def rows_of(self, seqs: list[Sequence], knobs: Knobs, logits: torch.Tensor) -> PenalizedRows:
+        """The penalized rows `knobs.penalized` (of `seqs`) of a batch, each sequence
+        assigned and filled on first sight."""
+        for seq in seqs:
+            if seq.penalty_slot is None:
+                self._assign(seq)
+        device = self.counts.device
+        slots = torch.tensor([seq.penalty_slot for seq in seqs], device=device)
+        picked = rows_index(knobs.penalized, logits.shape[0], device)
+        table = knobs.table if picked is None else knobs.table.index_select(0, picked)
+        weights = [
+            table[:, column, None].contiguous() for column in (REPETITION, FREQUENCY, PRESENCE)
+        ]
+        params = [seq.params for seq in seqs]
+        return PenalizedRows(
+            seqs=seqs,
+            slots=slots,
+            counts_at=slots[:, None] * self.counts.shape[1],
+            logits_at=None if picked is None else picked[:, None] * logits.shape[1],
+            picked=picked,
+            repetition=weights[0],
+            frequency=weights[1],
+            presence=weights[2],
+            repeats=any(p.repetition_penalty != 1.0 for p in params),
+            repeated=repeated_pick([p.repetition_penalty for p in params]),
+            counted=any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params),
+            ones=torch.ones(len(seqs), dtype=self.counts.dtype, device=device),
+        )
+
+    def apply(self, logits: torch.Tensor, rows: PenalizedRows) -> None:
+        """The penalties of `rows` on `logits`, in place: transformers' repetition
+        penalty on each token the row holds, then OpenAI's frequency and presence
+        penalties over its output counts. A token seen twice is read and written twice,
+        with the same value."""
+        width = max(seq.num_tokens for seq in rows.seqs)
+        tokens = self.tokens[:, :width].index_select(0, rows.slots)
+        at = tokens if rows.logits_at is None else rows.logits_at + tokens
+        seen = logits.gather(1, at) if rows.logits_at is None else logits.take(at)
+        if rows.repeats:
+            times, over = seen * rows.repetition, seen / rows.repetition
+            pick = rows.repeated
+            seen = torch.where(seen < 0, times, over) if pick is None else pick(times, over)
+        if rows.counted:
+            counts = self.counts.take(rows.counts_at + tokens)
+            # counts > 0 as 0 or 1, from whole counts: a float op, not a bool one
+            seen = seen - (counts * rows.frequency + counts.clamp(max=1.0) * rows.presence)
+        if rows.logits_at is None:
+            logits.scatter_(1, at, seen)
+        else:
+            logits.put_(at, seen)
+
+    def record(self, rows: PenalizedRows, tokens: torch.Tensor) -> None:
+        """The tokens just sampled for the step's rows (one per row, not appended yet),
+        for the penalized `rows`."""
+        if rows.picked is not None:
+            tokens = tokens.index_select(0, rows.picked)
+        places = torch.tensor([seq.num_tokens for seq in rows.seqs], device=tokens.device)
+        self.tokens.index_put_((rows.slots, places), tokens)
+        self.counts.index_put_((rows.slots, tokens), rows.ones, accumulate=True)
+
+    def _assign(self, seq: Sequence) -> None:
+        slot = self._free_slot()
+        seq.penalty_slot, self.owners[slot] = slot, seq
+        self._widen(seq.num_prompt + seq.params.max_tokens)  # the most it will hold
+        device = self.counts.device
+        held = torch.tensor(seq.token_ids, device=device)
+        self.tokens[slot] = held[0]
+        self.tokens[slot, : len(held)] = held
+        self.counts[slot] = 0.0
+        # the output so far (none when a sequence first samples in the engine)
+        output = held[seq.num_prompt :]
+        self.counts[slot].index_put_(
+            (output,), torch.ones_like(output, dtype=self.counts.dtype), accumulate=True
+        )
+
+    def _widen(self, width: int) -> None:
+        """Room for `width` tokens per row."""
+        have, rows = self.tokens.shape[1], self.tokens.shape[0]
+        if width > have:
+            # the new places repeat each row's first token, as unused places do
+            first = self.tokens[:, :1] if have else self.tokens.new_zeros(rows, 1)
+            self.tokens = torch.cat([self.tokens, first.expand(rows, width - have)], 1)
+
+    def _free_slot(self) -> int:
+        for slot, owner in enumerate(self.owners):
+            if owner is None or owner.status is Status.FINISHED:
+                if owner is not None:
+                    owner.penalty_slot = None
+                return slot
+        slot = len(self.owners)
+        extra = max(8, slot)  # the pool doubles
+        self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(extra, self.tokens.shape[1])])
+        self.counts = torch.cat([self.counts, self.counts.new_zeros(extra, self.counts.shape[1])])
+        self.owners += [None] * extra
+        return slot
+
+
+def step_top_logprobs(logprobs: torch.Tensor, seqs: list[Sequence]) -> list[TopLogprobs]:
+    """Per row, its `logprobs` most likely (token id, logprob) of the raw distribution."""
+    wanted = [seq.params.logprobs or 0 for seq in seqs]
+    widest = max(wanted, default=0)
+    out: list[TopLogprobs] = [()] * len(seqs)
+    if not widest:
+        return out
+    rows = [row for row, k in enumerate(wanted) if k]
+    index = torch.tensor(rows, device=logprobs.device)
+    for row, top in zip(rows, top_logprobs(logprobs.index_select(0, index), widest), strict=True):
+        out[row] = top[: wanted[row]]
+    return out
+
+
+def top_logprobs(logprobs: torch.Tensor, k: int) -> list[TopLogprobs]:
+    """The k most likely (token id, logprob) of each row of `logprobs`, best first."""
+    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return [
+        tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+    ]
+
+
+def gather_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None:
+    """ModelRunner.prefill's hook for a sequence that asked for its prompt's
+    log-probabilities: `logits` [n, vocab] at prompt positions start .. start + n - 1,
+    each predicting the prompt token after it, appended to `seq.prompt_logprobs`."""
+    if start == 0:  # a prefill that starts over (preempted mid-prompt) gathers anew
+        seq.prompt_logprobs = []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    following = seq.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
+    targets = torch.tensor(following, device=logits.device)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    k = seq.params.prompt_logprobs or 0
+    tops = top_logprobs(logprobs, k) if k else [()] * len(following)
+    seq.prompt_logprobs += [
+        PromptLogprob(token, logprob, top)
+        for token, logprob, top in zip(following, chosen, tops, strict=True)
+    ]

@@ -1,0 +1,465 @@
+"""The scheduler: owner of every admitted request until its response completes.
+
+A scheduler holds the waiting queue and the running sequences, admits requests
+(refusing them when the queue is full), applies cancellations, fails requests
+that waited past their deadline, refuses or ends requests on shutdown, plans
+each engine step (`StepPlan`), takes the step's sampled tokens back and
+decides when each response completes. The engine around it only runs the
+model and carries `Output`s to the request streams:
+
+    plan = scheduler.schedule(now)              # also ends requests (plan.ended)
+    tokens = run the model on plan.prefill and plan.decode, sample the ready rows
+    outputs = scheduler.postprocess(rows, tokens, logprobs, now)
+
+Three policies implement it: `scheduler_dynamic.DynamicScheduler`, its firing
+rule changed by `scheduler_dynamic.StaticScheduler`, and
+`scheduler_continuous.ContinuousScheduler` (`scheduler_policies.new_scheduler`
+builds the one a mode names). Torch-free and thread-free: time is
+the `now` each call is given, so a simulation drives the same code under a
+virtual clock. Not thread-safe: the engine calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.engine.block_pool import BlockPool, extend_block_hashes
+from batchpilot_server.engine.sequence import Sequence, Status, TopLogprobs
+from batchpilot_server.engine_api import (
+    DeadlineExceededError,
+    EngineError,
+    EngineStoppedError,
+    QueueFullError,
+    TokenEvent,
+)
+
+
+@dataclass(frozen=True)
+class Output:
+    """What one request's stream receives: a token event, or the error it ends with.
+    A response completes with an event whose finish_reason is set, or an error."""
+
+    seq: Sequence
+    item: TokenEvent | EngineError
+    # a final event held back until its batch ended: for how long (the hostage time)
+    held_s: float | None = None
+
+    @property
+    def final(self) -> bool:
+        return isinstance(self.item, EngineError) or self.item.finish_reason is not None
+
+
+@dataclass
+class StepPlan:
+    prefill: list[Sequence] = field(default_factory=list)  # compute tokens from num_computed
+    decode: list[Sequence] = field(default_factory=list)  # feed the newest token
+    preempted: list[Sequence] = field(default_factory=list)  # evicted to make room
+    # how many tokens each prefill row computes this step, a long prompt a chunk at a
+    # time so that running sequences keep decoding meanwhile (continuous). None: each
+    # row computes all it has left (dynamic: its batch runs as one unit, no other
+    # sequence decodes meanwhile, and every member's first token waits for the whole
+    # batch's prefill anyway, so chunks would only add steps).
+    chunks: list[int] | None = None
+    # the batch size this step records (the batch-size metric), 0: none. Dynamic: the
+    # batch that fires with this step; continuous: every step's rows.
+    batch_size: int = 0
+    # rows scheduled for the first time with this step (not recomputed ones)
+    first_scheduled: list[Sequence] = field(default_factory=list)
+    # requests that ended while this step was planned (cancellation of a batch
+    # member releasing the rest, a missed deadline, shutdown): deliver at once
+    ended: list[Output] = field(default_factory=list)
+    # finished members of a static or dynamic batch, held until it ends. Padded
+    # execution decodes them again (`pad`, outputs discarded) to keep the batch
+    # rectangular; ragged execution computes nothing for them (`held` counts them)
+    pad: list[Sequence] = field(default_factory=list)
+    held: int = 0
+    # prefix caching, over the sequences admitted with this step: tokens looked up in
+    # the cache, and how many of them it held (computed no more)
+    cache_queried: int = 0
+    cache_hit: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.prefill) + len(self.decode)
+
+    def slot_steps(self) -> SlotSteps:
+        """The token positions this step's batch holds, by what they are for; read
+        before the model runs (prefill advances `num_computed`)."""
+        prefill = self.chunks or [seq.num_uncomputed for seq in self.prefill]
+        # the prefill forward is one rectangle as wide as its longest row: torch's
+        # attention takes no ragged batch, so shorter rows compute padding positions
+        rectangle = len(prefill) * max(prefill, default=0)
+        return SlotSteps(
+            active=sum(prefill) + len(self.decode),
+            finished=self.held,
+            padding=rectangle - sum(prefill) + len(self.pad),
+        )
+
+    def work(self) -> StepWork:
+        """What this step computes, for a step-time model; read before the model runs."""
+        prefill = self.chunks or [seq.num_uncomputed for seq in self.prefill]
+        decode = self.decode + self.pad  # padding rows are computed too
+        contexts = [
+            seq.num_computed + size for seq, size in zip(self.prefill, prefill, strict=True)
+        ]
+        return StepWork(
+            decode_rows=len(decode),
+            prefill_tokens=sum(prefill),
+            kv_tokens=sum(contexts) + sum(seq.num_tokens for seq in decode),
+        )
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """One step's compute: rows of its decode forward, prompt tokens its prefill forward
+    computes (a cached prefix is not), and KV tokens attended (each row's context length
+    once the step computed it, summed)."""
+
+    decode_rows: int
+    prefill_tokens: int
+    kv_tokens: int
+
+
+@dataclass(frozen=True)
+class SlotSteps:
+    """Token positions of one step's batch (a decode row is one, a prefill row as many
+    as the forward's width): `active` ones compute a token a request needs, `finished`
+    ones are held by a finished member of a static or dynamic batch without compute
+    (ragged), `padding` ones are computed only to keep the batch rectangular."""
+
+    active: int
+    finished: int
+    padding: int
+
+
+class Scheduler(Protocol):
+    """What the engine (and a simulation) drives; see the module docstring."""
+
+    @property
+    def config(self) -> BatchingConfig: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def steps(self) -> int:
+        """Steps planned so far; a token event carries the step that made it."""
+        ...
+
+    @property
+    def preemptions(self) -> int: ...
+    @property
+    def idle(self) -> bool:
+        """Nothing waits or runs."""
+        ...
+
+    def reconfigure(self, config: BatchingConfig) -> None:
+        """Takes effect at the next `schedule`; no admitted request fails."""
+        ...
+
+    def add(self, seq: Sequence) -> None:
+        """Admit a request; raises QueueFullError when `max_queue_size` requests wait."""
+        ...
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drop a request (its stream is gone); applied, and its blocks freed, at the
+        next `schedule`, since the model may be computing it now."""
+        ...
+
+    def stop(self, drain: bool) -> None:
+        """Shutdown: from now on steps fire without waiting for more arrivals, and
+        unless `drain`, requests never scheduled end with EngineStoppedError."""
+        ...
+
+    def abort(self, error: EngineError) -> list[Output]:
+        """End every admitted request with `error` now and free its blocks."""
+        ...
+
+    def schedule(self, now: float) -> StepPlan:
+        """The next step (`size` 0: nothing may run yet) and the requests that ended."""
+        ...
+
+    def postprocess(
+        self,
+        seqs: list[Sequence],
+        tokens: list[int],
+        logprobs: list[float],
+        now: float,
+        top_logprobs: list[TopLogprobs] | None = None,
+    ) -> list[Output]:
+        """Append each sampled token to its row; the events to hand out now.
+        `top_logprobs`: per row, the most likely (token id, logprob) it asked for."""
+        ...
+
+    def wake_at(self) -> float | None:
+        """When `schedule` may answer differently without new events (None: never)."""
+        ...
+
+
+class QueueScheduler(ABC):
+    """The part both policies share: the waiting queue and what happens to requests in
+    it (admission, cancellation, deadlines, shutdown), counters, turning sampled
+    tokens into events, and the blocks a sequence takes and gives back (with the
+    prefix cache: `_take_blocks`, `_release`). A policy plans steps (`_plan`), and
+    decides when finished sequences' responses complete (`_finish`) and what a
+    cancelled running sequence leaves (`_drop`)."""
+
+    def __init__(self, pool: BlockPool, config: BatchingConfig, eos_ids: frozenset[int]) -> None:
+        self.pool = pool
+        self._config = config
+        self.eos_ids = eos_ids
+        self.waiting: deque[Sequence] = deque()
+        # Waiting requests' deadlines, earliest first, so that a step need not scan the
+        # whole queue. Entries whose request was scheduled or ended since stay until
+        # they reach the top (`_next_deadline` drops them there).
+        self._deadlines: list[tuple[float, int, Sequence]] = []
+        self._deadline_order = itertools.count()
+        self._cancelled: list[Sequence] = []
+        self._stopping = False
+        self._drain = False
+        self.steps = 0
+        self.preemptions = 0
+        self.cache_queried = 0  # tokens of admitted sequences looked up in the prefix cache
+        self.cache_hit = 0  # of them, found computed there
+
+    @property
+    def config(self) -> BatchingConfig:
+        return self._config
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    @abstractmethod
+    def num_running(self) -> int: ...
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and self.num_running == 0
+
+    def reconfigure(self, config: BatchingConfig) -> None:
+        self._config = config
+
+    def add(self, seq: Sequence) -> None:
+        limit = self._config.max_queue_size
+        if len(self.waiting) >= limit:
+            raise QueueFullError(
+                f"waiting queue is full ({len(self.waiting)} requests, "
+                f"max_queue_size {limit}); retry later"
+            )
+        self.waiting.append(seq)
+        if seq.deadline is not None:
+            heapq.heappush(self._deadlines, (seq.deadline, next(self._deadline_order), seq))
+
+    def cancel(self, seq: Sequence) -> None:
+        self._cancelled.append(seq)
+
+    def stop(self, drain: bool) -> None:
+        self._stopping, self._drain = True, drain
+
+    def abort(self, error: EngineError) -> list[Output]:
+        waiting, self._cancelled = list(self.waiting), []
+        self.waiting.clear()
+        return [self._end(seq, error) for seq in [*waiting, *self._release_running()]]
+
+    def schedule(self, now: float) -> StepPlan:
+        ended = self._apply_cancellations(now)
+        ended += self._expire_deadlines(now)
+        if self._stopping and not self._drain:
+            ended += self._refuse_unscheduled()
+        # the last step's K/V are in the cache now: its full blocks may be hits already
+        for seq in self._holding():
+            self._publish(seq)
+        queried, hit = self.cache_queried, self.cache_hit
+        plan = self._plan(now, flush=self._stopping)
+        plan.ended = ended
+        plan.cache_queried, plan.cache_hit = self.cache_queried - queried, self.cache_hit - hit
+        if plan.size:
+            self.steps += 1
+            self.preemptions += len(plan.preempted)
+            plan.first_scheduled = [s for s in plan.prefill if s.first_scheduled is None]
+            for seq in plan.first_scheduled:
+                seq.first_scheduled = now
+        return plan
+
+    def postprocess(
+        self,
+        seqs: list[Sequence],
+        tokens: list[int],
+        logprobs: list[float],
+        now: float,
+        top_logprobs: list[TopLogprobs] | None = None,
+    ) -> list[Output]:
+        outputs: list[Output] = []
+        finished: list[tuple[Sequence, TokenEvent]] = []
+        tops = top_logprobs or [()] * len(seqs)
+        for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops, strict=True):
+            seq.token_ids.append(token)
+            reason = seq.finish_reason_after(token, self.eos_ids)
+            seq.finish_reason = reason
+            event = TokenEvent(
+                token,
+                seq.num_output - 1,
+                reason,
+                logprob,
+                self.steps,
+                top_logprobs=top,
+                prompt_logprobs=seq.take_prompt_logprobs(),
+            )
+            if reason is None:
+                outputs.append(Output(seq, event))
+            else:
+                seq.finished_at = now
+                finished.append((seq, event))
+        return outputs + self._finish(finished, now)
+
+    def wake_at(self) -> float | None:
+        wakes = [t for t in (self._policy_wake_at(), self._next_deadline()) if t is not None]
+        return min(wakes, default=None)
+
+    # ---- what happens to waiting requests ------------------------------------
+
+    def _apply_cancellations(self, now: float) -> list[Output]:
+        released: list[Output] = []
+        cancelled, self._cancelled = self._cancelled, []
+        for seq in cancelled:
+            if seq.status is Status.FINISHED:
+                continue
+            if seq.status is Status.WAITING:
+                self.waiting.remove(seq)
+            else:
+                released += self._drop(seq, now)
+            seq.status = Status.FINISHED
+        return released
+
+    def _expire_deadlines(self, now: float) -> list[Output]:
+        expired: list[Sequence] = []
+        while (deadline := self._next_deadline()) is not None and now >= deadline:
+            expired.append(heapq.heappop(self._deadlines)[2])
+        for seq in expired:
+            self.waiting.remove(seq)
+        return [self._end(seq, _deadline_error(seq, now)) for seq in expired]
+
+    def _next_deadline(self) -> float | None:
+        """The earliest deadline still in force. A deadline applies while its request
+        waits to be first scheduled: entries of requests scheduled or ended since are
+        dropped here."""
+        while self._deadlines:
+            deadline, _, seq = self._deadlines[0]
+            if seq.status is Status.WAITING and seq.first_scheduled is None:
+                return deadline
+            heapq.heappop(self._deadlines)
+        return None
+
+    def _refuse_unscheduled(self) -> list[Output]:
+        """Shutdown without drain: requests never scheduled end now (preempted ones,
+        already started, are served)."""
+        refused = [seq for seq in self.waiting if seq.first_scheduled is None]
+        for seq in refused:
+            self.waiting.remove(seq)
+        error = EngineStoppedError("engine is shutting down; request not started")
+        return [self._end(seq, error) for seq in refused]
+
+    @staticmethod
+    def _end(seq: Sequence, error: EngineError) -> Output:
+        seq.status = Status.FINISHED
+        return Output(seq, error)
+
+    # ---- blocks and the prefix cache -------------------------------------------
+
+    def _take_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for `num_tokens` of `seq`, which holds none: the longest cached prefix
+        of its tokens shared, fresh blocks for the rest; it computes from there. False,
+        nothing taken, when the pool cannot hold it."""
+        cached = self._cached_prefix(seq)
+        if not self.pool.grow_sharing(seq.block_table, cached, num_tokens):
+            return False
+        seq.num_cached_blocks = len(cached)
+        seq.num_computed = len(cached) * self.pool.block_size
+        if self._looks_up(seq):
+            self.cache_queried += seq.num_tokens
+            self.cache_hit += seq.num_computed
+        return True
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks `seq` may share. Whole blocks short of its last token: that
+        one is always computed, for the logits its next token is sampled from, and
+        into a block of its own (a shared block is never written)."""
+        if not self._looks_up(seq):
+            return []
+        size = self.pool.block_size
+        usable = (seq.num_tokens - 1) // size
+        extend_block_hashes(seq.block_hashes, seq.token_ids, size, usable * size)
+        return self.pool.cached_prefix(seq.block_hashes[:usable])
+
+    def _looks_up(self, seq: Sequence) -> bool:
+        """Whether `seq` may start past a cached prefix: not when it asks for its prompt's
+        log-probabilities, which need every prompt position computed (it still
+        publishes what it computes)."""
+        return self.pool.prefix_caching and seq.params.prompt_logprobs is None
+
+    def _publish(self, seq: Sequence) -> None:
+        """Name the full blocks whose K/V `seq` computed: later sequences may share them."""
+        if not self.pool.prefix_caching:
+            return
+        size = self.pool.block_size
+        full = min(seq.num_computed // size, len(seq.block_table))
+        extend_block_hashes(seq.block_hashes, seq.token_ids, size, full * size)
+        for index in range(seq.num_cached_blocks, full):
+            self.pool.publish(seq.block_table[index], seq.block_hashes[index])
+        seq.num_cached_blocks = max(seq.num_cached_blocks, full)
+
+    def _release(self, seq: Sequence) -> None:
+        """Give `seq`'s blocks back; what it computed stays cached for later sequences
+        (and for itself, should it be recomputed after a preemption)."""
+        self._publish(seq)
+        self.pool.release(seq.block_table)
+        seq.num_cached_blocks = 0
+
+    # ---- the policy's part ---------------------------------------------------
+
+    @abstractmethod
+    def _holding(self) -> list[Sequence]:
+        """The sequences that hold blocks now."""
+
+    @abstractmethod
+    def _plan(self, now: float, flush: bool) -> StepPlan:
+        """The step to run now; `flush`: fire without waiting for more arrivals."""
+
+    @abstractmethod
+    def _policy_wake_at(self) -> float | None:
+        """When `_plan` may fire without new events (None: not before one)."""
+
+    @abstractmethod
+    def _finish(self, finished: list[tuple[Sequence, TokenEvent]], now: float) -> list[Output]:
+        """Sequences that just sampled their last token, with that final event."""
+
+    @abstractmethod
+    def _drop(self, seq: Sequence, now: float) -> list[Output]:
+        """A running sequence was cancelled: free it; responses that complete now."""
+
+    @abstractmethod
+    def _release_running(self) -> list[Sequence]:
+        """Abort: free every running sequence (finished members of a batch too) and
+        forget it; returns them."""
+
+
+def timeout_at(waiting: deque[Sequence], config: BatchingConfig) -> float:
+    """When the oldest waiting request has waited `batch_timeout_ms` (dynamic and
+    continuous fire then)."""
+    return waiting[0].arrival + config.batch_timeout_s
+
+
+def _deadline_error(seq: Sequence, now: float) -> DeadlineExceededError:
+    allowed = (seq.deadline or now) - seq.arrival
+    return DeadlineExceededError(
+        f"request waited {now - seq.arrival:.3f}s in the queue without being scheduled "
+        f"(deadline {allowed:.3f}s)"
+    )

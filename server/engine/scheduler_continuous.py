@@ -1,0 +1,148 @@
+"""Continuous (iteration-level) scheduling: every step decodes one token for
+each running sequence, and finished sequences leave at once. Prompts are
+prefilled within a per-step token budget (the config's `prefill_token_budget`, live
+like `max_batch_size`; chunked prefill): sequences part-way through their prompt
+continue first, oldest first, then waiting sequences are admitted while running <
+`max_batch_size` and the free KV blocks hold their whole prompt. A prompt longer
+than what is left of the budget computes a chunk of it now and the rest in later
+steps, so one long
+prompt never stalls the running sequences for longer than a budget's worth of
+tokens; only its last chunk yields a token. When blocks run out mid-decode the
+newest running sequence is preempted: its blocks are freed and it is recomputed
+later from its tokens so far, its prefill starting again from the first token (or,
+with prefix caching, from the end of its blocks the cache still holds). With
+prefix caching, a waiting sequence starts past the prefix the cache holds, and one
+whose next blocks a running sequence is computing (two requests with one system
+prompt arriving together) waits until they are published and shares them.
+`batch_timeout_ms` is how long an idle engine waits for more arrivals before its
+first step. A finished sequence leaves, and its response completes, at once.
+"""
+
+from __future__ import annotations
+
+from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.engine.block_pool import BlockPool
+from batchpilot_server.engine.scheduler import Output, QueueScheduler, StepPlan, timeout_at
+from batchpilot_server.engine.sequence import Sequence, Status
+from batchpilot_server.engine_api import TokenEvent
+
+
+class ContinuousScheduler(QueueScheduler):
+    def __init__(self, pool: BlockPool, config: BatchingConfig, eos_ids: frozenset[int]) -> None:
+        super().__init__(pool, config, eos_ids)
+        self.running: list[Sequence] = []  # oldest first
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def _plan(self, now: float, flush: bool) -> StepPlan:
+        if not self.running and self.waiting and not flush and not self._due(now):
+            return StepPlan()
+        preempted = self._make_room_for_decode()
+        # one uncomputed token is the newest one: a decode computes it, also when it
+        # is the last of a prompt whose chunks left exactly that
+        decode = [seq for seq in self.running if seq.num_uncomputed == 1]
+        budget = self.config.prefill_token_budget  # live: a PUT applies from this step
+        chunks: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            if budget and seq.num_uncomputed > 1:
+                chunks.append((seq, min(seq.num_uncomputed, budget)))
+                budget -= chunks[-1][1]
+        while budget and self.waiting and len(self.running) < self.config.max_batch_size:
+            head = self.waiting[0]
+            if self._prefix_in_flight(head):
+                break  # its next blocks are being computed: shared a step or a chunk later
+            # blocks for the whole prompt (and its first token) now: later chunks
+            # never wait for blocks, and the usage ratio counts the prompt at once;
+            # a cached prefix is shared, and its tokens are not computed again
+            if not self._take_blocks(head, head.num_tokens + 1):
+                break
+            head.status = Status.RUNNING
+            self.running.append(self.waiting.popleft())
+            chunks.append((head, min(head.num_uncomputed, budget)))
+            budget -= chunks[-1][1]
+        plan = StepPlan(
+            prefill=[seq for seq, _ in chunks],
+            decode=decode,
+            preempted=preempted,
+            chunks=[size for _, size in chunks],
+        )
+        plan.batch_size = plan.size
+        return plan
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """Whether a running sequence is computing the next block `seq` could share (both
+        arrived with the same prompt start, as siblings or a shared system prompt do).
+        Waiting for it to be published costs `seq` a step; computing it again costs the
+        step the whole prefix."""
+        if not self.pool.prefix_caching:
+            return False
+        cached = len(self._cached_prefix(seq))
+        wanted = seq.block_hashes[: (seq.num_tokens - 1) // self.pool.block_size]
+        if cached == len(wanted):
+            return False
+        name = wanted[cached]
+        return any(name in other.block_hashes[other.num_cached_blocks :] for other in self.running)
+
+    def _due(self, now: float) -> bool:
+        return (
+            len(self.waiting) >= self.config.max_batch_size
+            or now >= timeout_at(self.waiting, self.config)
+            # a preempted sequence (in front) waited for its first step already
+            or self.waiting[0].first_scheduled is not None
+        )
+
+    def _make_room_for_decode(self) -> list[Sequence]:
+        """Grow each running sequence by the token it decodes next, oldest first,
+        preempting the newest while the pool is short."""
+        preempted: list[Sequence] = []
+        index = 0
+        while index < len(self.running):
+            seq = self.running[index]
+            while not self.pool.grow(seq.block_table, seq.num_tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            index += 1
+        return preempted
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        # its K/V are given up: recomputed from the first token, or from as far as
+        # the prefix cache still holds them when it is admitted again
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)  # victims go newest first: the oldest ends up in front
+
+    def _policy_wake_at(self) -> float | None:
+        """When an idle engine stops waiting for more arrivals (None: nothing waits)."""
+        if self.running or not self.waiting:
+            return None
+        return timeout_at(self.waiting, self.config)
+
+    def _finish(self, finished: list[tuple[Sequence, TokenEvent]], now: float) -> list[Output]:
+        """Finished sequences leave at once and their blocks return to the pool."""
+        for seq, _ in finished:
+            self._leave(seq)
+        return [Output(seq, event) for seq, event in finished]
+
+    def _drop(self, seq: Sequence, now: float) -> list[Output]:
+        self._leave(seq)
+        return []
+
+    def _release_running(self) -> list[Sequence]:
+        released = list(self.running)
+        for seq in released:
+            self._leave(seq)
+        return released
+
+    def _holding(self) -> list[Sequence]:
+        return self.running
+
+    def _leave(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = Status.FINISHED

@@ -1,0 +1,35 @@
+"""The scheduler a batching mode names, with the options each policy takes.
+
+Torch-free: the engine and the simulator (tools/simulator.py) build their schedulers here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batchpilot_server.batching_config import BatchingConfig, Mode
+from batchpilot_server.engine.block_pool import BlockPool
+from batchpilot_server.engine.scheduler import QueueScheduler
+from batchpilot_server.engine.scheduler_continuous import ContinuousScheduler
+from batchpilot_server.engine.scheduler_dynamic import DynamicScheduler, StaticScheduler
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    padded: bool = False  # static and dynamic: padded execution instead of ragged
+    max_wait_s: float | None = None  # static: the safety valve (None: off)
+
+
+def new_scheduler(
+    mode: Mode,
+    pool: BlockPool,
+    config: BatchingConfig,
+    eos_ids: frozenset[int],
+    options: PolicyOptions = PolicyOptions(),
+) -> QueueScheduler:
+    if mode == "static":
+        return StaticScheduler(pool, config, eos_ids, options.padded, options.max_wait_s)
+    if mode == "dynamic":
+        return DynamicScheduler(pool, config, eos_ids, options.padded)
+    if mode == "continuous":
+        return ContinuousScheduler(pool, config, eos_ids)
+    raise ValueError(f"mode must be one of static, dynamic, continuous; got {mode!r}")
