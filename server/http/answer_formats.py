@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from batchpilot_server.http.generation import Generation
-from batchpilot_server.http.protocol import (
+from batchpilot_server.http.answers import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -17,10 +16,10 @@ from batchpilot_server.http.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     DeltaToolCall,
-    FunctionCall,
-    ToolCall,
     Usage,
 )
+from batchpilot_server.http.generation import Generation
+from batchpilot_server.http.protocol import FunctionCall, ToolCall
 from batchpilot_server.http.protocol_output import (
     ChoiceDelta,
     LogprobEntry,

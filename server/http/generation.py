@@ -14,7 +14,8 @@ from batchpilot_server.engine_api import (
     SamplingParams,
     TokenEvent,
 )
-from batchpilot_server.http.protocol import ApiError, Usage, invalid
+from batchpilot_server.http.answers import Usage
+from batchpilot_server.http.protocol import ApiError, invalid
 from batchpilot_server.http.protocol_output import ChoiceDelta, ChoiceOutput, TokenSpeller
 from batchpilot_server.http.protocol_parse import GenerationRequest
 from batchpilot_server.http.server_state import RequestStream, ServerState

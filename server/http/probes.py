@@ -6,9 +6,9 @@ import importlib.metadata
 from functools import cache
 
 from aiohttp import web
+from batchpilot_server.http.answers import VersionResponse
 from batchpilot_server.http.metrics import CONTENT_TYPE
 from batchpilot_server.http.openapi import openapi_document
-from batchpilot_server.http.protocol import VersionResponse
 from batchpilot_server.http.responses import json_answer
 from batchpilot_server.http.server_state import STATE
 

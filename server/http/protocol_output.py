@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from batchpilot_server.engine_api import FinishReason, PromptLogprob, TokenEvent
-from batchpilot_server.http.protocol import (
+from batchpilot_server.http.answers import (
     ChatLogprobs,
     CompletionLogprobs,
     TokenLogprob,

@@ -10,14 +10,14 @@ from typing import Any, Protocol
 from aiohttp import web
 from batchpilot_server.http.accounting import RequestEnd
 from batchpilot_server.http.answer_formats import CHAT_FORMAT, COMPLETION_FORMAT, AnswerFormat
-from batchpilot_server.http.generation import Generation
-from batchpilot_server.http.protocol import (
-    ApiError,
+from batchpilot_server.http.answers import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
     TokenizeResponse,
 )
+from batchpilot_server.http.generation import Generation
+from batchpilot_server.http.protocol import ApiError
 from batchpilot_server.http.protocol_output import TokenSpeller
 from batchpilot_server.http.protocol_parse import (
     GenerationRequest,
