@@ -14,6 +14,7 @@ from pathlib import Path
 from aiohttp import web
 from batchpilot_server.admin_token import TokenFile, TokenFileError
 from batchpilot_server.batching_config import MODES, BatchingConfig, ConfigError
+from batchpilot_server.chat_template import ChatTemplate, ChatTemplateError
 from batchpilot_server.cpu_quota import default_threads
 from batchpilot_server.engine.attention_kernel_build import KernelUnavailableError
 from batchpilot_server.engine_api import (
@@ -28,7 +29,6 @@ from batchpilot_server.http.connections import ConnectionGuard, ConnectionLimits
 from batchpilot_server.http.metrics import METRICS_COMPATS
 from batchpilot_server.http.protocol import Limits
 from batchpilot_server.model_presets import PRESET_NAMES
-from batchpilot_server.tokenizer import ChatTemplate, ChatTemplateError
 
 log = logging.getLogger("batchpilot.serve")
 

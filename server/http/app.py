@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
+from batchpilot_server.chat_template import ChatTemplate
 from batchpilot_server.engine_api import EngineOptions
 from batchpilot_server.http.admin import get_batching, put_batching
 from batchpilot_server.http.auth import TokenSource, api_key_middleware, token_getter
@@ -37,7 +38,6 @@ from batchpilot_server.http.serving import (
     models,
     tokenize,
 )
-from batchpilot_server.tokenizer import ChatTemplate
 
 log = logging.getLogger("batchpilot.server")
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from batchpilot_server.chat_template import ChatTemplateError
 from batchpilot_server.http.protocol import ChatMessage, Tool, ToolCall, invalid
-from batchpilot_server.tokenizer import ChatTemplateError, Tokenizer
+from batchpilot_server.tokenizer import Tokenizer
 
 
 def template_tools(

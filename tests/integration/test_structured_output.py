@@ -13,8 +13,8 @@ import jsonschema
 import openai
 import pytest
 import requests
+from batchpilot_server.chat_template import CHATML_TEMPLATE
 from batchpilot_server.http import grammar_compiler
-from batchpilot_server.tokenizer import CHATML_TEMPLATE
 
 from tests.support.servers import serve_on_thread
 from tests.support.smollm2 import hf_directory

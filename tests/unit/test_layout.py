@@ -33,8 +33,8 @@ SERVER_PACKAGES = ("engine", "http")
 # the layer of each module at server/'s top
 TOP_LEVEL_LAYER = {
     # what both sides speak: the engine's interface, configs, the tokenizer
-    **dict.fromkeys(("batching_config", "engine_api", "metric_names", "model_presets",
-                     "tokenizer"), "shared"),
+    **dict.fromkeys(("batching_config", "chat_template", "engine_api", "metric_names",
+                     "model_presets", "tokenizer"), "shared"),
     # the `batchpilot` CLI: builds the engine and the app and runs them
     **dict.fromkeys(("admin_token", "cli", "cpu_quota", "serve"), "process"),
 }  # fmt: skip
