@@ -190,7 +190,7 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
     """Each `batchpilot` subcommand's parser, as the subcommand builds it to run."""
     from batchpilot_operator.main import build_parser as operator_parser
     from batchpilot_operator.tune_local import parser as tune_parser
-    from batchpilot_server.serve import parser as serve_parser
+    from batchpilot_server.serve_options import parser as serve_parser
     from batchpilot_tools.demo.cli import parser as demo_parser
     from batchpilot_tools.loadgen import parser as loadgen_parser
 

@@ -23,8 +23,8 @@ from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine_api import EngineOptions, SamplingParams, TokenEvent
 from batchpilot_server.http.protocol import Limits
 from batchpilot_server.http.protocol_parse import Served, read_chat
-from batchpilot_server.serve import batching_config, engine_options, parser
 from batchpilot_server.serve import main as serve_main
+from batchpilot_server.serve_options import batching_config, engine_options, parser
 
 from tests.support.engine_helpers import (
     ATTENTIONS,

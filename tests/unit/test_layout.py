@@ -36,7 +36,7 @@ TOP_LEVEL_LAYER = {
     **dict.fromkeys(("batching_config", "chat_template", "engine_api", "metric_names",
                      "model_presets", "tokenizer"), "shared"),
     # the `batchpilot` CLI: builds the engine and the app and runs them
-    **dict.fromkeys(("admin_token", "cli", "cpu_quota", "serve"), "process"),
+    **dict.fromkeys(("admin_token", "cli", "cpu_quota", "serve", "serve_options"), "process"),
 }  # fmt: skip
 
 
