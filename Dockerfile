@@ -23,12 +23,12 @@ COPY server ./server
 COPY operator ./operator
 COPY tools ./tools
 RUN pip install . && python -c "import batchpilot_server, batchpilot_operator, batchpilot_tools, torch"
-# The native paged-attention kernel (batchpilot_server/csrc), built here because
+# The native paged-attention kernel (batchpilot_server/engine/csrc), built here because
 # the runtime image has no compiler. Its x86-64 build carries AVX-512, AVX2 and
 # baseline versions and picks one at load time, so the image runs on any node.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && XDG_CACHE_HOME=/opt/venv/cache python -c \
-    "from batchpilot_server.attention_kernel_build import paged_decode_kernel; paged_decode_kernel()"
+    "from batchpilot_server.engine.attention_kernel_build import paged_decode_kernel; paged_decode_kernel()"
 
 FROM python:${PYTHON_VERSION}-slim
 RUN groupadd --gid 10001 batchpilot \

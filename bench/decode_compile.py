@@ -25,9 +25,9 @@ from collections.abc import Callable
 import model_refs
 import torch
 import torch.nn.functional as F
-from batchpilot_server.linear_kernels import PackedLinear
-from batchpilot_server.models import Decoder, DecoderLayer, apply_rope
-from batchpilot_server.weights import load_model
+from batchpilot_server.engine.linear_kernels import PackedLinear
+from batchpilot_server.engine.models import Decoder, DecoderLayer, apply_rope
+from batchpilot_server.engine.weights import load_model
 
 BATCHES = (1, 32)
 POSITION = 70

@@ -45,12 +45,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from batchpilot_server.batching_config import BatchingConfig, Mode
-from batchpilot_server.engine import Engine
+from batchpilot_server.engine.core import Engine
+from batchpilot_server.engine.kv_cache import KVCache
+from batchpilot_server.engine.model_runner import ModelRunner
+from batchpilot_server.engine.models import Decoder, build_model
+from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine_api import AttentionBackend, EngineOptions, SamplingParams
-from batchpilot_server.kv_cache import KVCache
-from batchpilot_server.model_runner import ModelRunner
-from batchpilot_server.models import Decoder, build_model
-from batchpilot_server.sequence import Sequence
 from measure import ContiguousKV, Prompts, count_tokens, decode_step, raw_generate, saturated
 from sections import replace_section
 
@@ -382,7 +382,7 @@ def render(results: dict[str, Any]) -> str:
         f"{gather['index_select_overhead']:+.0%} |",
         "",
         "The engine never copies a sequence's cache. On the CPU its decode attention is "
-        "one C call per layer (`server/csrc/paged_attention.c`, built on first use with "
+        "one C call per layer (`server/engine/csrc/paged_attention.c`, built on first use with "
         "the system compiler; `--attention` chooses): each row stores its new K/V and "
         "reads its own blocks where they lie, every byte once, in one pass. At batch 32 "
         "the step is bound by memory traffic, as torch's fused attention over contiguous "

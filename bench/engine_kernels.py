@@ -1,4 +1,4 @@
-"""What the projection kernels (server/linear_kernels.py) buy on a real model, and
+"""What the projection kernels (server/engine/linear_kernels.py) buy on a real model, and
 where a decode step's time goes.
 
 - curve: raw-loop decode tokens/s (bench/measure.py: one batched prefill, then
@@ -29,11 +29,11 @@ from typing import cast
 
 import model_refs
 import torch
+from batchpilot_server.engine.kv_cache import KVCache
+from batchpilot_server.engine.model_runner import ModelRunner
+from batchpilot_server.engine.sequence import Sequence
+from batchpilot_server.engine.weights import KernelChoice, LoadedModel, load_model
 from batchpilot_server.engine_api import DTypeName, Quantization, SamplingParams
-from batchpilot_server.kv_cache import KVCache
-from batchpilot_server.model_runner import ModelRunner
-from batchpilot_server.sequence import Sequence
-from batchpilot_server.weights import KernelChoice, LoadedModel, load_model
 from measure import Prompts, raw_generate
 from sections import replace_section
 from torch.profiler import ProfilerActivity, profile

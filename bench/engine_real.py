@@ -32,11 +32,11 @@ from typing import Any, TypeVar, cast
 import torch
 import transformers
 from batchpilot_server.batching_config import BatchingConfig
-from batchpilot_server.engine import Engine
+from batchpilot_server.engine.core import Engine
+from batchpilot_server.engine.kv_cache import bytes_per_block
+from batchpilot_server.engine.models import ModelSpec
+from batchpilot_server.engine.weights import LoadedModel, load_model, resolve_dtype
 from batchpilot_server.engine_api import DTypeName, EngineOptions, SamplingParams
-from batchpilot_server.kv_cache import bytes_per_block
-from batchpilot_server.models import ModelSpec
-from batchpilot_server.weights import LoadedModel, load_model, resolve_dtype
 from measure import Prompts, Rate, Timer, raw_generate, saturated
 from model_refs import ModelRef
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel

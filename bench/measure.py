@@ -12,9 +12,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from batchpilot_server.batching_config import BatchingConfig
-from batchpilot_server.engine import Engine, RequestStream
+from batchpilot_server.engine.core import Engine, RequestStream
+from batchpilot_server.engine.models import Decoder, ModelSpec
 from batchpilot_server.engine_api import SamplingParams
-from batchpilot_server.models import Decoder, ModelSpec
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ from typing import cast
 
 import model_refs
 import torch
+from batchpilot_server.engine.linear_kernels import RowLimits, swap_linear_kernels
+from batchpilot_server.engine.weight_quality import BOUND, Quality, compare
+from batchpilot_server.engine.weights import KernelChoice, LoadedModel, load_model
 from batchpilot_server.engine_api import DTypeName, Quantization
-from batchpilot_server.linear_kernels import RowLimits, swap_linear_kernels
-from batchpilot_server.weight_quality import BOUND, Quality, compare
-from batchpilot_server.weights import KernelChoice, LoadedModel, load_model
 from sections import replace_section
 
 ROOT = Path(__file__).resolve().parent.parent

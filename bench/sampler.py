@@ -26,12 +26,12 @@ from typing import Any
 
 import model_refs
 import torch
+from batchpilot_server.engine.kv_cache import KVCache
+from batchpilot_server.engine.model_runner import ModelRunner
+from batchpilot_server.engine.sampling import Sampler, make_generator
+from batchpilot_server.engine.sequence import Sequence
+from batchpilot_server.engine.weights import LoadedModel, load_model
 from batchpilot_server.engine_api import SamplingParams
-from batchpilot_server.kv_cache import KVCache
-from batchpilot_server.model_runner import ModelRunner
-from batchpilot_server.sampling import Sampler, make_generator
-from batchpilot_server.sequence import Sequence
-from batchpilot_server.weights import LoadedModel, load_model
 from measure import Prompts
 from sections import replace_section
 

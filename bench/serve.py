@@ -43,7 +43,7 @@ from batchpilot_tools.prometheus_local import free_port
 from sections import replace_section
 
 if TYPE_CHECKING:
-    from batchpilot_server.engine import Engine
+    from batchpilot_server.engine.core import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -161,7 +161,7 @@ async def served_tokens_per_s(url: str, args: argparse.Namespace, stream: bool) 
 @asynccontextmanager
 async def engine_alone(mode: Mode, args: argparse.Namespace) -> AsyncIterator[Engine]:
     """An engine in this process, configured like the served one."""
-    from batchpilot_server.engine import Engine  # torch
+    from batchpilot_server.engine.core import Engine  # torch
 
     options = EngineOptions(
         mode=mode,

@@ -19,12 +19,12 @@ import time
 from pathlib import Path
 
 import torch
+from batchpilot_server.engine.sampling import Sampler
+from batchpilot_server.engine.sequence import Sequence
+from batchpilot_server.engine.weights import load_model
 from batchpilot_server.engine_api import SamplingParams
-from batchpilot_server.protocol_parse import GrammarRequest
-from batchpilot_server.sampling import Sampler
-from batchpilot_server.sequence import Sequence
-from batchpilot_server.structured_output import StructuredOutput
-from batchpilot_server.weights import load_model
+from batchpilot_server.http.grammar_compiler import GrammarCompiler
+from batchpilot_server.http.grammar_request import GrammarRequest
 from prometheus_client import Histogram
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,7 +41,7 @@ def main() -> None:
     tokenizer = load_model(str(hf_directory()), device="cpu").tokenizer
     compile_seconds = Histogram("compile", "", registry=None)
     mask_seconds = Histogram("mask", "", registry=None)
-    structured = StructuredOutput(tokenizer, compile_seconds, mask_seconds)
+    structured = GrammarCompiler(tokenizer, compile_seconds, mask_seconds)
     began = time.perf_counter()
     grammar = asyncio.run(structured.compile(GrammarRequest(NESTED, "response_format")))
     compile_s = time.perf_counter() - began

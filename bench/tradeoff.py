@@ -159,7 +159,7 @@ async def real_run(
 ) -> dict[str, float]:
     """The trace in real time against an in-process engine; figures of the requests
     arriving within `window_s` (later arrivals keep a static batch filling)."""
-    from batchpilot_server.engine import Engine
+    from batchpilot_server.engine.core import Engine
     from batchpilot_server.engine_api import EngineOptions, SamplingParams
 
     engine = Engine(

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 from batchpilot_server.batching_config import BatchingConfig, Mode
-from batchpilot_server.block_pool import BlockPool
+from batchpilot_server.engine.block_pool import BlockPool
+from batchpilot_server.engine.scheduler import StepPlan
+from batchpilot_server.engine.scheduler_policies import PolicyOptions, new_scheduler
+from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine_api import SamplingParams
-from batchpilot_server.scheduler import StepPlan
-from batchpilot_server.scheduler_policies import PolicyOptions, new_scheduler
-from batchpilot_server.sequence import Sequence
 
 BLOCK = 16
 
@@ -113,9 +113,9 @@ class StepCost:
         """Best of a few forwards per shape through the engine's ModelRunner and paged
         cache, interleaved over rounds (the machine is shared: load only slows a run)."""
         import torch
-        from batchpilot_server.kv_cache import KVCache, bytes_per_block
-        from batchpilot_server.model_runner import ModelRunner
-        from batchpilot_server.weights import load_model
+        from batchpilot_server.engine.kv_cache import KVCache, bytes_per_block
+        from batchpilot_server.engine.model_runner import ModelRunner
+        from batchpilot_server.engine.weights import load_model
 
         loaded = load_model(source, device="cpu", dtype="float32")
         width = max(max(w for _, w in rectangles), context + 1)

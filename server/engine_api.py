@@ -1,6 +1,6 @@
 """What the engine promises its callers (the HTTP app, benchmarks, tests).
 
-Torch-free. `batchpilot_server.engine.Engine` implements it:
+Torch-free. `batchpilot_server.engine.core.Engine` implements it:
 
     engine = Engine(EngineOptions(mode="continuous", config=BatchingConfig(...)), observer)
     await engine.start()
@@ -102,7 +102,7 @@ class SamplingParams:
     logprobs: int | None = None
     # the prompt's own log-probabilities (completions `echo`), with this many top tokens
     prompt_logprobs: int | None = None
-    # structured output: a compiled grammar (structured_output.Grammar) whose `start()`
+    # structured output: a compiled grammar (grammar.Grammar) whose `start()`
     # gives each sequence its matcher; the sampler masks what it forbids
     grammar: Grammar | None = field(default=None, compare=False)
 

@@ -1,7 +1,7 @@
 """Names of the built-in model presets and how a model reference is named. Torch-free:
 the operator validates specs with it.
 
-`batchpilot_server.models.PRESETS` holds the full specs; a test keeps the two in step.
+`batchpilot_server.engine.models.PRESETS` holds the full specs; a test keeps the two in step.
 """
 
 from pathlib import PurePath

@@ -190,7 +190,7 @@ def subcommand_parsers() -> dict[str, argparse.ArgumentParser]:
     """Each `batchpilot` subcommand's parser, as the subcommand builds it to run."""
     from batchpilot_operator.main import build_parser as operator_parser
     from batchpilot_operator.tune_local import parser as tune_parser
-    from batchpilot_server.serve import parser as serve_parser
+    from batchpilot_server.serve_options import parser as serve_parser
     from batchpilot_tools.demo.cli import parser as demo_parser
     from batchpilot_tools.loadgen import parser as loadgen_parser
 
@@ -308,7 +308,7 @@ def metrics() -> list[Metric]:
     from batchpilot_operator import policy_metrics
     from batchpilot_server import metric_names
     from batchpilot_server.batching_config import BatchingConfig, SloTargets
-    from batchpilot_server.metrics import ServerMetrics
+    from batchpilot_server.http.metrics import ServerMetrics
 
     served = ServerMetrics(model="m", mode="continuous")
     # every SLO target stated, so that the target gauge shows its label
@@ -339,7 +339,8 @@ def metrics_page(root: Path) -> str:
 
     lines = [
         HEADER.format(
-            source="`server/metric_names.py`, `server/metrics.py` and `operator/policy_metrics.py`"
+            source="`server/metric_names.py`, `server/http/metrics.py` and "
+            "`operator/policy_metrics.py`"
         )
         + "# Metrics",
         "",

@@ -1,7 +1,7 @@
 """Discrete-event simulation of a fleet of servers behind a load balancer: the real
 schedulers under one virtual clock, with the tuning loop in the loop.
 
-The engine (`server/engine.py`) runs step after step: its scheduler plans a step
+The engine (`server/engine/core.py`) runs step after step: its scheduler plans a step
 (`schedule(now)`), the model runs it, and the scheduler takes the sampled tokens
 back (`postprocess`). Each simulated server does the same with the same
 schedulers (`scheduler_policies.new_scheduler`, ragged execution) over its own
@@ -64,7 +64,10 @@ from batchpilot_operator.tuning_loop import (
 )
 from batchpilot_server import metric_names as names
 from batchpilot_server.batching_config import BatchingConfig, Mode
-from batchpilot_server.block_pool import BlockPool
+from batchpilot_server.engine.block_pool import BlockPool
+from batchpilot_server.engine.scheduler import Output, StepPlan
+from batchpilot_server.engine.scheduler_policies import PolicyOptions, new_scheduler
+from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine_api import (
     EngineError,
     EngineOptions,
@@ -72,9 +75,6 @@ from batchpilot_server.engine_api import (
     SamplingParams,
 )
 from batchpilot_server.metric_names import GENERATION_TOKEN_BUCKETS, LATENCY_BUCKETS
-from batchpilot_server.scheduler import Output, StepPlan
-from batchpilot_server.scheduler_policies import PolicyOptions, new_scheduler
-from batchpilot_server.sequence import Sequence
 
 STEP_TIMES_FILE = Path(__file__).resolve().parent.parent / "docs" / "step_times.json"
 BUCKET_BOUNDS = (*LATENCY_BUCKETS, math.inf)

@@ -9,8 +9,9 @@ import aiohttp
 import openai
 import pytest
 from batchpilot_server import metric_names as names
-from batchpilot_server.app import STATE
-from batchpilot_server.tokenizer import ByteTokenizer, ChatTemplateError
+from batchpilot_server.chat_template import ChatTemplateError
+from batchpilot_server.http.server_state import STATE
+from batchpilot_server.tokenizer import ByteTokenizer
 
 from tests.support.servers import InProcessServer, complete, scrape, serve_in_process, stream_events
 

@@ -13,18 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from batchpilot_server import engine as engine_module
 from batchpilot_server.batching_config import BatchingConfig
-from batchpilot_server.engine import Engine
+from batchpilot_server.engine import core as engine_module
+from batchpilot_server.engine.core import Engine
+from batchpilot_server.engine.kv_cache import KVCache, bytes_per_block
+from batchpilot_server.engine.model_runner import ModelRunner
+from batchpilot_server.engine.models import build_model, get_spec
+from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine_api import EngineOptions, SamplingParams, TokenEvent
-from batchpilot_server.kv_cache import KVCache, bytes_per_block
-from batchpilot_server.model_runner import ModelRunner
-from batchpilot_server.models import build_model, get_spec
-from batchpilot_server.protocol import Limits
-from batchpilot_server.protocol_parse import Served, read_chat
-from batchpilot_server.sequence import Sequence
-from batchpilot_server.serve import batching_config, engine_options, parser
+from batchpilot_server.http.protocol import Limits
+from batchpilot_server.http.protocol_parse import Served, read_chat
 from batchpilot_server.serve import main as serve_main
+from batchpilot_server.serve_options import batching_config, engine_options, parser
 
 from tests.support.engine_helpers import (
     ATTENTIONS,

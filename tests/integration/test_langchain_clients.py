@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 import requests
-from batchpilot_server.tokenizer import CHATML_TEMPLATE
+from batchpilot_server.chat_template import CHATML_TEMPLATE
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI, OpenAI

@@ -2,7 +2,7 @@
 logits in float32 (SmolLM2-135M, real weights): completions' top-k per token and `echo`'s
 prompt scores (lm-evaluation-harness's loglikelihood request), chat's `top_logprobs`.
 
-These values come from the engine's batched sampler (server/sampling.py), which computes
+These values come from the engine's batched sampler (server/engine/sampling.py), which computes
 the top-k and the prompt's own log-probabilities; the wire shapes are tested without it
 in test_openai_fields.py.
 """

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batchpilot_server.engine.kv_cache import KVCache
+from batchpilot_server.engine.model_runner import ModelRunner
+from batchpilot_server.engine.models import build_model, get_spec
+from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine_api import SamplingParams
-from batchpilot_server.kv_cache import KVCache
-from batchpilot_server.model_runner import ModelRunner
-from batchpilot_server.models import build_model, get_spec
-from batchpilot_server.sequence import Sequence
 from torch.profiler import ProfilerActivity, profile
 
 from tests.support.engine_helpers import ATTENTIONS

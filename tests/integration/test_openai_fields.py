@@ -17,7 +17,7 @@ from typing import Any
 import openai
 import pytest
 import requests
-from batchpilot_server.protocol import MAX_LOGPROBS, MAX_N
+from batchpilot_server.http.protocol import MAX_LOGPROBS, MAX_N
 
 from tests.support.servers import serve_on_thread
 

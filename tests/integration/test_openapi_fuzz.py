@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from batchpilot_server.openapi import openapi_document
+from batchpilot_server.http.openapi import openapi_document
 from schemathesis import GenerationMode
 
 from tests.support.openapi_fuzz import Fuzzer

@@ -18,24 +18,30 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from batchpilot_server.attention_kernel_build import (
+from batchpilot_server.engine.attention_kernel_build import (
     KernelUnavailableError,
     library_path,
     paged_decode_kernel,
     shares_torch_openmp,
 )
-from batchpilot_server.block_pool import KVAccountingError
+from batchpilot_server.engine.block_pool import KVAccountingError
+from batchpilot_server.engine.kv_cache import KVCache
+from batchpilot_server.engine.model_runner import ModelRunner
+from batchpilot_server.engine.models import (
+    Attention,
+    CausalAttention,
+    ModelSpec,
+    build_model,
+    get_spec,
+)
+from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine_api import SamplingParams
-from batchpilot_server.kv_cache import KVCache
-from batchpilot_server.model_runner import ModelRunner
-from batchpilot_server.models import Attention, CausalAttention, ModelSpec, build_model, get_spec
-from batchpilot_server.sequence import Sequence
 from batchpilot_server.serve import main as serve_main
 
 from tests.support.engine_helpers import ATTENTIONS, requires_c_compiler
 
 LOAD = (
-    "from batchpilot_server.attention_kernel_build import paged_decode_kernel; "
+    "from batchpilot_server.engine.attention_kernel_build import paged_decode_kernel; "
     "paged_decode_kernel()"
 )
 

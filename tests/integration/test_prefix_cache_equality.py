@@ -11,11 +11,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from batchpilot_server import engine as engine_module
 from batchpilot_server import metric_names as names
-from batchpilot_server.engine import Engine
+from batchpilot_server.engine import core as engine_module
+from batchpilot_server.engine.core import Engine
 from batchpilot_server.engine_api import SamplingParams
-from batchpilot_server.serve import batching_config, engine_options, parser
+from batchpilot_server.serve_options import batching_config, engine_options, parser
 
 from tests.support.engine_helpers import RecordingObserver, collect, started
 from tests.support.servers import scrape, serve_in_process

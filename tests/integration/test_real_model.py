@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from batchpilot_server import engine as engine_module
 from batchpilot_server.batching_config import BatchingConfig, Mode
-from batchpilot_server.engine import Engine, RequestStream
+from batchpilot_server.engine import core as engine_module
+from batchpilot_server.engine.core import Engine, RequestStream
+from batchpilot_server.engine.gguf_checkpoint import GGUFError
+from batchpilot_server.engine.models import UnsupportedModelError
+from batchpilot_server.engine.weights import LoadedModel, ModelLoadError, load_model
 from batchpilot_server.engine_api import EngineOptions, SamplingParams
-from batchpilot_server.gguf_checkpoint import GGUFError
-from batchpilot_server.models import UnsupportedModelError
-from batchpilot_server.weights import LoadedModel, ModelLoadError, load_model
 from gguf import GGUFWriter
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase

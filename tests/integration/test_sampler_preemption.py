@@ -10,12 +10,12 @@ import random
 
 import pytest
 import torch
-from batchpilot_server import engine as engine_module
+from batchpilot_server.engine import core as engine_module
+from batchpilot_server.engine.kv_cache import bytes_per_block
+from batchpilot_server.engine.models import get_spec
+from batchpilot_server.engine.sampling import gather_prompt_logprobs
+from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine_api import SamplingParams, TokenEvent
-from batchpilot_server.kv_cache import bytes_per_block
-from batchpilot_server.models import get_spec
-from batchpilot_server.sampling import gather_prompt_logprobs
-from batchpilot_server.sequence import Sequence
 
 from tests.support.engine_helpers import RecordingObserver, collect, started
 

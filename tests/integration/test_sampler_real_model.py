@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 import torch
 from batchpilot_server.batching_config import BatchingConfig
-from batchpilot_server.engine import Engine
+from batchpilot_server.engine.core import Engine
 from batchpilot_server.engine_api import EngineOptions, SamplingParams
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 

@@ -10,10 +10,10 @@ import aiohttp
 import openai
 import pytest
 from batchpilot_server import metric_names as names
-from batchpilot_server.app import STATE
+from batchpilot_server.engine.model_runner import ModelRunner
+from batchpilot_server.engine.models import get_spec
 from batchpilot_server.engine_api import EngineOptions
-from batchpilot_server.model_runner import ModelRunner
-from batchpilot_server.models import get_spec
+from batchpilot_server.http.server_state import STATE
 from openapi_spec_validator import validate
 
 from tests.support.servers import complete, scrape, serve_in_process, stream_events

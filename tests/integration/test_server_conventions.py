@@ -11,7 +11,7 @@ import openai
 import pytest
 import requests
 from batchpilot_server import metric_names as names
-from batchpilot_server.serve import API_KEY_ENV, UsageError, api_key, parser
+from batchpilot_server.serve_options import API_KEY_ENV, UsageError, api_key, parser
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.servers import serve_in_process, spawn_server

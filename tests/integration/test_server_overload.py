@@ -8,7 +8,7 @@ import json
 import aiohttp
 import pytest
 from batchpilot_server import metric_names as names
-from batchpilot_server.app import STATE
+from batchpilot_server.http.server_state import STATE
 
 from tests.support.servers import complete, scrape, serve_in_process
 

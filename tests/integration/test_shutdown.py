@@ -17,7 +17,7 @@ import pytest
 from batchpilot_operator import builders
 from batchpilot_operator.spec import parse_spec
 from batchpilot_server import metric_names as names
-from batchpilot_server.serve import EXIT_MARGIN_S, parser
+from batchpilot_server.serve_options import EXIT_MARGIN_S, parser
 
 from tests.support.policies import policy_object
 from tests.support.servers import scrape, spawn_server, stream_events

@@ -16,7 +16,7 @@ from batchpilot_operator.policy.types import Fleet, Goal, ReplicaBounds, Replica
 from batchpilot_operator.signals import Signals
 from batchpilot_operator.slo import Slo
 from batchpilot_server.batching_config import BatchingConfig
-from batchpilot_server.scheduler_continuous import ContinuousScheduler
+from batchpilot_server.engine.scheduler_continuous import ContinuousScheduler
 from batchpilot_tools.simulator import (
     Scenario,
     SimOptions,

@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator, Iterator
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
-from batchpilot_server.app import create_app
 from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.engine.gguf_checkpoint import GGUFCheckpoint
 from batchpilot_server.engine_api import EngineStats, SamplingParams, TokenEvent
-from batchpilot_server.gguf_checkpoint import GGUFCheckpoint
-from batchpilot_server.metrics import ServerMetrics
-from batchpilot_server.protocol import Limits
+from batchpilot_server.http.app import create_app
+from batchpilot_server.http.metrics import ServerMetrics
+from batchpilot_server.http.protocol import Limits
 from batchpilot_server.tokenizer import ByteTokenizer, Tokenizer
 
 from tests.support.servers import stream_events

@@ -13,8 +13,8 @@ import jsonschema
 import openai
 import pytest
 import requests
-from batchpilot_server import structured_output
-from batchpilot_server.tokenizer import CHATML_TEMPLATE
+from batchpilot_server.chat_template import CHATML_TEMPLATE
+from batchpilot_server.http import grammar_compiler
 
 from tests.support.servers import serve_on_thread
 from tests.support.smollm2 import hf_directory
@@ -189,7 +189,7 @@ def test_a_compile_past_its_time_limit_is_a_400(
     client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # a limit no compilation meets: the request is answered without waiting for it
-    monkeypatch.setattr(structured_output, "COMPILE_TIMEOUT_S", 0.0)
+    monkeypatch.setattr(grammar_compiler, "COMPILE_TIMEOUT_S", 0.0)
     schema = {"type": "object", "properties": {"unseen": {"type": "string", "minLength": 3}}}
     with pytest.raises(openai.BadRequestError) as caught:
         _ask(client, _schema_format(schema))

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from batchpilot_server.engine_api import DTypeName, Quantization
-from batchpilot_server.linear_kernels import (
+from batchpilot_server.engine.linear_kernels import (
     FewRowsLinear,
     Int4Linear,
     RowLimits,
@@ -21,8 +20,9 @@ from batchpilot_server.linear_kernels import (
     packed_bfloat16_available,
     swap_linear_kernels,
 )
-from batchpilot_server.weight_quality import BOUND, INT8_BOUND, compare
-from batchpilot_server.weights import LoadedModel, ModelLoadError, load_model, resolve_dtype
+from batchpilot_server.engine.weight_quality import BOUND, INT8_BOUND, compare
+from batchpilot_server.engine.weights import LoadedModel, ModelLoadError, load_model, resolve_dtype
+from batchpilot_server.engine_api import DTypeName, Quantization
 from torch import nn
 
 from tests.support.smollm2 import LOGIT_TOLERANCE, load_float32

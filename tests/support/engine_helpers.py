@@ -13,7 +13,11 @@ from dataclasses import dataclass, field
 
 import pytest
 from batchpilot_server.batching_config import BatchingConfig, Mode
-from batchpilot_server.engine import Engine, RequestStream
+from batchpilot_server.engine.core import Engine, RequestStream
+from batchpilot_server.engine.kv_cache import KVCache
+from batchpilot_server.engine.model_runner import ModelRunner
+from batchpilot_server.engine.models import Decoder
+from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine_api import (
     AttentionBackend,
     EngineOptions,
@@ -21,10 +25,6 @@ from batchpilot_server.engine_api import (
     SamplingParams,
     TokenEvent,
 )
-from batchpilot_server.kv_cache import KVCache
-from batchpilot_server.model_runner import ModelRunner
-from batchpilot_server.models import Decoder
-from batchpilot_server.sequence import Sequence
 
 requires_c_compiler = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None,

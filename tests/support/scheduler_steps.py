@@ -4,7 +4,7 @@ would compute, for the scheduler tests."""
 from __future__ import annotations
 
 from batchpilot_server.batching_config import BatchingConfig
-from batchpilot_server.scheduler import Output, QueueScheduler, StepPlan
+from batchpilot_server.engine.scheduler import Output, QueueScheduler, StepPlan
 
 BLOCK = 16
 EOS = 99

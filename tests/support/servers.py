@@ -28,10 +28,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from batchpilot_server.app import build_app
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine_api import EngineOptions
-from batchpilot_server.protocol import Limits
+from batchpilot_server.http.app import build_app
+from batchpilot_server.http.protocol import Limits
 from batchpilot_tools.prometheus_local import free_port
 from prometheus_client.parser import text_string_to_metric_families
 

@@ -18,9 +18,9 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
-from batchpilot_server.gguf_checkpoint import GGUFCheckpoint
+from batchpilot_server.engine.gguf_checkpoint import GGUFCheckpoint
+from batchpilot_server.engine.weights import LoadedModel, load_model
 from batchpilot_server.tokenizer import byte_level_pipeline
-from batchpilot_server.weights import LoadedModel, load_model
 from safetensors.torch import save_file
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -48,7 +48,7 @@ def test_every_metric_name_the_server_defines_is_on_the_page(rendered: dict[str,
 
 
 def test_every_serve_flag_is_on_the_page(rendered: dict[str, str]) -> None:
-    from batchpilot_server.serve import parser
+    from batchpilot_server.serve_options import parser
 
     page = rendered["docs/cli.md"]
     serve = page[page.index("## batchpilot serve") : page.index("## batchpilot operator")]

@@ -10,10 +10,13 @@ import time
 
 import pytest
 import torch
-from batchpilot_server import engine as engine_module
-from batchpilot_server import weights
 from batchpilot_server.batching_config import BatchingConfig
-from batchpilot_server.engine import Engine
+from batchpilot_server.engine import core as engine_module
+from batchpilot_server.engine import weights
+from batchpilot_server.engine.core import Engine
+from batchpilot_server.engine.kv_cache import bytes_per_block
+from batchpilot_server.engine.models import build_model, get_spec
+from batchpilot_server.engine.weights import LoadedModel, ModelLoadError
 from batchpilot_server.engine_api import (
     DeadlineExceededError,
     EngineOptions,
@@ -22,9 +25,6 @@ from batchpilot_server.engine_api import (
     QueueFullError,
     SamplingParams,
 )
-from batchpilot_server.kv_cache import bytes_per_block
-from batchpilot_server.models import build_model, get_spec
-from batchpilot_server.weights import LoadedModel, ModelLoadError
 
 from tests.support.engine_helpers import ATTENTIONS, RecordingObserver, collect, prompt, started
 
@@ -143,7 +143,7 @@ async def test_a_small_kv_pool_caps_the_context_and_longer_requests_are_refused(
     spec = get_spec("tiny")
     pool_tokens = 8 * 16  # 0.5 MiB: 8 blocks of 16 tokens
     assert 8 * bytes_per_block(spec, 16, torch.float32) == 0.5 * 2**20
-    with caplog.at_level(logging.WARNING, logger="batchpilot_server.engine"):
+    with caplog.at_level(logging.WARNING, logger="batchpilot_server.engine.core"):
         engine = await started("continuous", kv_cache_mb=0.5)
     try:
         assert engine.max_model_len == pool_tokens < spec.max_seq_len
@@ -275,7 +275,7 @@ async def test_the_thread_that_steps_the_model_is_the_one_that_built_it(
 ) -> None:
     """torch's OpenMP runtime keeps a team of workers for each thread that ran a parallel
     op; a loader thread's idle team beside the engine thread's puts more workers than
-    CPUs, and the workers then sleep at every barrier of every step (server/engine.py
+    CPUs, and the workers then sleep at every barrier of every step (server/engine/core.py
     `_main`). So the engine thread loads the model itself."""
     loaded_in: list[int] = []
 

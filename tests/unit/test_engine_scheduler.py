@@ -12,7 +12,11 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
-from batchpilot_server.block_pool import BlockPool
+from batchpilot_server.engine.block_pool import BlockPool
+from batchpilot_server.engine.scheduler import Output, QueueScheduler
+from batchpilot_server.engine.scheduler_continuous import ContinuousScheduler
+from batchpilot_server.engine.scheduler_dynamic import DynamicScheduler, StaticScheduler
+from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine_api import (
     DeadlineExceededError,
     EngineStoppedError,
@@ -20,10 +24,6 @@ from batchpilot_server.engine_api import (
     SamplingParams,
     TokenEvent,
 )
-from batchpilot_server.scheduler import Output, QueueScheduler
-from batchpilot_server.scheduler_continuous import ContinuousScheduler
-from batchpilot_server.scheduler_dynamic import DynamicScheduler, StaticScheduler
-from batchpilot_server.sequence import Sequence
 
 from tests.support.scheduler_steps import BLOCK, CONFIG, EOS, run
 
@@ -44,7 +44,8 @@ def continuous(blocks: int = 64, budget: int = 2048) -> ContinuousScheduler:
 
 def test_the_schedulers_import_without_torch() -> None:
     code = (
-        "import sys, batchpilot_server.scheduler_dynamic, batchpilot_server.scheduler_continuous;"
+        "import sys, batchpilot_server.engine.scheduler_dynamic, "
+        "batchpilot_server.engine.scheduler_continuous;"
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batchpilot_server.linear_kernels import (
+from batchpilot_server.engine.linear_kernels import (
     FP16_MAX_ROWS,
     FewRowsLinear,
     PackedLinear,

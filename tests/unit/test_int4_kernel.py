@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batchpilot_server.linear_kernels import (
+from batchpilot_server.engine.linear_kernels import (
     INT4_GROUP,
     INT4_MAX_ROWS,
     Int4Linear,

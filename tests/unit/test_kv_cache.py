@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from batchpilot_server.block_pool import BlockPool, KVAccountingError
-from batchpilot_server.kv_cache import KVCache, bytes_per_block
-from batchpilot_server.models import get_spec
+from batchpilot_server.engine.block_pool import BlockPool, KVAccountingError
+from batchpilot_server.engine.kv_cache import KVCache, bytes_per_block
+from batchpilot_server.engine.models import get_spec
 
 
 def test_grow_allocates_whole_blocks_and_release_returns_them() -> None:

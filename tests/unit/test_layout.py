@@ -23,6 +23,21 @@ ALLOWED = {
     "batchpilot_tools": {"batchpilot_server", "batchpilot_operator"},
 }
 TEST_FOLDERS = ("unit", "integration", "e2e")
+# server/ in layers, lowest first: a module imports only its own layer and those below,
+# so the engine never reaches the HTTP side and only the process wires the two. The
+# engine and the HTTP side are the packages server/engine/ and server/http/ (models, KV
+# cache, schedulers, the step loop, sampling and the grammar state it masks; the aiohttp
+# app and its parts, the wire models, parsing, grammar compiling, answers, metrics).
+SERVER_LAYERS = ("shared", "engine", "http", "process")
+SERVER_PACKAGES = ("engine", "http")
+# the layer of each module at server/'s top
+TOP_LEVEL_LAYER = {
+    # what both sides speak: the engine's interface, configs, the tokenizer
+    **dict.fromkeys(("batching_config", "chat_template", "engine_api", "metric_names",
+                     "model_presets", "tokenizer"), "shared"),
+    # the `batchpilot` CLI: builds the engine and the app and runs them
+    **dict.fromkeys(("admin_token", "cli", "cpu_quota", "serve", "serve_options"), "process"),
+}  # fmt: skip
 
 
 def imported(path: Path) -> Iterator[str]:
@@ -32,6 +47,8 @@ def imported(path: Path) -> Iterator[str]:
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             yield node.module
+            # `from package import module` imports the module too
+            yield from (f"{node.module}.{alias.name}" for alias in node.names)
 
 
 def modules(package: str) -> dict[str, Path]:
@@ -55,6 +72,34 @@ def test_each_package_imports_only_the_packages_below_it() -> None:
         if (top := target.split(".")[0]) in PACKAGES and top != package and top not in allowed
     }
     assert not crossings
+
+
+def server_layer(module: str) -> str | None:
+    """The layer of a batchpilot_server module, or of a name inside one; None: the package."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return None
+    return parts[0] if parts[0] in SERVER_PACKAGES else TOP_LEVEL_LAYER.get(parts[0])
+
+
+def test_every_module_at_the_server_top_has_a_layer() -> None:
+    top = {path.stem for path in (ROOT / "server").glob("*.py")} - {"__init__"}
+    assert top == set(TOP_LEVEL_LAYER)
+    assert all((ROOT / "server" / package / "__init__.py").is_file() for package in SERVER_PACKAGES)
+
+
+def test_each_server_layer_imports_only_its_own_and_the_layers_below() -> None:
+    rank = {layer: i for i, layer in enumerate(SERVER_LAYERS)}
+    upward = {
+        f"{name} ({layer}) imports {target} ({target_layer})"
+        for name, path in modules("batchpilot_server").items()
+        if (layer := server_layer(name)) is not None
+        for target in imported(path)
+        if target.split(".")[0] == "batchpilot_server"
+        and (target_layer := server_layer(target)) is not None
+        and rank[target_layer] > rank[layer]
+    }
+    assert not upward
 
 
 def test_the_server_modules_the_operator_imports_never_reach_torch() -> None:

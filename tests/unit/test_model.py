@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from batchpilot_server.models import (
+from batchpilot_server.engine.models import (
     PRESETS,
     RMSNorm,
     apply_rope,
@@ -17,7 +17,7 @@ from batchpilot_server.models import (
     get_spec,
     resolve_device,
 )
-from batchpilot_server.weights import load_model, spec_from_config
+from batchpilot_server.engine.weights import load_model, spec_from_config
 from tokenizers import Tokenizer as Pipeline
 from tokenizers.models import WordLevel
 

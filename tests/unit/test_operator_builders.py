@@ -14,8 +14,8 @@ from batchpilot_operator.spec import (
     parse_spec,
 )
 from batchpilot_server.batching_config import FIELDS, BatchingConfig
-from batchpilot_server.serve import api_key
-from batchpilot_server.serve import parser as serve_parser
+from batchpilot_server.serve_options import api_key
+from batchpilot_server.serve_options import parser as serve_parser
 
 from tests.support.policies import policy_object
 

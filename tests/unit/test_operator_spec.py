@@ -22,7 +22,7 @@ from batchpilot_server.model_presets import PRESET_NAMES
 
 
 def test_every_preset_name_is_a_server_model() -> None:
-    models = pytest.importorskip("batchpilot_server.models")  # imports torch
+    models = pytest.importorskip("batchpilot_server.engine.models")  # imports torch
     assert set(PRESET_NAMES) == set(models.PRESETS)
 
 

@@ -7,17 +7,17 @@ from collections import Counter
 from dataclasses import replace
 
 import pytest
-from batchpilot_server.block_pool import (
+from batchpilot_server.engine.block_pool import (
     BlockHash,
     BlockPool,
     KVAccountingError,
     extend_block_hashes,
 )
+from batchpilot_server.engine.scheduler import QueueScheduler
+from batchpilot_server.engine.scheduler_continuous import ContinuousScheduler
+from batchpilot_server.engine.scheduler_dynamic import DynamicScheduler
+from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine_api import SamplingParams
-from batchpilot_server.scheduler import QueueScheduler
-from batchpilot_server.scheduler_continuous import ContinuousScheduler
-from batchpilot_server.scheduler_dynamic import DynamicScheduler
-from batchpilot_server.sequence import Sequence
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule

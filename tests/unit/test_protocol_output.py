@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from batchpilot_server.engine_api import PromptLogprob, TokenEvent
-from batchpilot_server.generation_defaults import GenerationDefaults, generation_defaults
-from batchpilot_server.protocol_output import (
+from batchpilot_server.http.generation_defaults import GenerationDefaults, generation_defaults
+from batchpilot_server.http.protocol_output import (
     LOGPROB_FLOOR,
     ChoiceOutput,
     TokenSpeller,

@@ -15,10 +15,10 @@ from unittest import mock
 
 import pytest
 import torch
-from batchpilot_server import sampling
+from batchpilot_server.engine import sampling
+from batchpilot_server.engine.sampling import Knobs, Sampler, candidates, make_generator
+from batchpilot_server.engine.sequence import Sequence, Status
 from batchpilot_server.engine_api import SamplingParams
-from batchpilot_server.sampling import Knobs, Sampler, candidates, make_generator
-from batchpilot_server.sequence import Sequence, Status
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 
 import torch
+from batchpilot_server.engine.models import build_model
 from batchpilot_server.engine_api import SamplingParams, TokenEvent
-from batchpilot_server.models import build_model
 
 from tests.support.engine_helpers import collect, prompt, started
 

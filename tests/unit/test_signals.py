@@ -14,7 +14,7 @@ from batchpilot_operator.signals_scrape import ScrapeSource, Totals, parse_metri
 from batchpilot_server import metric_names as names
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine_api import EngineStats
-from batchpilot_server.metrics import ServerMetrics
+from batchpilot_server.http.metrics import ServerMetrics
 
 from tests.support.slo_exporter import serve_slo_exporter
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from batchpilot_server.batching_config import SloTargets
-from batchpilot_server.slo_judge import RequestTiming, judge
+from batchpilot_server.http.slo_judge import RequestTiming, judge
 
 
 def timing(arrival: float, *tokens: tuple[int, float]) -> RequestTiming:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from batchpilot_server.tokenizer import ByteTokenizer, ChatTemplate, ChatTemplateError
+from batchpilot_server.chat_template import ChatTemplate, ChatTemplateError
+from batchpilot_server.tokenizer import ByteTokenizer
 
 TEXTS = ["", "hello, world", "naïve café", "日本語のテキスト", "emoji 🚀🧪", "tab\tnew\nline\0"]
 

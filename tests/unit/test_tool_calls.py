@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from batchpilot_server.tool_calls import ToolCallStream, parse_tool_calls
+from batchpilot_server.http.tool_calls import ToolCallStream, parse_tool_calls
 
 TOOLS = ("weather", "time")
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from batchpilot_server.block_pool import BlockHash
+from batchpilot_server.engine.block_pool import BlockHash
 from batchpilot_server.engine_api import (
     GREEDY_BELOW_TEMPERATURE,
     FinishReason,
@@ -17,7 +17,7 @@ from batchpilot_server.engine_api import (
 
 if TYPE_CHECKING:
     import torch
-    from batchpilot_server.structured_output import GrammarState
+    from batchpilot_server.engine.grammar import GrammarState
 
 # per generated token: the most likely (token id, logprob) it asked for, best first
 TopLogprobs = tuple[tuple[int, float], ...]

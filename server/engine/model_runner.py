@@ -10,11 +10,11 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-from batchpilot_server.attention_kernel import NativeDecodeAttention, native_kernel_for
+from batchpilot_server.engine.attention_kernel import NativeDecodeAttention, native_kernel_for
+from batchpilot_server.engine.kv_cache import KVCache
+from batchpilot_server.engine.models import Decoder
+from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine_api import AttentionBackend
-from batchpilot_server.kv_cache import KVCache
-from batchpilot_server.models import Decoder
-from batchpilot_server.sequence import Sequence
 
 # prefill's hook for the prompt's log-probabilities: (sequence, first position, logits
 # [positions, vocab] from there on), called only for rows that want them

@@ -10,11 +10,14 @@ import logging
 
 import numpy as np
 import torch
-from batchpilot_server.attention_kernel_build import KernelUnavailableError, paged_decode_kernel
-from batchpilot_server.block_pool import KVAccountingError
+from batchpilot_server.engine.attention_kernel_build import (
+    KernelUnavailableError,
+    paged_decode_kernel,
+)
+from batchpilot_server.engine.block_pool import KVAccountingError
+from batchpilot_server.engine.kv_cache import KVCache
+from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine_api import ATTENTION_BACKENDS, AttentionBackend
-from batchpilot_server.kv_cache import KVCache
-from batchpilot_server.sequence import Sequence
 
 log = logging.getLogger(__name__)
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchpilot_server.batching_config import BatchingConfig, Mode
-from batchpilot_server.block_pool import BlockPool
-from batchpilot_server.scheduler import QueueScheduler
-from batchpilot_server.scheduler_continuous import ContinuousScheduler
-from batchpilot_server.scheduler_dynamic import DynamicScheduler, StaticScheduler
+from batchpilot_server.engine.block_pool import BlockPool
+from batchpilot_server.engine.scheduler import QueueScheduler
+from batchpilot_server.engine.scheduler_continuous import ContinuousScheduler
+from batchpilot_server.engine.scheduler_dynamic import DynamicScheduler, StaticScheduler
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,15 @@ from concurrent.futures import Future
 
 import torch
 from batchpilot_server.batching_config import MODES, BatchingConfig, Mode
-from batchpilot_server.block_pool import BlockPool
+from batchpilot_server.engine.block_pool import BlockPool
+from batchpilot_server.engine.kv_cache import KVCache, bytes_per_block
+from batchpilot_server.engine.model_runner import ModelRunner
+from batchpilot_server.engine.models import ModelSpec, resolve_device
+from batchpilot_server.engine.sampling import Sampler, gather_prompt_logprobs, make_generator
+from batchpilot_server.engine.scheduler import Output, Scheduler, StepPlan
+from batchpilot_server.engine.scheduler_policies import PolicyOptions, new_scheduler
+from batchpilot_server.engine.sequence import Sequence, TopLogprobs
+from batchpilot_server.engine.weights import LoadedModel, load_model
 from batchpilot_server.engine_api import (
     EngineError,
     EngineObserver,
@@ -43,15 +51,7 @@ from batchpilot_server.engine_api import (
     SamplingParams,
     TokenEvent,
 )
-from batchpilot_server.kv_cache import KVCache, bytes_per_block
-from batchpilot_server.model_runner import ModelRunner
-from batchpilot_server.models import ModelSpec, resolve_device
-from batchpilot_server.sampling import Sampler, gather_prompt_logprobs, make_generator
-from batchpilot_server.scheduler import Output, Scheduler, StepPlan
-from batchpilot_server.scheduler_policies import PolicyOptions, new_scheduler
-from batchpilot_server.sequence import Sequence, TopLogprobs
 from batchpilot_server.tokenizer import Tokenizer
-from batchpilot_server.weights import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 

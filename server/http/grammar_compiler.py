@@ -1,27 +1,13 @@
-"""Grammar-constrained decoding with xgrammar: `response_format` and forced tool calls.
+"""Grammar-constrained decoding, the HTTP layer's side: compiling what a request's
+`response_format` or forced tool call asks for into the engine's `Grammar`.
 
-xgrammar (the grammar engine vLLM and SGLang use by default) compiles a JSON schema
-against the model's vocabulary into a grammar whose matcher says, token by token,
-which next tokens keep the output inside the schema. Here:
-
-- the request handler compiles (`StructuredOutput.compile`), in a worker thread with a
-  time limit, never on the event loop or the engine thread; a schema past the caps
-  below, one that does not compile, or one that does not compile in time is a 400
-  naming the request field; compiled grammars are cached by schema text (xgrammar's
-  own cache, bounded in bytes);
-- each engine sequence gets its own matcher (`Grammar.start`), advanced with every
-  token it samples;
-- the sampler masks the step's grammar rows in one [rows, vocab] bitmask
-  (`mask_logits`) before it chooses, and EOS stays masked until the grammar is
-  complete, so a sequence that ends on EOS always holds a whole, valid document.
-
-Small models may never close a document (a random-weights model writes digits
-forever). Once a grammar row has `closing_reserve` tokens left of its max_tokens, it
-is steered to an end: of the tokens its grammar allows, it takes the first of EOS,
-`"`, `}`, `]`, `,`, `0` that is allowed (the model chooses only where none is), which
-closes strings, numbers, arrays and objects in a few tokens each. A sequence that still
-runs out of `max_tokens` ends with finish_reason "length" and a cut document, as
-OpenAI and vLLM answer it.
+xgrammar compiles a JSON schema against the model's vocabulary into a grammar whose
+matcher says, token by token, which next tokens keep the output inside the schema. The
+request handler compiles (`GrammarCompiler.compile`) in a worker thread with a time
+limit, never on the event loop or the engine thread; a schema past the caps below, one
+that does not compile, or one that does not compile in time is a 400 naming the request
+field; compiled grammars are cached by schema text (xgrammar's own cache, bounded in
+bytes). The engine then only masks with the compiled state (grammar.py).
 """
 
 from __future__ import annotations
@@ -30,19 +16,16 @@ import asyncio
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import xgrammar as xgr
-from batchpilot_server.protocol import ApiError, invalid
-from batchpilot_server.protocol_parse import GrammarRequest
+from batchpilot_server.engine.grammar import CLOSERS, Grammar, Vocabulary
+from batchpilot_server.http.grammar_request import GrammarRequest
+from batchpilot_server.http.protocol import ApiError, invalid
 from batchpilot_server.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from batchpilot_server.sequence import Sequence
 
 # Caps on what one schema may ask of the compiler (docs/api.md): its JSON text, how
 # deep it nests, how many enum/const values it lists in all, and how long it compiles.
@@ -50,11 +33,6 @@ MAX_SCHEMA_BYTES = 32 * 1024
 MAX_SCHEMA_DEPTH = 32
 MAX_ENUM_VALUES = 1024
 COMPILE_TIMEOUT_S = 10.0
-# the tokens a grammar row keeps for closing its document (module docstring)
-# (a string's `"` first: inside one, `}` is text)
-CLOSERS = (b'"', b"}", b"]", b",", b"0")
-MIN_CLOSING_RESERVE = 24
-MAX_CLOSING_RESERVE = 128
 # compilations running at once: a pathological schema that runs past its time limit
 # keeps its thread (a compile cannot be interrupted) and takes no more than one
 COMPILE_WORKERS = 2
@@ -62,56 +40,12 @@ COMPILE_WORKERS = 2
 CACHE_LIMIT_BYTES = 256 * 2**20
 MAX_REMEMBERED_FAILURES = 256
 
-Observe = Callable[[float], None]
-
-
-def closing_reserve(max_tokens: int) -> int:
-    """Tokens left at which a grammar row is steered to close its document."""
-    return min(MAX_CLOSING_RESERVE, max(MIN_CLOSING_RESERVE, max_tokens // 4))
-
-
-@dataclass(frozen=True)
-class Vocabulary:
-    size: int  # the tokenizer's: logits may be padded wider
-    closers: tuple[int, ...]  # EOS, then CLOSERS' single-token ids, in that order
-    # never in a grammar's output: tokens holding a control byte (< 0x20; valid JSON
-    # holds none raw, with no free whitespace, yet xgrammar's bounded strings let them
-    # through) and tokens that are not whole UTF-8 on their own (xgrammar takes bytes
-    # of a character one by one, so lone or stray bytes would make the text invalid
-    # UTF-8 and miscount maxLength): a character is written by a token holding it whole
-    forbidden: torch.Tensor
-
-
-class GrammarState:
-    """One sequence's matcher: where its output stands in the grammar."""
-
-    def __init__(self, matcher: xgr.GrammarMatcher, vocab: Vocabulary, observe: Observe) -> None:
-        self.matcher = matcher
-        self.vocab = vocab
-        self.observe = observe  # batchpilot_structured_output_seconds{phase="mask"}
-
-    def accept(self, token_id: int) -> None:
-        # the token came out of this matcher's own mask: it is always accepted
-        self.matcher.accept_token(token_id)
-
-
-class Grammar:
-    """A compiled grammar: SamplingParams.grammar; each sequence `start`s its own state."""
-
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab: Vocabulary, observe: Observe):
-        self._compiled = compiled
-        self._vocab = vocab
-        self._observe = observe
-
-    def start(self) -> GrammarState:
-        return GrammarState(xgr.GrammarMatcher(self._compiled), self._vocab, self._observe)
-
 
 class Histogram(Protocol):
     def observe(self, amount: float) -> None: ...
 
 
-class StructuredOutput:
+class GrammarCompiler:
     """The server's grammar compiler for one model's vocabulary (built on first use)."""
 
     def __init__(self, tokenizer: Tokenizer, compile_seconds: Histogram, mask_seconds: Histogram):
@@ -157,7 +91,7 @@ class StructuredOutput:
 
     def _compile(self, request: GrammarRequest) -> xgr.CompiledGrammar:
         began = time.perf_counter()
-        compiler = self._grammar_compiler()
+        compiler = self._xgrammar_compiler()
         # No free whitespace between tokens: a small model would pad with it forever.
         # strict_mode: no property or item beyond the schema's, so the output validates.
         compiled = compiler.compile_json_schema(
@@ -168,7 +102,7 @@ class StructuredOutput:
         self._compile_seconds.observe(time.perf_counter() - began)
         return compiled
 
-    def _grammar_compiler(self) -> xgr.GrammarCompiler:
+    def _xgrammar_compiler(self) -> xgr.GrammarCompiler:
         with self._lock:
             if self._compiler is None:
                 vocab = vocabulary_bytes(self._tokenizer)
@@ -317,55 +251,3 @@ def _ref_cycle(schema: dict[str, Any]) -> str | None:
                 seen.add(ref)
                 stack += edges.get(ref, ())
     return None
-
-
-# --- the sampler's side -------------------------------------------------------------
-
-_BATCH = xgr.BatchGrammarMatcher(max_threads=1)
-
-
-def mask_logits(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
-    """Rows `rows` of `logits` [batch, vocab] (of `seqs`) with every token their grammar
-    forbids at -inf, in place: one bitmask for all of them, filled by xgrammar and
-    applied at once; the rows near their max_tokens keep only their first allowed
-    closer (module docstring)."""
-    began = time.perf_counter()
-    states = [seq.grammar for seq in seqs]
-    assert all(state is not None for state in states)
-    vocab = states[0].vocab  # type: ignore[union-attr]
-    bitmask = xgr.allocate_token_bitmask(len(rows), vocab.size)
-    _BATCH.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask)  # type: ignore[union-attr]
-    device = logits.device
-    every = len(rows) == logits.shape[0]  # the common case: no copy in and out
-    index = torch.tensor(rows, device=device)
-    part = logits if every else logits.index_select(0, index)
-    xgr.apply_token_bitmask_inplace(part, bitmask.to(device), vocab_size=vocab.size)
-    part[:, vocab.size :] = -torch.inf  # ids past the tokenizer's vocabulary (padding)
-    part[:, vocab.forbidden.to(device)] = -torch.inf
-    closing = torch.tensor(
-        [
-            seq.params.max_tokens - seq.num_output <= closing_reserve(seq.params.max_tokens)
-            for seq in seqs
-        ],
-        device=device,
-    )
-    if vocab.closers and bool(closing.any()):
-        _close(part, bitmask.to(device), torch.tensor(vocab.closers, device=device), closing)
-    if not every:
-        logits.index_copy_(0, index, part)
-    states[0].observe(time.perf_counter() - began)  # type: ignore[union-attr]
-
-
-def _close(
-    logits: torch.Tensor, bitmask: torch.Tensor, closers: torch.Tensor, closing: torch.Tensor
-) -> None:
-    """In the `closing` rows that allow one of `closers`, only the first allowed."""
-    words = bitmask[:, closers // 32]
-    allowed = ((words >> (closers % 32)) & 1).bool()  # [rows, closers]
-    steer = closing & allowed.any(dim=-1)
-    if not bool(steer.any()):
-        return
-    first = closers[allowed.int().argmax(dim=-1)]  # argmax: the first allowed
-    kept = logits.gather(1, first[:, None])
-    steered = torch.full_like(logits, -torch.inf).scatter_(1, first[:, None], kept)
-    logits.copy_(torch.where(steer[:, None], steered, logits))

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
-from batchpilot_server.protocol import ApiError
+from batchpilot_server.http.protocol import ApiError
 
 log = logging.getLogger("batchpilot.connections")
 

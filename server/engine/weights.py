@@ -22,11 +22,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from batchpilot_server.engine_api import DTYPES, QUANTIZATIONS, DTypeName, Quantization
-from batchpilot_server.gguf_checkpoint import GGUFCheckpoint
-from batchpilot_server.linear_kernels import packed_bfloat16_available, swap_linear_kernels
-from batchpilot_server.model_presets import PRESET_NAMES
-from batchpilot_server.models import (
+from batchpilot_server.engine.gguf_checkpoint import GGUFCheckpoint
+from batchpilot_server.engine.linear_kernels import packed_bfloat16_available, swap_linear_kernels
+from batchpilot_server.engine.models import (
     Decoder,
     Llama3RopeScaling,
     ModelSpec,
@@ -35,6 +33,8 @@ from batchpilot_server.models import (
     get_spec,
     random_decoder,
 )
+from batchpilot_server.engine_api import DTYPES, QUANTIZATIONS, DTypeName, Quantization
+from batchpilot_server.model_presets import PRESET_NAMES
 from batchpilot_server.tokenizer import ByteTokenizer, TextTokenizer, Tokenizer
 from safetensors import SafetensorError, safe_open
 

@@ -14,8 +14,8 @@ cache into a contiguous tensor per step.
 from __future__ import annotations
 
 import torch
-from batchpilot_server.block_pool import BlockPool
-from batchpilot_server.models import ModelSpec
+from batchpilot_server.engine.block_pool import BlockPool
+from batchpilot_server.engine.models import ModelSpec
 
 
 def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:

@@ -1,25 +1,28 @@
-"""The OpenAPI 3.1 document served at /openapi.json, derived from protocol.py's models."""
+"""The OpenAPI 3.1 document served at /openapi.json, derived from protocol.py's and
+answers.py's models."""
 
 from __future__ import annotations
 
 from functools import cache
 from typing import Any
 
-from batchpilot_server.protocol import (
+from batchpilot_server.http.answers import (
     BatchingState,
-    BatchingUpdate,
     ChatCompletion,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     Completion,
-    CompletionRequest,
-    DetokenizeRequest,
     DetokenizeResponse,
-    ErrorResponse,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
+)
+from batchpilot_server.http.protocol import (
+    BatchingUpdate,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    TokenizeRequest,
 )
 from pydantic import TypeAdapter
 

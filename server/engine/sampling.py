@@ -13,7 +13,7 @@ step's other such rows (vLLM's order):
    multiplied if negative), then frequency and presence (OpenAI's: minus count x
    frequency_penalty + presence_penalty over the output tokens so far);
 3b. structured output: the tokens each grammar row's matcher forbids at -inf, one
-   bitmask for the step's grammar rows (structured_output.mask_logits), EOS among
+   bitmask for the step's grammar rows (grammar.mask_logits), EOS among
    them until the grammar is complete; the chosen token then advances the matcher;
 4. a greedy row takes the argmax; a sampled row divides by its temperature, keeps
    (transformers' order) the top_k most probable tokens, the smallest most-probable
@@ -33,9 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from batchpilot_server.engine.grammar import mask_logits
+from batchpilot_server.engine.sequence import Sequence, Status, TopLogprobs
 from batchpilot_server.engine_api import GREEDY_BELOW_TEMPERATURE, PromptLogprob, SamplingParams
-from batchpilot_server.sequence import Sequence, Status, TopLogprobs
-from batchpilot_server.structured_output import mask_logits
 
 # top_k and top_p cut among this many most probable tokens first (torch.topk, far
 # cheaper than sorting a 50k-100k vocabulary per row); a row whose top_p mass lies

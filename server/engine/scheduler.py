@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from batchpilot_server.batching_config import BatchingConfig
-from batchpilot_server.block_pool import BlockPool, extend_block_hashes
+from batchpilot_server.engine.block_pool import BlockPool, extend_block_hashes
+from batchpilot_server.engine.sequence import Sequence, Status, TopLogprobs
 from batchpilot_server.engine_api import (
     DeadlineExceededError,
     EngineError,
@@ -37,7 +38,6 @@ from batchpilot_server.engine_api import (
     QueueFullError,
     TokenEvent,
 )
-from batchpilot_server.sequence import Sequence, Status, TopLogprobs
 
 
 @dataclass(frozen=True)

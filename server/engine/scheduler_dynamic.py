@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from batchpilot_server.batching_config import BatchingConfig
-from batchpilot_server.block_pool import BlockPool
+from batchpilot_server.engine.block_pool import BlockPool
+from batchpilot_server.engine.scheduler import Output, QueueScheduler, StepPlan, timeout_at
+from batchpilot_server.engine.sequence import Sequence, Status
 from batchpilot_server.engine_api import TokenEvent
-from batchpilot_server.scheduler import Output, QueueScheduler, StepPlan, timeout_at
-from batchpilot_server.sequence import Sequence, Status
 
 
 class DynamicScheduler(QueueScheduler):

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from batchpilot_server.models import RopeFrequencyFactors, UnsupportedModelError
+from batchpilot_server.engine.models import RopeFrequencyFactors, UnsupportedModelError
 from batchpilot_server.tokenizer import GGUFVocabulary, TextTokenizer
 from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize

@@ -12,9 +12,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from batchpilot_server.engine_api import FinishReason, PromptLogprob, TokenEvent
-from batchpilot_server.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from batchpilot_server.http.answers import (
+    ChatLogprobs,
+    CompletionLogprobs,
+    TokenLogprob,
+    TopLogprob,
+)
+from batchpilot_server.http.tool_calls import ParsedCall
 from batchpilot_server.tokenizer import Tokenizer
-from batchpilot_server.tool_calls import ParsedCall
 
 
 @dataclass(frozen=True)
