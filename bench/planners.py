@@ -211,6 +211,30 @@ def run(curve: StepCurve, duration_s: float, quick: bool, seed: int, workers: in
     return results
 
 
+def records(results: list[PlannerResult]) -> list[dict[str, Any]]:
+    """Per scenario, controller and interval: what it measured and did (`--records`), to
+    read why a controller missed."""
+    out = []
+    for r in results:
+        for name, run in r.runs.items():
+            for iv in run.intervals:
+                c, scale = iv.config, iv.scale or (iv.decision and iv.decision.scale)
+                out.append({
+                    "workload": r.setup.workload, "scenario": r.scenario.name,
+                    "controller": name, "end_s": iv.end_s, "arrived": iv.arrived,
+                    "completed": iv.completed, "good": iv.good, "attainment": _round(
+                        iv.attainment), "missed": iv.slo_missed,
+                    "pods": iv.pods, "ready": iv.ready, "replicas": iv.replicas,
+                    "batch": None if c is None else c.max_batch_size,
+                    "budget": None if c is None else c.prefill_token_budget,
+                    "waiting_at_end": iv.waiting_at_end, "kv_max": round(iv.kv_max, 3),
+                    "preemptions": iv.preemptions,
+                    "knobs": None if iv.decision is None else iv.decision.action,
+                    "scale": None if scale is None else f"{scale.action}: {scale.reason}",
+                })  # fmt: skip
+    return out
+
+
 def verdict(rows: list[dict[str, Any]], scenarios: int) -> dict[str, Any]:
     """Per baseline and knob setting: the scenarios where batchpilot's goodput per
     replica-second clears the bar at no worse attainment (issue 41: 10 of 12)."""
@@ -399,6 +423,8 @@ def main(argv: list[str]) -> int:
                     help="two scenarios of five minutes (development)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--records", type=Path, default=None,
+                    help="write every interval of every run here, one JSON line each")  # fmt: skip
     args = ap.parse_args(argv)
     if not dynamo_installed():
         print(f"bench/planners.py: Dynamo's planner is missing ({DYNAMO_PYTHON}): run "
@@ -409,6 +435,8 @@ def main(argv: list[str]) -> int:
     duration_s = QUICK_DURATION_S if args.quick else DURATION_S
     results = run(curve, duration_s, args.quick, args.seed, args.workers)
     rows = [row for r in results for row in r.rows()]
+    if args.records is not None:
+        args.records.write_text("".join(json.dumps(x) + "\n" for x in records(results)))
     for row in rows:
         print(json.dumps(row), file=sys.stderr)
     summary: dict[str, Any] = {
