@@ -16,6 +16,9 @@ tuner_llm.py's oracle: a user who tuned offline). Reported per scenario and run:
 (requests meeting every target per second), attainment, replica-seconds, goodput per
 replica-second, and batchpilot's goodput per replica-second over each baseline's.
 
+Plus one scenario from a production trace's length and burstiness figures (the Azure
+LLM inference trace 2023's code service: TRACE_SOURCE, bench/trace_figures.py).
+
 Writes the `planners` section of docs/benchmarks.md and docs/planners.png (attainment and
 pods per interval, one line per controller); prints one JSON line last. --quick plays two
 scenarios of five minutes (development; still written, and labelled so).
@@ -54,6 +57,23 @@ CADENCE = tuner.CADENCE
 DURATION_S = tuner.LLM_DURATION_S  # the LLM part of bench/tuner.py: 20 rounds
 QUICK_DURATION_S = 300.0
 QUICK_SCENARIOS = (("chat", "step"), ("code", "bursts"))
+# A production trace's scenario (issue 41), beside the LLM ones: the code service of the
+# Azure LLM inference trace 2023 (TRACE_SOURCE; the data of Splitwise, Patel et al., ISCA
+# 2024), as bench/trace_figures.py reads it: prompts p10 147, median 1469, mean 2048, p90
+# 5186 tokens; outputs p10 7, median 13, mean 28, p90 55; inter-arrival CV 13.15; per 30 s
+# window, arrivals at 0.48x their mean (median), 2.42x (p90), 16% of windows at 2x or more,
+# 35% empty. In bench/tuner_llm.py's scenario types: lengths uniform from the p10 to the
+# bound that keeps the trace's mean, and the `bursts` load (Poisson at 2.5x the base for
+# 30 s in every 5 minutes: 10% of windows at 2.2x the mean, none empty), at the peak
+# share of one pod the LLM scenarios have. Shorter bursts of Poisson arrivals than the
+# trace's on-off minutes: a milder stand-in for its burstiness, not a replay.
+TRACE_SOURCE = (
+    "https://github.com/Azure/AzurePublicDataset/blob/b469a113cedca53ddc3bdea71a143dc4b7d8700c"
+    "/data/AzureLLMInferenceTrace_code.csv"
+)
+TRACE_WORKLOAD = "azure_code"
+TRACE_LENGTHS = llm.Lengths(prompt=(147, 3949), output=(7, 49))
+TRACE_LOAD = "bursts"
 BASELINES = ("keda", "dynamo_sla", "dynamo_throughput")
 KNOBS = ("initial", "tuned")
 # Issue 41's bars: batchpilot's goodput per replica-second over a baseline's, at an
@@ -93,7 +113,9 @@ def plan(curve: StepCurve, duration_s: float, quick: bool) -> list[tuple[llm.Llm
     setups = [llm.LlmSetup.of(name, curve) for name in llm.WORKLOADS]
     every = [(s, sc) for s in setups for sc in llm.scenarios(s, duration_s)]
     if not quick:
-        return every
+        trace = llm.LlmSetup.of(TRACE_WORKLOAD, curve, TRACE_LENGTHS)
+        load = next(sc for sc in llm.scenarios(trace, duration_s) if sc.name == TRACE_LOAD)
+        return [*every, (trace, load)]
     return [(s, sc) for s, sc in every if (s.workload, sc.name) in QUICK_SCENARIOS]
 
 
@@ -187,6 +209,30 @@ def run(curve: StepCurve, duration_s: float, quick: bool, seed: int, workers: in
             for j, name in enumerate(BASELINES):
                 result.runs[f"{name}/{knobs}"] = tuner._sim(runs[i * len(BASELINES) + j])
     return results
+
+
+def records(results: list[PlannerResult]) -> list[dict[str, Any]]:
+    """Per scenario, controller and interval: what it measured and did (`--records`), to
+    read why a controller missed."""
+    out = []
+    for r in results:
+        for name, run in r.runs.items():
+            for iv in run.intervals:
+                c, scale = iv.config, iv.scale or (iv.decision and iv.decision.scale)
+                out.append({
+                    "workload": r.setup.workload, "scenario": r.scenario.name,
+                    "controller": name, "end_s": iv.end_s, "arrived": iv.arrived,
+                    "completed": iv.completed, "good": iv.good, "attainment": _round(
+                        iv.attainment), "missed": iv.slo_missed,
+                    "pods": iv.pods, "ready": iv.ready, "replicas": iv.replicas,
+                    "batch": None if c is None else c.max_batch_size,
+                    "budget": None if c is None else c.prefill_token_budget,
+                    "waiting_at_end": iv.waiting_at_end, "kv_max": round(iv.kv_max, 3),
+                    "preemptions": iv.preemptions,
+                    "knobs": None if iv.decision is None else iv.decision.action,
+                    "scale": None if scale is None else f"{scale.action}: {scale.reason}",
+                })  # fmt: skip
+    return out
 
 
 def verdict(rows: list[dict[str, Any]], scenarios: int) -> dict[str, Any]:
@@ -314,6 +360,24 @@ def markdown(
         "`sla` the forward-pass time estimator, a least-squares fit of step time on prefill "
         "tokens, decode rows and KV tokens from the FPMs (what Dynamo configures without "
         "a profile: `fpm_regression`), not AISimulate's. `throughput` never calls it.",
+    ]
+    if not quick:
+        p, o = TRACE_LENGTHS.prompt, TRACE_LENGTHS.output
+        lines.append(
+            f"- **{TRACE_WORKLOAD}/{TRACE_LOAD}** (a production trace): the code service of "
+            f"the Azure LLM inference trace 2023 ([{TRACE_SOURCE.rsplit('/', 1)[1]} at "
+            f"b469a11]({TRACE_SOURCE}), the data of Splitwise, Patel et al., ISCA 2024), "
+            "its figures by `bench/trace_figures.py`: prompts p10 147, median 1469, mean "
+            "2048, p90 5186 tokens; outputs p10 7, median 13, mean 28, p90 55; inter-arrival "
+            "CV 13.15; arrivals per 30-s window at 0.48x their mean (median) and 2.42x (p90), "
+            "16% of windows at 2x the mean or more, 35% empty. Played in bench/tuner_llm.py's "
+            f"scenario types: prompts uniform in {p[0]}..{p[1]} and outputs in {o[0]}..{o[1]} "
+            "(the p10 to the bound that keeps the trace's mean), the `bursts` load (Poisson "
+            "at 2.5x the base for 30 s in every 5 minutes: 10% of windows at 2.2x the mean, "
+            "none empty) at the peak share of one pod of the other scenarios: a milder "
+            "stand-in for the trace's on-off minutes, not a replay."
+        )
+    lines += [
         "",
         "Run: `bench/peers/install_dynamo.sh` once (its own virtualenv under "
         "`$BATCHPILOT_PEERS_CACHE`, about 2 minutes), then `.venv/bin/python "
@@ -359,6 +423,8 @@ def main(argv: list[str]) -> int:
                     help="two scenarios of five minutes (development)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--records", type=Path, default=None,
+                    help="write every interval of every run here, one JSON line each")  # fmt: skip
     args = ap.parse_args(argv)
     if not dynamo_installed():
         print(f"bench/planners.py: Dynamo's planner is missing ({DYNAMO_PYTHON}): run "
@@ -369,6 +435,8 @@ def main(argv: list[str]) -> int:
     duration_s = QUICK_DURATION_S if args.quick else DURATION_S
     results = run(curve, duration_s, args.quick, args.seed, args.workers)
     rows = [row for r in results for row in r.rows()]
+    if args.records is not None:
+        args.records.write_text("".join(json.dumps(x) + "\n" for x in records(results)))
     for row in rows:
         print(json.dumps(row), file=sys.stderr)
     summary: dict[str, Any] = {

@@ -105,8 +105,10 @@ class LlmSetup:
     pod_rps: float
 
     @classmethod
-    def of(cls, workload: str, curve: StepCurve) -> LlmSetup:
-        lengths = WORKLOADS[workload]
+    def of(cls, workload: str, curve: StepCurve, lengths: Lengths | None = None) -> LlmSetup:
+        """`lengths` None: the workload's own (WORKLOADS); else a workload defined
+        elsewhere (bench/planners.py's production-trace one)."""
+        lengths = WORKLOADS[workload] if lengths is None else lengths
         n = BatchingConfig().max_batch_size
         context = lengths.mean_prompt + lengths.mean_output / 2
         decode_s = curve.step_s(n) + curve.kv_token_s * n * context
