@@ -286,7 +286,7 @@ def test_the_default_demo_scales_one_to_two_servers_and_the_load_falls_back() ->
     base = options.base_rate
     step, surge = base * options.step_factor, base * options.surge_factor
     # one server carries the step at its batch ceiling; the surge needs a second
-    assert base < step < capacity.requests_per_s < surge < 2 * capacity.requests_per_s
+    assert base < step < capacity.requests_per_s <= surge < 2 * capacity.requests_per_s
     times = (0, options.step_at_s, options.surge_at_s - 1, options.surge_at_s,
              options.fall_at_s - 1, options.fall_at_s, options.duration_s)  # fmt: skip
     assert [options.offered_rate(t) for t in times] == [base, step, step, surge, surge, base,

@@ -46,7 +46,7 @@ class LoadProfile:
     min_requests: int = 30
 
 
-# The surge is 1.2x what the first server carries at the batch ceiling, measured at the
+# The surge is what the first server carries at the batch ceiling, measured at the
 # start (demo/capacity.py): the tuner spends the batch and starts the second server. The
 # step, half the surge, is one a single server carries at a larger batch: the knobs' job,
 # sized from the capacity model in a round or two.
