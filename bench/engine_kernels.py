@@ -32,6 +32,7 @@ import torch
 from batchpilot_server.engine.kv_cache import KVCache
 from batchpilot_server.engine.model_runner import ModelRunner
 from batchpilot_server.engine.sequence import Sequence
+from batchpilot_server.engine.step_plan import StepPlan
 from batchpilot_server.engine.weights import KernelChoice, LoadedModel, load_model
 from batchpilot_server.engine_api import DTypeName, Quantization, SamplingParams
 from measure import Prompts, raw_generate
@@ -93,12 +94,12 @@ def step_profile(loaded: LoadedModel, batch: int, steps: int) -> dict[str, float
         seq = Sequence(str(row), list(range(1, CONTEXT + 1)), params, 0.0, None, None)
         seq.block_table = list(range(row * per_row, (row + 1) * per_row))
         seqs.append(seq)
-    runner.prefill(seqs)
+    prefill = StepPlan(prefill=seqs)
+    prefill.advance(runner.step(prefill).argmax(-1).tolist())
 
     def step() -> None:
-        ids = runner.decode(seqs).argmax(-1).tolist()
-        for seq, token in zip(seqs, ids, strict=True):
-            seq.token_ids.append(token)
+        decode = StepPlan(decode=seqs)
+        decode.advance(runner.step(decode).argmax(-1).tolist())
 
     step()
     began = time.perf_counter()

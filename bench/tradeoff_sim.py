@@ -232,14 +232,10 @@ def simulate(
             slots[state] += getattr(counted, state)
         peak = max(peak, pool.num_used)
         seconds = cost.step(plan)
-        for seq, chunk in zip(plan.prefill, plan.chunks or [None] * len(plan.prefill), strict=True):
-            seq.num_computed = seq.num_tokens if chunk is None else seq.num_computed + chunk
-        for seq in plan.decode:
-            seq.num_computed = seq.num_tokens
         now += seconds
         busy += seconds
-        rows = [seq for seq in [*plan.prefill, *plan.decode] if seq.ready_to_sample]
-        for output in scheduler.postprocess(rows, [7] * len(rows), [0.0] * len(rows), now):
+        rows = plan.sampling()
+        for output in scheduler.postprocess(plan, [7] * len(rows), [0.0] * len(rows), now):
             record = records[output.seq]
             if record.first_token_s is None:
                 record.first_token_s = now

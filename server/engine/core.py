@@ -36,9 +36,10 @@ from batchpilot_server.engine.kv_cache import KVCache, bytes_per_block
 from batchpilot_server.engine.model_runner import ModelRunner
 from batchpilot_server.engine.models import ModelSpec, resolve_device
 from batchpilot_server.engine.sampling import Sampler, gather_prompt_logprobs, make_generator
-from batchpilot_server.engine.scheduler import Output, Scheduler, StepPlan
+from batchpilot_server.engine.scheduler import Output, Scheduler
 from batchpilot_server.engine.scheduler_policies import PolicyOptions, new_scheduler
 from batchpilot_server.engine.sequence import Sequence, TopLogprobs
+from batchpilot_server.engine.step_plan import PromptLogprobEntries, StepPlan
 from batchpilot_server.engine.weights import LoadedModel, load_model
 from batchpilot_server.engine_api import (
     EngineError,
@@ -450,9 +451,11 @@ class Engine:
         busy = BusyClock()
         try:
             while (plan := self._next_plan(scheduler, busy)) is not None:
-                rows, tokens, logprobs, tops = self._run_model(plan)
+                tokens, logprobs, tops, prompt = self._run_model(plan)
                 with self._cond:
-                    outputs = scheduler.postprocess(rows, tokens, logprobs, time.monotonic(), tops)
+                    outputs = scheduler.postprocess(
+                        plan, tokens, logprobs, time.monotonic(), tops, prompt
+                    )
                     delivery = self._delivery(outputs)
                 self._send(delivery)
                 self._observer.on_busy(busy.lap())
@@ -484,9 +487,11 @@ class Engine:
 
     def _run_model(
         self, plan: StepPlan
-    ) -> tuple[list[Sequence], list[int], list[float], list[TopLogprobs]]:
-        """Outside the lock: the plan's forwards; the rows that sampled a token, the
-        tokens, their log-probabilities and the top log-probabilities they asked for."""
+    ) -> tuple[list[int], list[float], list[TopLogprobs], list[PromptLogprobEntries]]:
+        """Outside the lock: the plan's forwards; for the rows that sample
+        (`plan.sampling()`) the tokens, their log-probabilities and the top
+        log-probabilities they asked for; the prompt log-probabilities prefill gathered.
+        Writes no sequence: `postprocess` records the step."""
         assert self._runner is not None and self._sampler is not None
         observer, runner, sampler = self._observer, self._runner, self._sampler
         for _ in plan.preempted:
@@ -501,18 +506,21 @@ class Engine:
         observer.on_step_work(work.decode_rows, work.prefill_tokens, work.kv_tokens)
         if plan.cache_queried:
             observer.on_prefix_cache(plan.cache_queried, plan.cache_hit)
-        # padded execution: finished rows decode last, their outputs discarded
-        decode = plan.decode + plan.pad
+        prompt: list[PromptLogprobEntries] = []
+
+        def keep_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None:
+            prompt.append((seq, start, gather_prompt_logprobs(seq, start, logits)))
+
+        rows = plan.sampling()  # read before the forward: the plan is what it computes
         began = time.perf_counter()
-        logits = runner.step(plan.prefill, decode, plan.chunks, gather_prompt_logprobs)
-        # a prefill chunk that leaves part of its prompt for later samples nothing
-        rows = [seq for seq in plan.prefill if seq.ready_to_sample] + plan.decode
+        # padded execution: finished rows decode last, their outputs discarded
+        logits = runner.step(plan, keep_prompt_logprobs)
         sampled = sampler.sample(logits[: len(rows)], rows) if rows else None
         # the step count and seconds a step-time model pairs with the work counters
         observer.on_step(plan.size + len(plan.pad), time.perf_counter() - began)
         if sampled is None:
-            return [], [], [], []
-        return rows, sampled.tokens, sampled.logprobs, sampled.top_logprobs
+            return [], [], [], prompt
+        return sampled.tokens, sampled.logprobs, sampled.top_logprobs, prompt
 
     def _delivery(self, outputs: list[Output]) -> Delivery:
         """Under the lock: each output paired with its request's stream (none once the

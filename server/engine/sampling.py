@@ -14,7 +14,8 @@ step's other such rows (vLLM's order):
    frequency_penalty + presence_penalty over the output tokens so far);
 3b. structured output: the tokens each grammar row's matcher forbids at -inf, one
    bitmask for the step's grammar rows (grammar.mask_logits), EOS among
-   them until the grammar is complete; the chosen token then advances the matcher;
+   them until the grammar is complete (the chosen token advances the matcher in
+   `StepPlan.advance`);
 4. a greedy row takes the argmax; a sampled row divides by its temperature, keeps
    (transformers' order) the top_k most probable tokens, the smallest most-probable
    prefix whose mass reaches top_p and the tokens of at least min_p x the top one's
@@ -88,7 +89,6 @@ class Sampler:
             chosen = self.choose(logits, batch.knobs, logprobs, uniform)
             if batch.penalized is not None:
                 self.penalties.record(batch.penalized, chosen)
-            accept_grammar_tokens(seqs, batch.knobs.constrained, chosen)
         else:
             chosen = logprobs.argmax(dim=-1)
         picked_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
@@ -193,16 +193,6 @@ class Batch:
     knobs: Knobs
     sparse: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None
     penalized: PenalizedRows | None
-
-
-def accept_grammar_tokens(seqs: list[Sequence], rows: list[int], tokens: torch.Tensor) -> None:
-    """Each grammar row's (`rows`) matcher advanced with the token it just chose."""
-    if rows:
-        chosen = tokens.tolist()
-        for row in rows:
-            grammar = seqs[row].grammar
-            assert grammar is not None, "a constrained row has a grammar"
-            grammar.accept(chosen[row])
 
 
 def next_uniforms(seqs: list[Sequence], rows: list[int], device: torch.device) -> torch.Tensor:
@@ -642,19 +632,17 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> list[TopLogprobs]:
     ]
 
 
-def gather_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None:
-    """ModelRunner.prefill's hook for a sequence that asked for its prompt's
-    log-probabilities: `logits` [n, vocab] at prompt positions start .. start + n - 1,
-    each predicting the prompt token after it, appended to `seq.prompt_logprobs`."""
-    if start == 0:  # a prefill that starts over (preempted mid-prompt) gathers anew
-        seq.prompt_logprobs = []
+def gather_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> list[PromptLogprob]:
+    """For a sequence that asked for its prompt's log-probabilities: `logits` [n, vocab]
+    at prompt positions start .. start + n - 1, each predicting the prompt token after
+    it, as one entry per position (`StepPlan.advance` adds them to the sequence)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     following = seq.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
     targets = torch.tensor(following, device=logits.device)
     chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
     k = seq.params.prompt_logprobs or 0
     tops = top_logprobs(logprobs, k) if k else [()] * len(following)
-    seq.prompt_logprobs += [
+    return [
         PromptLogprob(token, logprob, top)
         for token, logprob, top in zip(following, chosen, tops, strict=True)
     ]

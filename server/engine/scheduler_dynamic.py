@@ -20,8 +20,9 @@ from dataclasses import replace
 
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine.block_pool import BlockPool
-from batchpilot_server.engine.scheduler import Output, QueueScheduler, StepPlan, timeout_at
+from batchpilot_server.engine.scheduler import Output, QueueScheduler, timeout_at
 from batchpilot_server.engine.sequence import Sequence, Status
+from batchpilot_server.engine.step_plan import StepPlan
 from batchpilot_server.engine_api import TokenEvent
 
 
