@@ -126,7 +126,7 @@ class QueueScheduler(ABC):
     """The part both policies share: the waiting queue and what happens to requests in
     it (admission, cancellation, deadlines, shutdown), counters, turning sampled
     tokens into events, and the blocks a sequence takes and gives back (with the
-    prefix cache: `_take_blocks`, `_release`). A policy plans steps (`_plan`), and
+    prefix cache: `_admit`, `_release`). A policy plans steps (`_plan`), and
     decides when finished sequences' responses complete (`_finish`) and what a
     cancelled running sequence leaves (`_drop`)."""
 
@@ -257,7 +257,7 @@ class QueueScheduler(ABC):
                 self.waiting.remove(seq)
             else:
                 released += self._drop(seq, now)
-            seq.status = Status.FINISHED
+            self._retire(seq)
         return released
 
     def _expire_deadlines(self, now: float) -> list[Output]:
@@ -288,20 +288,28 @@ class QueueScheduler(ABC):
         error = EngineStoppedError("engine is shutting down; request not started")
         return [self._end(seq, error) for seq in refused]
 
-    @staticmethod
-    def _end(seq: Sequence, error: EngineError) -> Output:
-        seq.status = Status.FINISHED
+    @classmethod
+    def _end(cls, seq: Sequence, error: EngineError) -> Output:
+        cls._retire(seq)
         return Output(seq, error)
+
+    @staticmethod
+    def _retire(seq: Sequence) -> None:
+        """`seq` is done for good (its response complete, failed or unwanted): the one
+        place a sequence finishes; the sampler may then reuse its penalty row."""
+        seq.status = Status.FINISHED
 
     # ---- blocks and the prefix cache -------------------------------------------
 
-    def _take_blocks(self, seq: Sequence, num_tokens: int) -> bool:
-        """Blocks for `num_tokens` of `seq`, which holds none: the longest cached prefix
-        of its tokens shared, fresh blocks for the rest; it computes from there. False,
-        nothing taken, when the pool cannot hold it."""
+    def _admit(self, seq: Sequence, num_tokens: int) -> bool:
+        """Admit waiting `seq`, which holds no blocks, with blocks for `num_tokens`: the
+        longest cached prefix of its tokens shared, fresh blocks for the rest; it runs
+        and computes from there (the plans after this one advance it, `StepPlan.advance`).
+        False, nothing taken, when the pool cannot hold it."""
         cached = self._cached_prefix(seq)
         if not self.pool.grow_sharing(seq.block_table, cached, num_tokens):
             return False
+        seq.status = Status.RUNNING
         seq.num_cached_blocks = len(cached)
         seq.num_computed = len(cached) * self.pool.block_size
         if self._looks_up(seq):
