@@ -87,11 +87,12 @@ class StepPlan:
         return rows
 
     def record_computed(self, prompt_logprobs: PromptLogprobs = ()) -> None:
-        """What this step's forward computed, the only writer of `num_computed` once a
-        sequence is admitted: each prefill row's K/V by its chunk, each decode and
-        padding row's up to its newest token; and the prompt log-probabilities
-        prefill gathered (a prefill that starts over, preempted mid-prompt, gathers
-        anew). Tests that drive the model runner alone call it after each forward."""
+        """What this step's forward computed, the only writer of `num_computed` while a
+        sequence runs (admission and preemption set where it starts): each prefill
+        row's K/V by its chunk, each decode and padding row's up to its newest token;
+        and the prompt log-probabilities prefill gathered (a prefill that starts over,
+        preempted mid-prompt, gathers anew). Tests that drive the model runner alone
+        call it after each forward."""
         for seq, size in zip(self.prefill, self.chunk_sizes(), strict=True):
             seq.num_computed += size
         for seq in (*self.decode, *self.pad):
