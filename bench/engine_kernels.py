@@ -7,7 +7,7 @@ where a decode step's time goes.
   after (the engine's kernels: oneDNN-prepacked weights, int8 or int4), all models
   loaded in this process and run one after the other in each round (best kept),
   so the machine's load hits every side alike.
-- profile: torch.profiler over engine decode steps (ModelRunner.decode over the
+- profile: torch.profiler over engine decode steps (ModelRunner.step on decode rows over the
   paged KV cache, then the greedy argmax) at batch 1 and 32, self CPU time per
   op summed into matmuls, attention, norms/RoPE/activations, sampling and the
   rest (copies, indexing, Python and dispatch: wall time the ops do not cover).
@@ -145,7 +145,7 @@ def render_profile(title: str, profiles: dict[str, dict[int, dict[str, float]]])
     lines = [
         "### Where a decode step's time goes (bench/engine_kernels.py)",
         "",
-        f"{title}: one engine decode step (ModelRunner.decode over the paged cache at "
+        f"{title}: one engine decode step (ModelRunner.step on decode rows over the paged cache at "
         f"context {CONTEXT}, the C attention kernel, then the greedy argmax), torch.profiler "
         "self CPU time per op in ms per step, by kind. `Python and dispatch`: the step's "
         "wall time that no torch op accounts for: Python, dispatch, the profiler's own "
