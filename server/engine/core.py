@@ -426,7 +426,7 @@ class Engine:
         def keep_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None:
             prompt.append((seq, start, gather_prompt_logprobs(seq, start, logits)))
 
-        rows = plan.sampling()  # read before the forward: the plan is what it computes
+        rows = plan.sampling()  # their logits come first, in this order
         began = time.perf_counter()
         # padded execution: finished rows decode last, their outputs discarded
         logits = runner.step(plan, keep_prompt_logprobs)
