@@ -50,6 +50,7 @@ from batchpilot_server.engine.kv_cache import KVCache
 from batchpilot_server.engine.model_runner import ModelRunner
 from batchpilot_server.engine.models import Decoder, build_model
 from batchpilot_server.engine.sequence import Sequence
+from batchpilot_server.engine.step_plan import StepPlan
 from batchpilot_server.engine_api import AttentionBackend, EngineOptions, SamplingParams
 from measure import ContiguousKV, Prompts, count_tokens, decode_step, raw_generate, saturated
 from sections import replace_section
@@ -289,8 +290,8 @@ def gather_cost(model: Decoder, steps: int, threads: int) -> dict[str, float]:
 
     variants = {
         "contiguous": contiguous_step,
-        "paged": lambda: runner.decode(seqs),
-        "paged_torch": lambda: fallback.decode(seqs),
+        "paged": lambda: runner.step(StepPlan(decode=seqs)),
+        "paged_torch": lambda: fallback.step(StepPlan(decode=seqs)),
         "index_select": naive_step,
     }
     best = dict.fromkeys(variants, float("inf"))

@@ -7,7 +7,7 @@ where a decode step's time goes.
   after (the engine's kernels: oneDNN-prepacked weights, int8 or int4), all models
   loaded in this process and run one after the other in each round (best kept),
   so the machine's load hits every side alike.
-- profile: torch.profiler over engine decode steps (ModelRunner.decode over the
+- profile: torch.profiler over engine decode steps (ModelRunner.step on decode rows over the
   paged KV cache, then the greedy argmax) at batch 1 and 32, self CPU time per
   op summed into matmuls, attention, norms/RoPE/activations, sampling and the
   rest (copies, indexing, Python and dispatch: wall time the ops do not cover).
@@ -32,6 +32,7 @@ import torch
 from batchpilot_server.engine.kv_cache import KVCache
 from batchpilot_server.engine.model_runner import ModelRunner
 from batchpilot_server.engine.sequence import Sequence
+from batchpilot_server.engine.step_plan import StepPlan
 from batchpilot_server.engine.weights import KernelChoice, LoadedModel, load_model
 from batchpilot_server.engine_api import DTypeName, Quantization, SamplingParams
 from measure import Prompts, raw_generate
@@ -93,12 +94,12 @@ def step_profile(loaded: LoadedModel, batch: int, steps: int) -> dict[str, float
         seq = Sequence(str(row), list(range(1, CONTEXT + 1)), params, 0.0, None, None)
         seq.block_table = list(range(row * per_row, (row + 1) * per_row))
         seqs.append(seq)
-    runner.prefill(seqs)
+    prefill = StepPlan(prefill=seqs)
+    prefill.advance(runner.step(prefill).argmax(-1).tolist())
 
     def step() -> None:
-        ids = runner.decode(seqs).argmax(-1).tolist()
-        for seq, token in zip(seqs, ids, strict=True):
-            seq.token_ids.append(token)
+        decode = StepPlan(decode=seqs)
+        decode.advance(runner.step(decode).argmax(-1).tolist())
 
     step()
     began = time.perf_counter()
@@ -144,7 +145,7 @@ def render_profile(title: str, profiles: dict[str, dict[int, dict[str, float]]])
     lines = [
         "### Where a decode step's time goes (bench/engine_kernels.py)",
         "",
-        f"{title}: one engine decode step (ModelRunner.decode over the paged cache at "
+        f"{title}: one engine decode step (ModelRunner.step on decode rows over the paged cache at "
         f"context {CONTEXT}, the C attention kernel, then the greedy argmax), torch.profiler "
         "self CPU time per op in ms per step, by kind. `Python and dispatch`: the step's "
         "wall time that no torch op accounts for: Python, dispatch, the profiler's own "

@@ -30,6 +30,7 @@ from batchpilot_server.engine.kv_cache import KVCache
 from batchpilot_server.engine.model_runner import ModelRunner
 from batchpilot_server.engine.sampling import Sampler, make_generator
 from batchpilot_server.engine.sequence import Sequence
+from batchpilot_server.engine.step_plan import StepPlan
 from batchpilot_server.engine.weights import LoadedModel, load_model
 from batchpilot_server.engine_api import SamplingParams
 from measure import Prompts
@@ -79,24 +80,19 @@ class Decoding:
         ]
         for seq in self.seqs:
             assert self.cache.pool.grow(seq.block_table, PROMPT + FULL.steps + 1)
-        self._append(self.runner.prefill(self.seqs))
+        prefill = StepPlan(prefill=self.seqs)
+        prefill.advance(self.sampler.sample(self.runner.step(prefill), self.seqs).tokens)
         self.step_s: list[float] = []
         self.sample_s: list[float] = []
 
-    def _append(self, logits: torch.Tensor) -> None:
-        for seq, token in zip(
-            self.seqs, self.sampler.sample(logits, self.seqs).tokens, strict=True
-        ):
-            seq.token_ids.append(token)
-
     def step(self) -> None:
         began = time.thread_time()
-        logits = self.runner.decode(self.seqs)
+        plan = StepPlan(decode=self.seqs)
+        logits = self.runner.step(plan)
         sampling = time.thread_time()
         tokens = self.sampler.sample(logits, self.seqs).tokens
         done = time.thread_time()
-        for seq, token in zip(self.seqs, tokens, strict=True):
-            seq.token_ids.append(token)
+        plan.advance(tokens)
         self.step_s.append(done - began)
         self.sample_s.append(done - sampling)
 

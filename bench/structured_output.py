@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from batchpilot_server.engine.sampling import Sampler
 from batchpilot_server.engine.sequence import Sequence
+from batchpilot_server.engine.step_plan import StepPlan
 from batchpilot_server.engine.weights import load_model
 from batchpilot_server.engine_api import SamplingParams
 from batchpilot_server.http.grammar_compiler import GrammarCompiler
@@ -61,9 +62,9 @@ def main() -> None:
         plain_s += time.perf_counter() - began
         began = time.perf_counter()
         sampled = sampler.sample(logits.clone(), masked)
+        # timed with the step's advance: the matchers accept their tokens there
+        StepPlan(decode=masked).advance(sampled.tokens)
         masked_s += time.perf_counter() - began
-        for seq, token in zip(masked, sampled.tokens, strict=True):
-            seq.token_ids.append(token)
     structured.close()
     print(
         json.dumps(

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.engine.block_pool import BlockPool
-from batchpilot_server.engine.scheduler import StepPlan
 from batchpilot_server.engine.scheduler_policies import PolicyOptions, new_scheduler
 from batchpilot_server.engine.sequence import Sequence
+from batchpilot_server.engine.step_plan import StepPlan
 from batchpilot_server.engine_api import SamplingParams
 
 BLOCK = 16
@@ -142,16 +142,17 @@ class StepCost:
         for _ in range(3):
             for count in rows:
                 batch = seqs(count, context)
-                runner.decode(batch)
+                runner.step(StepPlan(decode=batch))
                 best_decode[count] = min(
-                    best_decode[count], timed(lambda b=batch: runner.decode(b))
+                    best_decode[count], timed(lambda b=batch: runner.step(StepPlan(decode=b)))
                 )
                 for seq in batch:
                     cache.pool.release(seq.block_table)
             for count, length in rectangles:
                 batch = seqs(count, length)
                 best_prefill[(count, length)] = min(
-                    best_prefill[(count, length)], timed(lambda b=batch: runner.prefill(b))
+                    best_prefill[(count, length)],
+                    timed(lambda b=batch: runner.step(StepPlan(prefill=b))),
                 )
                 for seq in batch:
                     cache.pool.release(seq.block_table)
@@ -232,14 +233,10 @@ def simulate(
             slots[state] += getattr(counted, state)
         peak = max(peak, pool.num_used)
         seconds = cost.step(plan)
-        for seq, chunk in zip(plan.prefill, plan.chunks or [None] * len(plan.prefill), strict=True):
-            seq.num_computed = seq.num_tokens if chunk is None else seq.num_computed + chunk
-        for seq in plan.decode:
-            seq.num_computed = seq.num_tokens
         now += seconds
         busy += seconds
-        rows = [seq for seq in [*plan.prefill, *plan.decode] if seq.ready_to_sample]
-        for output in scheduler.postprocess(rows, [7] * len(rows), [0.0] * len(rows), now):
+        rows = plan.sampling()
+        for output in scheduler.postprocess(plan, [7] * len(rows), [0.0] * len(rows), now):
             record = records[output.seq]
             if record.first_token_s is None:
                 record.first_token_s = now

@@ -65,9 +65,10 @@ from batchpilot_operator.tuning_loop import (
 from batchpilot_server import metric_names as names
 from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.engine.block_pool import BlockPool
-from batchpilot_server.engine.scheduler import Output, StepPlan
+from batchpilot_server.engine.scheduler import Output
 from batchpilot_server.engine.scheduler_policies import PolicyOptions, new_scheduler
 from batchpilot_server.engine.sequence import Sequence
+from batchpilot_server.engine.step_plan import StepPlan
 from batchpilot_server.engine_api import (
     EngineError,
     EngineOptions,
@@ -401,7 +402,7 @@ class SimulatedServer:
         self.stopped_s: float | None = None
         self.now = ready_s  # when it last planned
         self.step_end: float | None = None  # busy until then
-        self.rows: list[Sequence] = []  # the step in flight's rows that sample
+        self.step_plan = StepPlan()  # the step in flight
         self.forwarding = False  # the step in flight is a fast-forward
         self.last_step: StepRecord | None = None  # the last planned step (`_observe`)
 
@@ -473,9 +474,7 @@ class SimulatedServer:
         self.fleet.deliver(plan.ended, now)
         if not plan.size:
             return
-        # Timed after `_compute`, as the single-server simulator always did: an unchunked
-        # prefill then costs what a one-row step does (its rows count as computed).
-        self.rows = _compute(plan)
+        self.step_plan = plan  # computed at its end: `postprocess` advances its rows
         seconds = self._step_s(plan)
         self._observe(plan, seconds)
         self.step_end = now + seconds
@@ -486,11 +485,12 @@ class SimulatedServer:
             self.forwarding = False
             self.fleet.current.kv_max = max(self.fleet.current.kv_max, self.pool.usage_ratio)
             return
-        rows = self.rows
+        plan = self.step_plan
+        rows = plan.sampling()
         for seq in rows:  # a recomputed (preempted) sequence's first token came earlier
             self.fleet.first_token.setdefault(seq, end)
         outputs = self.scheduler.postprocess(
-            rows, [SAMPLED_TOKEN] * len(rows), [0.0] * len(rows), end
+            plan, [SAMPLED_TOKEN] * len(rows), [0.0] * len(rows), end
         )
         self.fleet.deliver(outputs, end)
         if self.fleet.opt.fast_forward:
@@ -975,12 +975,18 @@ def _window_totals(window: list[Interval], interval_s: float) -> WindowTotals:
 
 
 def _prefill_tokens(plan: StepPlan) -> int:
-    return sum(plan.chunks or [seq.num_uncomputed for seq in plan.prefill])
+    """The prompt tokens a step is timed by: its chunks. Timed as if computed, as the
+    single-server simulator always did: an unchunked prefill then costs what a one-row
+    step does."""
+    return sum(plan.chunks or [])
 
 
 def _kv_tokens(plan: StepPlan) -> int:
-    """The KV tokens a computed step's rows attend to: each row's context so far."""
-    return sum(seq.num_computed for seq in (*plan.prefill, *plan.decode))
+    """The KV tokens a step's rows attend to once computed: each row's context."""
+    prefill = zip(plan.prefill, plan.chunk_sizes(), strict=True)
+    return sum(seq.num_computed + size for seq, size in prefill) + sum(
+        seq.num_tokens for seq in plan.decode
+    )
 
 
 def _steps_starting_before(span_s: float, first_s: float, growth_s: float) -> int:
@@ -1000,17 +1006,6 @@ def _steps_starting_before(span_s: float, first_s: float, growth_s: float) -> in
         else:
             high = mid - 1
     return low + 1
-
-
-def _compute(plan: StepPlan) -> list[Sequence]:
-    """What the model runner does to a plan's rows (their K/V computed); the rows that
-    sample a token."""
-    chunks = plan.chunks or [seq.num_uncomputed for seq in plan.prefill]
-    for seq, size in zip(plan.prefill, chunks, strict=True):
-        seq.num_computed += size
-    for seq in plan.decode:
-        seq.num_computed = seq.num_tokens
-    return [seq for seq in (*plan.prefill, *plan.decode) if seq.ready_to_sample]
 
 
 def _cumulative_buckets(

@@ -19,26 +19,26 @@ requests never scheduled end with `EngineStoppedError` at once.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import torch
 from batchpilot_server.batching_config import MODES, BatchingConfig, Mode
 from batchpilot_server.engine.block_pool import BlockPool
+from batchpilot_server.engine.busy_clock import BusyClock
 from batchpilot_server.engine.kv_cache import KVCache, bytes_per_block
 from batchpilot_server.engine.model_runner import ModelRunner
 from batchpilot_server.engine.models import ModelSpec, resolve_device
+from batchpilot_server.engine.request_stream import END_OF_STREAM, RequestStream, StreamItem
 from batchpilot_server.engine.sampling import Sampler, gather_prompt_logprobs, make_generator
-from batchpilot_server.engine.scheduler import Output, Scheduler, StepPlan
+from batchpilot_server.engine.scheduler import Output, Scheduler
 from batchpilot_server.engine.scheduler_policies import PolicyOptions, new_scheduler
 from batchpilot_server.engine.sequence import Sequence, TopLogprobs
+from batchpilot_server.engine.step_plan import PromptLogprobEntries, StepPlan
 from batchpilot_server.engine.weights import LoadedModel, load_model
 from batchpilot_server.engine_api import (
     EngineError,
@@ -55,91 +55,7 @@ from batchpilot_server.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-_END = object()  # a stream's end marker
-StreamItem = TokenEvent | EngineError | object
-Delivery = list[tuple["RequestStream", StreamItem]]
-
-
-class BusyClock:
-    """The engine thread's working time: wall time between laps, less its waits for work.
-
-    What a step really costs the pod (scheduling, forwards, sampling, handing tokens
-    to the event loop, and waiting for the GIL or the lock meanwhile), where
-    `batchpilot_step_duration_seconds` times the forwards alone.
-    """
-
-    def __init__(self) -> None:
-        self._since = time.perf_counter()
-        self._idle = 0.0
-
-    @contextlib.contextmanager
-    def waiting(self) -> Iterator[None]:
-        began = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._idle += time.perf_counter() - began
-
-    def lap(self) -> float:
-        """Busy seconds since the last lap."""
-        now = time.perf_counter()
-        busy = now - self._since - self._idle
-        self._since, self._idle = now, 0.0
-        return max(0.0, busy)
-
-
-class RequestStream:
-    """Async iterator of one request's `TokenEvent`s; raises the `EngineError` it ends with.
-
-    A deque and one waiter future rather than an asyncio.Queue: the event loop
-    hands out every token of every step, and its time there is time the engine
-    thread may wait for the GIL."""
-
-    def __init__(self, request_id: str, on_cancel: Callable[[], None]) -> None:
-        self.request_id = request_id
-        self._on_cancel = on_cancel
-        self._items: deque[StreamItem] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._closed = False  # no more items will be yielded
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        if self._closed:
-            raise StopAsyncIteration
-        if not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        item = self._items.popleft()
-        if item is _END or self._closed:
-            self._closed = True
-            raise StopAsyncIteration
-        if isinstance(item, EngineError):
-            self._closed = True
-            raise item
-        assert isinstance(item, TokenEvent)
-        return item
-
-    def cancel(self) -> None:
-        """Stop the request and free its KV blocks; iteration ends. Safe at any time."""
-        if self._closed:
-            return
-        self._closed = True
-        self._put(_END)  # wakes a reader blocked in __anext__
-        self._on_cancel()
-
-    def _push(self, item: StreamItem) -> None:
-        if not self._closed:
-            self._put(item)
-
-    def _put(self, item: StreamItem) -> None:
-        self._items.append(item)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+Delivery = list[tuple[RequestStream, StreamItem]]
 
 
 class Engine:
@@ -450,9 +366,11 @@ class Engine:
         busy = BusyClock()
         try:
             while (plan := self._next_plan(scheduler, busy)) is not None:
-                rows, tokens, logprobs, tops = self._run_model(plan)
+                tokens, logprobs, tops, prompt = self._run_model(plan)
                 with self._cond:
-                    outputs = scheduler.postprocess(rows, tokens, logprobs, time.monotonic(), tops)
+                    outputs = scheduler.postprocess(
+                        plan, tokens, logprobs, time.monotonic(), tops, prompt
+                    )
                     delivery = self._delivery(outputs)
                 self._send(delivery)
                 self._observer.on_busy(busy.lap())
@@ -484,9 +402,11 @@ class Engine:
 
     def _run_model(
         self, plan: StepPlan
-    ) -> tuple[list[Sequence], list[int], list[float], list[TopLogprobs]]:
-        """Outside the lock: the plan's forwards; the rows that sampled a token, the
-        tokens, their log-probabilities and the top log-probabilities they asked for."""
+    ) -> tuple[list[int], list[float], list[TopLogprobs], list[PromptLogprobEntries]]:
+        """Outside the lock: the plan's forwards; for the rows that sample
+        (`plan.sampling()`) the tokens, their log-probabilities and the top
+        log-probabilities they asked for; the prompt log-probabilities prefill gathered.
+        Writes no sequence: `postprocess` records the step."""
         assert self._runner is not None and self._sampler is not None
         observer, runner, sampler = self._observer, self._runner, self._sampler
         for _ in plan.preempted:
@@ -501,18 +421,21 @@ class Engine:
         observer.on_step_work(work.decode_rows, work.prefill_tokens, work.kv_tokens)
         if plan.cache_queried:
             observer.on_prefix_cache(plan.cache_queried, plan.cache_hit)
-        # padded execution: finished rows decode last, their outputs discarded
-        decode = plan.decode + plan.pad
+        prompt: list[PromptLogprobEntries] = []
+
+        def keep_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None:
+            prompt.append((seq, start, gather_prompt_logprobs(seq, start, logits)))
+
+        rows = plan.sampling()  # their logits come first, in this order
         began = time.perf_counter()
-        logits = runner.step(plan.prefill, decode, plan.chunks, gather_prompt_logprobs)
-        # a prefill chunk that leaves part of its prompt for later samples nothing
-        rows = [seq for seq in plan.prefill if seq.ready_to_sample] + plan.decode
+        # padded execution: finished rows decode last, their outputs discarded
+        logits = runner.step(plan, keep_prompt_logprobs)
         sampled = sampler.sample(logits[: len(rows)], rows) if rows else None
         # the step count and seconds a step-time model pairs with the work counters
         observer.on_step(plan.size + len(plan.pad), time.perf_counter() - began)
         if sampled is None:
-            return [], [], [], []
-        return rows, sampled.tokens, sampled.logprobs, sampled.top_logprobs
+            return [], [], [], prompt
+        return sampled.tokens, sampled.logprobs, sampled.top_logprobs, prompt
 
     def _delivery(self, outputs: list[Output]) -> Delivery:
         """Under the lock: each output paired with its request's stream (none once the
@@ -528,7 +451,7 @@ class Engine:
             elif (stream := self._streams.pop(output.seq, None)) is not None:
                 out.append((stream, output.item))
                 if isinstance(output.item, TokenEvent):
-                    out.append((stream, _END))
+                    out.append((stream, END_OF_STREAM))
         return out
 
     def _send(self, out: Delivery) -> None:

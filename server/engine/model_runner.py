@@ -14,10 +14,12 @@ from batchpilot_server.engine.attention_kernel import NativeDecodeAttention, nat
 from batchpilot_server.engine.kv_cache import KVCache
 from batchpilot_server.engine.models import Decoder
 from batchpilot_server.engine.sequence import Sequence
+from batchpilot_server.engine.step_plan import StepPlan
 from batchpilot_server.engine_api import AttentionBackend
 
 # prefill's hook for the prompt's log-probabilities: (sequence, first position, logits
-# [positions, vocab] from there on), called only for rows that want them
+# [positions, vocab] from there on), called only for rows that want them; it keeps
+# what it makes of them for `StepPlan.advance` (the runner writes no sequence)
 PromptLogits = Callable[[Sequence, int, torch.Tensor], None]
 # prompt positions whose logits are computed at once: a 2048-token chunk's logits over
 # a 50k-150k vocabulary would take GBs
@@ -222,47 +224,27 @@ class ModelRunner:
         """The decode attention in use."""
         return "torch" if self.kernel is None else "native"
 
-    def prefill(
-        self,
-        seqs: list[Sequence],
-        chunks: list[int] | None = None,
-        prompt_logits: PromptLogits | None = None,
-    ) -> torch.Tensor:
-        """`step` with prefill rows only: the logits of the rows this completes."""
-        return self.step(seqs, [], chunks, prompt_logits)
-
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """`step` with decode rows only: logits [len(seqs), vocab]."""
-        return self.step([], seqs)
-
     @torch.inference_mode()
-    def step(
-        self,
-        prefill: list[Sequence],
-        decode: list[Sequence],
-        chunks: list[int] | None = None,
-        prompt_logits: PromptLogits | None = None,
-    ) -> torch.Tensor:
-        """One forward: compute the next `chunks[i]` tokens of each `prefill` sequence
-        from its `num_computed` on (all it has left when None), and feed each `decode`
-        sequence its newest token; advance `num_computed`. Returns logits [rows, vocab]:
-        first those of the prefill rows this completes (now `ready_to_sample`), then
-        those of every decode row, each in order. `prompt_logits` is handed the logits
-        of every position that predicts a prompt token, for the rows that
-        `wants_prompt_logprobs`."""
-        pre = self._prefill_batch(prefill, chunks) if prefill else None
+    def step(self, plan: StepPlan, prompt_logits: PromptLogits | None = None) -> torch.Tensor:
+        """One forward over the plan's rows, writing only the KV cache: compute the
+        next `plan.chunk_sizes()` tokens of each prefill sequence from its
+        `num_computed` on, and feed each decode sequence its newest token (padding rows
+        last). Returns logits [rows, vocab]: first those of the prefill rows this
+        completes (`plan.sampling()`), then those of every decode and padding row, each
+        in order. `prompt_logits` is handed the logits of every position that predicts
+        a prompt token, for the rows that `wants_prompt_logprobs`. The sequences are
+        left as they were: `StepPlan.advance` records what the step computed."""
+        prefill, decode = plan.prefill, plan.decode + plan.pad
+        pre = self._prefill_batch(prefill, plan.chunks) if prefill else None
         prefill_hidden, hidden = self._hidden(pre, decode)
-        for seq in decode:
-            seq.num_computed = seq.num_tokens
         if pre is not None:
             if prompt_logits is not None:
                 self._prompt_positions(
                     prefill, pre.starts, pre.counts, prefill_hidden, prompt_logits
                 )
-            for seq, end in zip(prefill, pre.ends.tolist(), strict=True):
-                seq.num_computed = end
-            done = [row for row, seq in enumerate(prefill) if seq.ready_to_sample]
-            rows = torch.tensor(done, dtype=torch.int64, device=self.device)
+            totals = np.fromiter((seq.num_tokens for seq in prefill), np.int64, len(prefill))
+            done = np.flatnonzero(pre.ends == totals)
+            rows = torch.from_numpy(done).to(self.device)
             last = torch.from_numpy(pre.counts[done] - 1).to(self.device)
             hidden = torch.cat((prefill_hidden[rows, last], hidden))
         return self.model.logits(hidden)

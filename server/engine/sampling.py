@@ -14,7 +14,8 @@ step's other such rows (vLLM's order):
    frequency_penalty + presence_penalty over the output tokens so far);
 3b. structured output: the tokens each grammar row's matcher forbids at -inf, one
    bitmask for the step's grammar rows (grammar.mask_logits), EOS among
-   them until the grammar is complete; the chosen token then advances the matcher;
+   them until the grammar is complete (the chosen token advances the matcher in
+   `StepPlan.advance`);
 4. a greedy row takes the argmax; a sampled row divides by its temperature, keeps
    (transformers' order) the top_k most probable tokens, the smallest most-probable
    prefix whose mass reaches top_p and the tokens of at least min_p x the top one's
@@ -29,12 +30,13 @@ default and OpenAI's `logprobs` report them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from batchpilot_server.engine.grammar import mask_logits
-from batchpilot_server.engine.sequence import Sequence, Status, TopLogprobs
+from batchpilot_server.engine.penalties import PenalizedRows, PenaltyState
+from batchpilot_server.engine.sampling_knobs import Cuts, Knobs
+from batchpilot_server.engine.sequence import Sequence, TopLogprobs
 from batchpilot_server.engine_api import GREEDY_BELOW_TEMPERATURE, PromptLogprob, SamplingParams
 
 # top_k and top_p cut among this many most probable tokens first (torch.topk, far
@@ -88,7 +90,6 @@ class Sampler:
             chosen = self.choose(logits, batch.knobs, logprobs, uniform)
             if batch.penalized is not None:
                 self.penalties.record(batch.penalized, chosen)
-            accept_grammar_tokens(seqs, batch.knobs.constrained, chosen)
         else:
             chosen = logprobs.argmax(dim=-1)
         picked_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
@@ -195,16 +196,6 @@ class Batch:
     penalized: PenalizedRows | None
 
 
-def accept_grammar_tokens(seqs: list[Sequence], rows: list[int], tokens: torch.Tensor) -> None:
-    """Each grammar row's (`rows`) matcher advanced with the token it just chose."""
-    if rows:
-        chosen = tokens.tolist()
-        for row in rows:
-            grammar = seqs[row].grammar
-            assert grammar is not None, "a constrained row has a grammar"
-            grammar.accept(chosen[row])
-
-
 def next_uniforms(seqs: list[Sequence], rows: list[int], device: torch.device) -> torch.Tensor:
     """This step's uniform of each sampled row (`rows`), float64."""
     return torch.tensor(
@@ -212,129 +203,8 @@ def next_uniforms(seqs: list[Sequence], rows: list[int], device: torch.device) -
     )
 
 
-# the columns of Knobs.table
-TEMPERATURE, TOP_P, MIN_P, TOP_K, REPETITION, FREQUENCY, PRESENCE = range(7)
 # uniforms a sampled sequence's generator draws at a time (one a token)
 UNIFORMS_AHEAD = 64
-
-
-@dataclass(frozen=True, eq=False)
-class Knobs:
-    """The sampling values of a step's rows, in one tensor built at once:
-    `table` [rows, 7] of temperature, top_p (inf where 1: no cut, so that rounding
-    never cuts a tail), min_p, top_k (the vocabulary where unset), repetition,
-    frequency and presence penalties; which rows sample, which are greedy but
-    processed, which are penalized and which constrained by a grammar (with the index
-    tensors of the first two, None where they are every row); which cuts any sampled
-    row makes, so that a step skips the stages nobody uses; and the sampled rows' cut
-    knobs (`cuts`)."""
-
-    table: torch.Tensor
-    sampled: list[int]
-    greedy: list[int]  # greedy rows whose logits the processors change
-    penalized: list[int]
-    constrained: list[int]
-    sampled_index: torch.Tensor | None
-    greedy_index: torch.Tensor | None
-    top_k: bool
-    top_p: bool
-    min_p: bool
-    widest_k: int  # the largest top_k set
-    cuts: Cuts
-
-    @classmethod
-    def of(cls, seqs: list[Sequence], device: torch.device | str) -> Knobs:
-        params = [seq.params for seq in seqs]
-        table = torch.tensor(
-            [
-                (
-                    p.temperature,
-                    p.top_p if p.top_p < 1.0 else torch.inf,
-                    p.min_p,
-                    p.top_k or torch.inf,
-                    p.repetition_penalty,
-                    p.frequency_penalty,
-                    p.presence_penalty,
-                )
-                for p in params
-            ],
-            device=device,
-        )
-        sampled = [row for row, seq in enumerate(seqs) if seq.sampled]
-        greedy = [
-            row
-            for row, seq in enumerate(seqs)
-            if not seq.sampled and (seq.always_processed or seq.holds_stops)
-        ]
-        cutting = [params[row] for row in sampled]
-        sampled_index = rows_index(sampled, len(seqs), device)
-        return cls(
-            table=table,
-            sampled=sampled,
-            greedy=greedy,
-            penalized=[row for row, seq in enumerate(seqs) if seq.penalized],
-            constrained=[row for row, seq in enumerate(seqs) if seq.grammar is not None],
-            sampled_index=sampled_index,
-            greedy_index=rows_index(greedy, len(seqs), device),
-            top_k=any(p.top_k for p in cutting),
-            top_p=any(p.top_p < 1.0 for p in cutting),
-            min_p=any(p.min_p > 0 for p in cutting),
-            widest_k=max((p.top_k for p in cutting), default=0),
-            cuts=Cuts.of(table if sampled_index is None else table.index_select(0, sampled_index)),
-        )
-
-    def cuts_of(self, table: torch.Tensor) -> Cuts:
-        """The cut knobs of `table`'s rows: the kept ones when they are the sampled rows'."""
-        return self.cuts if table is self.cuts.table else Cuts.of(table)
-
-
-def rows_index(rows: list[int], count: int, device: torch.device | str) -> torch.Tensor | None:
-    """`rows` of a step's `count` as an index tensor (None when they are all of it)."""
-    return None if len(rows) == count else torch.tensor(rows, dtype=torch.int64, device=device)
-
-
-@dataclass(frozen=True, eq=False)
-class Cuts:
-    """Sampled rows' knobs as the draw reads them, each column [rows, 1] of their Knobs
-    `table`: temperature, top_k, top_p and min_p; where top_k is set (`renormalized`) and
-    where top_k or top_p is (`cutting`), None where every row sets them; and, per
-    candidate width met so far, which candidates lie within each row's top_k."""
-
-    table: torch.Tensor
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    renormalized: torch.Tensor | None
-    cutting: torch.Tensor | None
-    within: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, table: torch.Tensor) -> Cuts:
-        def column(index: int) -> torch.Tensor:
-            return table[:, index, None].contiguous()
-
-        top_k, top_p = column(TOP_K), column(TOP_P)
-        renormalized = top_k < torch.inf
-        cutting = renormalized | (top_p < torch.inf)
-        return cls(
-            table=table,
-            temperature=column(TEMPERATURE),
-            top_k=top_k,
-            top_p=top_p,
-            min_p=column(MIN_P),
-            renormalized=None if bool(renormalized.all()) else renormalized,
-            cutting=None if bool(cutting.all()) else cutting,
-        )
-
-    def within_k(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[rows, width]: which of `width` candidates, best first, lie in the row's
-        top_k, as bools and as 1.0 or 0.0 (a product with floats costs less than with
-        bools, for the same result)."""
-        if width not in self.within:
-            within = torch.arange(width, device=self.top_k.device) < self.top_k
-            self.within[width] = within, within.to(self.top_k.dtype)
-        return self.within[width]
 
 
 def next_uniform(seq: Sequence) -> float:
@@ -468,158 +338,6 @@ def _draw_tail(probs: torch.Tensor, ids: torch.Tensor, target: torch.Tensor) -> 
     return torch.where(total[:, 0] > 0, position[:, 0], -1)
 
 
-@dataclass(frozen=True, eq=False)
-class PenalizedRows:
-    """A batch's penalized rows as PenaltyState reads them, built once for the batch:
-    their sequences, their `slots` [rows] in the pool and each slot's start in the
-    flattened `counts` ([rows, 1]); their rows of the step's logits (`logits_at`: each
-    row's start in the flattened logits, [rows, 1]; `picked`: their places among the
-    step's rows; both None where they are every row, in order); their weights [rows, 1]
-    and whether any row repeats (a repetition penalty not 1) or counts (a frequency or
-    presence penalty not 0): a weight that changes nothing leaves a logit bit for bit,
-    so a stage no row uses is skipped. `repeated` picks each repeated logit, x times
-    the penalty where x < 0 and x over it elsewhere, from the two: with every penalty
-    at least 1 that is the lesser of them, with every one at most 1 the greater (the
-    rounding keeps the order), one float op in place of a comparison and a select;
-    None where the rows' penalties lie on both sides of 1."""
-
-    seqs: list[Sequence]
-    slots: torch.Tensor
-    counts_at: torch.Tensor
-    logits_at: torch.Tensor | None
-    picked: torch.Tensor | None
-    repetition: torch.Tensor
-    frequency: torch.Tensor
-    presence: torch.Tensor
-    repeats: bool
-    repeated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
-    counted: bool
-    ones: torch.Tensor  # [rows], what each step adds to the counts
-
-
-def repeated_pick(
-    penalties: list[float],
-) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """PenalizedRows.repeated for rows of these repetition penalties (all above 0)."""
-    if all(penalty >= 1.0 for penalty in penalties):
-        return torch.minimum
-    if all(0.0 < penalty <= 1.0 for penalty in penalties):
-        return torch.maximum
-    return None
-
-
-class PenaltyState:
-    """What the penalties read of each penalized sequence, one row of pooled tensors
-    per sequence (`Sequence.penalty_slot`): its `tokens` (prompt and output, in order;
-    the places past its length repeat its first token, so that reading a batch's
-    widest row is harmless for the others) and `counts` [slot, vocab] of each token
-    in its output. A row is filled once, when its sequence first samples. A step
-    reads the counts only at the rows' tokens (a gather and a scatter of the logits
-    there, never a pass over the vocabulary) and adds the sampled tokens with two
-    batched scatters. A finished sequence's row is reused; the pool doubles when full."""
-
-    def __init__(self, vocab_size: int, device: str) -> None:
-        self.tokens = torch.zeros(0, 0, dtype=torch.int64, device=device)
-        self.counts = torch.zeros(0, vocab_size, device=device)
-        self.owners: list[Sequence | None] = []
-
-    def rows_of(self, seqs: list[Sequence], knobs: Knobs, logits: torch.Tensor) -> PenalizedRows:
-        """The penalized rows `knobs.penalized` (of `seqs`) of a batch, each sequence
-        assigned and filled on first sight."""
-        for seq in seqs:
-            if seq.penalty_slot is None:
-                self._assign(seq)
-        device = self.counts.device
-        slots = torch.tensor([seq.penalty_slot for seq in seqs], device=device)
-        picked = rows_index(knobs.penalized, logits.shape[0], device)
-        table = knobs.table if picked is None else knobs.table.index_select(0, picked)
-        weights = [
-            table[:, column, None].contiguous() for column in (REPETITION, FREQUENCY, PRESENCE)
-        ]
-        params = [seq.params for seq in seqs]
-        return PenalizedRows(
-            seqs=seqs,
-            slots=slots,
-            counts_at=slots[:, None] * self.counts.shape[1],
-            logits_at=None if picked is None else picked[:, None] * logits.shape[1],
-            picked=picked,
-            repetition=weights[0],
-            frequency=weights[1],
-            presence=weights[2],
-            repeats=any(p.repetition_penalty != 1.0 for p in params),
-            repeated=repeated_pick([p.repetition_penalty for p in params]),
-            counted=any(p.frequency_penalty != 0 or p.presence_penalty != 0 for p in params),
-            ones=torch.ones(len(seqs), dtype=self.counts.dtype, device=device),
-        )
-
-    def apply(self, logits: torch.Tensor, rows: PenalizedRows) -> None:
-        """The penalties of `rows` on `logits`, in place: transformers' repetition
-        penalty on each token the row holds, then OpenAI's frequency and presence
-        penalties over its output counts. A token seen twice is read and written twice,
-        with the same value."""
-        width = max(seq.num_tokens for seq in rows.seqs)
-        tokens = self.tokens[:, :width].index_select(0, rows.slots)
-        at = tokens if rows.logits_at is None else rows.logits_at + tokens
-        seen = logits.gather(1, at) if rows.logits_at is None else logits.take(at)
-        if rows.repeats:
-            times, over = seen * rows.repetition, seen / rows.repetition
-            pick = rows.repeated
-            seen = torch.where(seen < 0, times, over) if pick is None else pick(times, over)
-        if rows.counted:
-            counts = self.counts.take(rows.counts_at + tokens)
-            # counts > 0 as 0 or 1, from whole counts: a float op, not a bool one
-            seen = seen - (counts * rows.frequency + counts.clamp(max=1.0) * rows.presence)
-        if rows.logits_at is None:
-            logits.scatter_(1, at, seen)
-        else:
-            logits.put_(at, seen)
-
-    def record(self, rows: PenalizedRows, tokens: torch.Tensor) -> None:
-        """The tokens just sampled for the step's rows (one per row, not appended yet),
-        for the penalized `rows`."""
-        if rows.picked is not None:
-            tokens = tokens.index_select(0, rows.picked)
-        places = torch.tensor([seq.num_tokens for seq in rows.seqs], device=tokens.device)
-        self.tokens.index_put_((rows.slots, places), tokens)
-        self.counts.index_put_((rows.slots, tokens), rows.ones, accumulate=True)
-
-    def _assign(self, seq: Sequence) -> None:
-        slot = self._free_slot()
-        seq.penalty_slot, self.owners[slot] = slot, seq
-        self._widen(seq.num_prompt + seq.params.max_tokens)  # the most it will hold
-        device = self.counts.device
-        held = torch.tensor(seq.token_ids, device=device)
-        self.tokens[slot] = held[0]
-        self.tokens[slot, : len(held)] = held
-        self.counts[slot] = 0.0
-        # the output so far (none when a sequence first samples in the engine)
-        output = held[seq.num_prompt :]
-        self.counts[slot].index_put_(
-            (output,), torch.ones_like(output, dtype=self.counts.dtype), accumulate=True
-        )
-
-    def _widen(self, width: int) -> None:
-        """Room for `width` tokens per row."""
-        have, rows = self.tokens.shape[1], self.tokens.shape[0]
-        if width > have:
-            # the new places repeat each row's first token, as unused places do
-            first = self.tokens[:, :1] if have else self.tokens.new_zeros(rows, 1)
-            self.tokens = torch.cat([self.tokens, first.expand(rows, width - have)], 1)
-
-    def _free_slot(self) -> int:
-        for slot, owner in enumerate(self.owners):
-            if owner is None or owner.status is Status.FINISHED:
-                if owner is not None:
-                    owner.penalty_slot = None
-                return slot
-        slot = len(self.owners)
-        extra = max(8, slot)  # the pool doubles
-        self.tokens = torch.cat([self.tokens, self.tokens.new_zeros(extra, self.tokens.shape[1])])
-        self.counts = torch.cat([self.counts, self.counts.new_zeros(extra, self.counts.shape[1])])
-        self.owners += [None] * extra
-        return slot
-
-
 def step_top_logprobs(logprobs: torch.Tensor, seqs: list[Sequence]) -> list[TopLogprobs]:
     """Per row, its `logprobs` most likely (token id, logprob) of the raw distribution."""
     wanted = [seq.params.logprobs or 0 for seq in seqs]
@@ -642,19 +360,17 @@ def top_logprobs(logprobs: torch.Tensor, k: int) -> list[TopLogprobs]:
     ]
 
 
-def gather_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None:
-    """ModelRunner.prefill's hook for a sequence that asked for its prompt's
-    log-probabilities: `logits` [n, vocab] at prompt positions start .. start + n - 1,
-    each predicting the prompt token after it, appended to `seq.prompt_logprobs`."""
-    if start == 0:  # a prefill that starts over (preempted mid-prompt) gathers anew
-        seq.prompt_logprobs = []
+def gather_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> list[PromptLogprob]:
+    """For a sequence that asked for its prompt's log-probabilities: `logits` [n, vocab]
+    at prompt positions start .. start + n - 1, each predicting the prompt token after
+    it, as one entry per position (`StepPlan.advance` adds them to the sequence)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     following = seq.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
     targets = torch.tensor(following, device=logits.device)
     chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
     k = seq.params.prompt_logprobs or 0
     tops = top_logprobs(logprobs, k) if k else [()] * len(following)
-    seq.prompt_logprobs += [
+    return [
         PromptLogprob(token, logprob, top)
         for token, logprob, top in zip(following, chosen, tops, strict=True)
     ]

@@ -8,8 +8,8 @@ decides when each response completes. The engine around it only runs the
 model and carries `Output`s to the request streams:
 
     plan = scheduler.schedule(now)              # also ends requests (plan.ended)
-    tokens = run the model on plan.prefill and plan.decode, sample the ready rows
-    outputs = scheduler.postprocess(rows, tokens, logprobs, now)
+    logits = run the model on the plan; tokens = sample plan.sampling()
+    outputs = scheduler.postprocess(plan, tokens, logprobs, now)  # advances the rows
 
 Three policies implement it: `scheduler_dynamic.DynamicScheduler`, its firing
 rule changed by `scheduler_dynamic.StaticScheduler`, and
@@ -25,12 +25,13 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine.block_pool import BlockPool, extend_block_hashes
 from batchpilot_server.engine.sequence import Sequence, Status, TopLogprobs
+from batchpilot_server.engine.step_plan import PromptLogprobs, StepPlan
 from batchpilot_server.engine_api import (
     DeadlineExceededError,
     EngineError,
@@ -53,89 +54,6 @@ class Output:
     @property
     def final(self) -> bool:
         return isinstance(self.item, EngineError) or self.item.finish_reason is not None
-
-
-@dataclass
-class StepPlan:
-    prefill: list[Sequence] = field(default_factory=list)  # compute tokens from num_computed
-    decode: list[Sequence] = field(default_factory=list)  # feed the newest token
-    preempted: list[Sequence] = field(default_factory=list)  # evicted to make room
-    # how many tokens each prefill row computes this step, a long prompt a chunk at a
-    # time so that running sequences keep decoding meanwhile (continuous). None: each
-    # row computes all it has left (dynamic: its batch runs as one unit, no other
-    # sequence decodes meanwhile, and every member's first token waits for the whole
-    # batch's prefill anyway, so chunks would only add steps).
-    chunks: list[int] | None = None
-    # the batch size this step records (the batch-size metric), 0: none. Dynamic: the
-    # batch that fires with this step; continuous: every step's rows.
-    batch_size: int = 0
-    # rows scheduled for the first time with this step (not recomputed ones)
-    first_scheduled: list[Sequence] = field(default_factory=list)
-    # requests that ended while this step was planned (cancellation of a batch
-    # member releasing the rest, a missed deadline, shutdown): deliver at once
-    ended: list[Output] = field(default_factory=list)
-    # finished members of a static or dynamic batch, held until it ends. Padded
-    # execution decodes them again (`pad`, outputs discarded) to keep the batch
-    # rectangular; ragged execution computes nothing for them (`held` counts them)
-    pad: list[Sequence] = field(default_factory=list)
-    held: int = 0
-    # prefix caching, over the sequences admitted with this step: tokens looked up in
-    # the cache, and how many of them it held (computed no more)
-    cache_queried: int = 0
-    cache_hit: int = 0
-
-    @property
-    def size(self) -> int:
-        return len(self.prefill) + len(self.decode)
-
-    def slot_steps(self) -> SlotSteps:
-        """The token positions this step's batch holds, by what they are for; read
-        before the model runs (prefill advances `num_computed`)."""
-        prefill = self.chunks or [seq.num_uncomputed for seq in self.prefill]
-        # the prefill forward is one rectangle as wide as its longest row: torch's
-        # attention takes no ragged batch, so shorter rows compute padding positions
-        rectangle = len(prefill) * max(prefill, default=0)
-        return SlotSteps(
-            active=sum(prefill) + len(self.decode),
-            finished=self.held,
-            padding=rectangle - sum(prefill) + len(self.pad),
-        )
-
-    def work(self) -> StepWork:
-        """What this step computes, for a step-time model; read before the model runs."""
-        prefill = self.chunks or [seq.num_uncomputed for seq in self.prefill]
-        decode = self.decode + self.pad  # padding rows are computed too
-        contexts = [
-            seq.num_computed + size for seq, size in zip(self.prefill, prefill, strict=True)
-        ]
-        return StepWork(
-            decode_rows=len(decode),
-            prefill_tokens=sum(prefill),
-            kv_tokens=sum(contexts) + sum(seq.num_tokens for seq in decode),
-        )
-
-
-@dataclass(frozen=True)
-class StepWork:
-    """One step's compute: rows of its decode forward, prompt tokens its prefill forward
-    computes (a cached prefix is not), and KV tokens attended (each row's context length
-    once the step computed it, summed)."""
-
-    decode_rows: int
-    prefill_tokens: int
-    kv_tokens: int
-
-
-@dataclass(frozen=True)
-class SlotSteps:
-    """Token positions of one step's batch (a decode row is one, a prefill row as many
-    as the forward's width): `active` ones compute a token a request needs, `finished`
-    ones are held by a finished member of a static or dynamic batch without compute
-    (ragged), `padding` ones are computed only to keep the batch rectangular."""
-
-    active: int
-    finished: int
-    padding: int
 
 
 class Scheduler(Protocol):
@@ -187,13 +105,15 @@ class Scheduler(Protocol):
 
     def postprocess(
         self,
-        seqs: list[Sequence],
+        plan: StepPlan,
         tokens: list[int],
         logprobs: list[float],
         now: float,
         top_logprobs: list[TopLogprobs] | None = None,
+        prompt_logprobs: PromptLogprobs = (),
     ) -> list[Output]:
-        """Append each sampled token to its row; the events to hand out now.
+        """The step `plan` ran: its rows advanced (`StepPlan.advance`), each sampled
+        token (one per `plan.sampling()` row) judged; the events to hand out now.
         `top_logprobs`: per row, the most likely (token id, logprob) it asked for."""
         ...
 
@@ -206,7 +126,7 @@ class QueueScheduler(ABC):
     """The part both policies share: the waiting queue and what happens to requests in
     it (admission, cancellation, deadlines, shutdown), counters, turning sampled
     tokens into events, and the blocks a sequence takes and gives back (with the
-    prefix cache: `_take_blocks`, `_release`). A policy plans steps (`_plan`), and
+    prefix cache: `_admit`, `_release`). A policy plans steps (`_plan`), and
     decides when finished sequences' responses complete (`_finish`) and what a
     cancelled running sequence leaves (`_drop`)."""
 
@@ -291,17 +211,18 @@ class QueueScheduler(ABC):
 
     def postprocess(
         self,
-        seqs: list[Sequence],
+        plan: StepPlan,
         tokens: list[int],
         logprobs: list[float],
         now: float,
         top_logprobs: list[TopLogprobs] | None = None,
+        prompt_logprobs: PromptLogprobs = (),
     ) -> list[Output]:
+        seqs = plan.advance(tokens, prompt_logprobs)
         outputs: list[Output] = []
         finished: list[tuple[Sequence, TokenEvent]] = []
         tops = top_logprobs or [()] * len(seqs)
         for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops, strict=True):
-            seq.token_ids.append(token)
             reason = seq.finish_reason_after(token, self.eos_ids)
             seq.finish_reason = reason
             event = TokenEvent(
@@ -336,7 +257,7 @@ class QueueScheduler(ABC):
                 self.waiting.remove(seq)
             else:
                 released += self._drop(seq, now)
-            seq.status = Status.FINISHED
+            self._retire(seq)
         return released
 
     def _expire_deadlines(self, now: float) -> list[Output]:
@@ -367,20 +288,28 @@ class QueueScheduler(ABC):
         error = EngineStoppedError("engine is shutting down; request not started")
         return [self._end(seq, error) for seq in refused]
 
-    @staticmethod
-    def _end(seq: Sequence, error: EngineError) -> Output:
-        seq.status = Status.FINISHED
+    @classmethod
+    def _end(cls, seq: Sequence, error: EngineError) -> Output:
+        cls._retire(seq)
         return Output(seq, error)
+
+    @staticmethod
+    def _retire(seq: Sequence) -> None:
+        """`seq` is done for good (its response complete, failed or unwanted): the one
+        place a sequence finishes; the sampler may then reuse its penalty row."""
+        seq.status = Status.FINISHED
 
     # ---- blocks and the prefix cache -------------------------------------------
 
-    def _take_blocks(self, seq: Sequence, num_tokens: int) -> bool:
-        """Blocks for `num_tokens` of `seq`, which holds none: the longest cached prefix
-        of its tokens shared, fresh blocks for the rest; it computes from there. False,
-        nothing taken, when the pool cannot hold it."""
+    def _admit(self, seq: Sequence, num_tokens: int) -> bool:
+        """Admit waiting `seq`, which holds no blocks, with blocks for `num_tokens`: the
+        longest cached prefix of its tokens shared, fresh blocks for the rest; it runs
+        and computes from there (the plans after this one advance it, `StepPlan.advance`).
+        False, nothing taken, when the pool cannot hold it."""
         cached = self._cached_prefix(seq)
         if not self.pool.grow_sharing(seq.block_table, cached, num_tokens):
             return False
+        seq.status = Status.RUNNING
         seq.num_cached_blocks = len(cached)
         seq.num_computed = len(cached) * self.pool.block_size
         if self._looks_up(seq):

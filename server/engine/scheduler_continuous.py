@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine.block_pool import BlockPool
-from batchpilot_server.engine.scheduler import Output, QueueScheduler, StepPlan, timeout_at
+from batchpilot_server.engine.scheduler import Output, QueueScheduler, timeout_at
 from batchpilot_server.engine.sequence import Sequence, Status
+from batchpilot_server.engine.step_plan import StepPlan
 from batchpilot_server.engine_api import TokenEvent
 
 
@@ -56,9 +57,8 @@ class ContinuousScheduler(QueueScheduler):
             # blocks for the whole prompt (and its first token) now: later chunks
             # never wait for blocks, and the usage ratio counts the prompt at once;
             # a cached prefix is shared, and its tokens are not computed again
-            if not self._take_blocks(head, head.num_tokens + 1):
+            if not self._admit(head, head.num_tokens + 1):
                 break
-            head.status = Status.RUNNING
             self.running.append(self.waiting.popleft())
             chunks.append((head, min(head.num_uncomputed, budget)))
             budget -= chunks[-1][1]
@@ -145,4 +145,4 @@ class ContinuousScheduler(QueueScheduler):
     def _leave(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
-        seq.status = Status.FINISHED
+        self._retire(seq)

@@ -20,8 +20,9 @@ from dataclasses import replace
 
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine.block_pool import BlockPool
-from batchpilot_server.engine.scheduler import Output, QueueScheduler, StepPlan, timeout_at
-from batchpilot_server.engine.sequence import Sequence, Status
+from batchpilot_server.engine.scheduler import Output, QueueScheduler, timeout_at
+from batchpilot_server.engine.sequence import Sequence
+from batchpilot_server.engine.step_plan import StepPlan
 from batchpilot_server.engine_api import TokenEvent
 
 
@@ -55,10 +56,9 @@ class DynamicScheduler(QueueScheduler):
         batch: list[Sequence] = []
         while self.waiting and len(batch) < self.config.max_batch_size:
             head = self.waiting[0]
-            if not self._take_blocks(head, head.max_total_tokens):
+            if not self._admit(head, head.max_total_tokens):
                 break  # cut: the rest waits for the next batch
             batch.append(self.waiting.popleft())
-            head.status = Status.RUNNING
         if not batch:
             raise RuntimeError("the KV pool cannot hold a request that passed the size check")
         self.cut_off = min(len(self.waiting), self.config.max_batch_size - len(batch))
@@ -104,7 +104,7 @@ class DynamicScheduler(QueueScheduler):
         outputs = []
         for seq in released:
             self._release(seq)
-            seq.status = Status.FINISHED
+            self._retire(seq)
             # every final event of a batch carries the step that ended it
             event = replace(self.held.pop(seq), step=self.steps)
             outputs.append(Output(seq, event, held_s=now - (seq.finished_at or now)))

@@ -51,7 +51,7 @@ class Sequence:
     first_scheduled: float | None = None
     finish_reason: FinishReason | None = None
     finished_at: float | None = None
-    # the sampler's row of token counts for the penalties (sampling.PenaltyState);
+    # the sampler's row of token counts for the penalties (penalties.PenaltyState);
     # kept while the sequence lives, preemption included, so counts stay incremental
     penalty_slot: int | None = None
     # prompt_logprobs: one entry per prompt token after the first, gathered chunk by

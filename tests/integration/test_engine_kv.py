@@ -26,6 +26,7 @@ from batchpilot_server.http.protocol_parse import Served, read_chat
 from batchpilot_server.serve import main as serve_main
 from batchpilot_server.serve_options import batching_config, engine_options, parser
 
+from tests.support import runner_steps
 from tests.support.engine_helpers import (
     ATTENTIONS,
     RecordingObserver,
@@ -151,14 +152,16 @@ def test_chunked_prefill_on_the_real_model_matches_full_recompute(
     worst = 0.0
     with torch.inference_mode():
         while rows := [seq for seq in seqs if not seq.ready_to_sample]:
-            logits = runner.prefill(rows, [min(64, seq.num_uncomputed) for seq in rows])
+            logits = runner_steps.prefill(
+                runner, rows, [min(64, seq.num_uncomputed) for seq in rows]
+            )
             done = [seq for seq in rows if seq.ready_to_sample]
             for seq, row in zip(done, logits, strict=True):
                 reference = model.full_logits(seq.token_ids)[-1]
                 worst = max(worst, float((row - reference).abs().max()))
         for seq in seqs:
             seq.token_ids.append(int(model.full_logits(seq.token_ids)[-1].argmax()))
-        for seq, row in zip(seqs, runner.decode(seqs), strict=True):
+        for seq, row in zip(seqs, runner_steps.decode(runner, seqs), strict=True):
             worst = max(worst, float((row - model.full_logits(seq.token_ids)[-1]).abs().max()))
     assert worst <= LOGIT_TOLERANCE
 

@@ -13,6 +13,7 @@ from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine_api import SamplingParams
 from torch.profiler import ProfilerActivity, profile
 
+from tests.support import runner_steps
 from tests.support.engine_helpers import ATTENTIONS
 
 SPEC = get_spec("tiny")
@@ -40,7 +41,7 @@ def sequences(runner: ModelRunner, prompts: list[list[int]]) -> list[Sequence]:
 def decoding(runner: ModelRunner, rows: int) -> list[Sequence]:
     """`rows` sequences with their 20-token prompts computed and one token to feed."""
     seqs = sequences(runner, [[1 + n] * 20 for n in range(rows)])
-    runner.prefill(seqs)
+    runner_steps.prefill(runner, seqs)
     for seq in seqs:
         seq.token_ids.append(7)
     return seqs
@@ -58,8 +59,10 @@ def test_a_mixed_step_gives_the_logits_of_separate_forwards(
     chunks = [7, 3, 17]
     old = [decoding(runner, 3) for runner in runners]
     new = [sequences(runner, prompts) for runner in runners]
-    got = mixed.step(new[0], old[0], chunks)
-    expected = torch.cat((separate.prefill(new[1], chunks), separate.decode(old[1])))
+    got = runner_steps.step(mixed, new[0], old[0], chunks)
+    expected = torch.cat(
+        (runner_steps.prefill(separate, new[1], chunks), runner_steps.decode(separate, old[1]))
+    )
     assert got.shape == (2 + 3, SPEC.vocab_size)  # the chunked row samples nothing yet
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert [seq.num_computed for seq in new[0]] == chunks
@@ -80,8 +83,8 @@ def test_a_mixed_step_computes_each_projection_once(
 ) -> None:
     runner = runners[0]
     alone = decoding(runner, 2)
-    decode_only = linear_calls(lambda: runner.decode(alone))
+    decode_only = linear_calls(lambda: runner_steps.decode(runner, alone))
     old, new = decoding(runner, 2), sequences(runner, [[5] * 9])
-    both = linear_calls(lambda: runner.step(new, old))
+    both = linear_calls(lambda: runner_steps.step(runner, new, old))
     assert decode_only == 4 * SPEC.n_layers + 1  # q/k/v, o, gate/up, down; the LM head
     assert both == decode_only

@@ -38,6 +38,7 @@ from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine_api import SamplingParams
 from batchpilot_server.serve import main as serve_main
 
+from tests.support import runner_steps
 from tests.support.engine_helpers import ATTENTIONS, requires_c_compiler
 
 LOAD = (
@@ -148,7 +149,7 @@ def test_a_table_too_short_for_its_tokens_is_refused_before_c_reads_it() -> None
     seq = Sequence("short", [256, *range(1, 20)], SamplingParams(max_tokens=4), 0.0, None, None)
     assert native.cache.pool.grow(seq.block_table, 16)  # one block for 20 tokens
     with pytest.raises(KVAccountingError, match="fewer blocks than its tokens need"):
-        native.decode([seq])
+        runner_steps.decode(native, [seq])
 
 
 @requires_c_compiler
@@ -189,11 +190,11 @@ def test_rows_split_across_threads_decode_exactly_as_one_thread() -> None:
             assert cache.pool.grow(seq.block_table, seq.max_total_tokens)
         # the same torch threads for both runners: only the kernel's split differs
         torch.set_num_threads(3)
-        logits = [runner.prefill(seqs)]
+        logits = [runner_steps.prefill(runner, seqs)]
         for _ in range(6):
             for seq, row in zip(seqs, logits[-1], strict=True):
                 seq.token_ids.append(int(row.argmax()))
-            logits.append(runner.decode(seqs))
+            logits.append(runner_steps.decode(runner, seqs))
         outputs.append(torch.stack(logits))
     assert torch.equal(outputs[0], outputs[1])
 
@@ -285,7 +286,7 @@ def run_probe(
 
     def prefill(rows: list[Sequence], chunks: list[int]) -> None:
         starts = [seq.num_computed for seq in rows]
-        runner.prefill(rows, chunks)
+        runner_steps.prefill(runner, rows, chunks)
         outputs.extend(
             (seq, start + column, probe.last[row, column])
             for row, (seq, start, chunk) in enumerate(zip(rows, starts, chunks, strict=True))
@@ -298,7 +299,7 @@ def run_probe(
     for _ in range(decode_steps):
         for n, seq in enumerate(seqs):
             seq.token_ids.append(n)
-        logits = runner.decode(seqs)
+        logits = runner_steps.decode(runner, seqs)
         outputs += [(seq, seq.num_tokens - 1, row) for seq, row in zip(seqs, logits, strict=True)]
     return outputs
 

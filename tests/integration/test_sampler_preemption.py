@@ -15,7 +15,7 @@ from batchpilot_server.engine.kv_cache import bytes_per_block
 from batchpilot_server.engine.models import get_spec
 from batchpilot_server.engine.sampling import gather_prompt_logprobs
 from batchpilot_server.engine.sequence import Sequence
-from batchpilot_server.engine_api import SamplingParams, TokenEvent
+from batchpilot_server.engine_api import PromptLogprob, SamplingParams, TokenEvent
 
 from tests.support.engine_helpers import RecordingObserver, collect, started
 
@@ -57,10 +57,10 @@ async def test_state_survives_preemption_mid_prefill(monkeypatch: pytest.MonkeyP
     pool holds all five only until the short ones each need a second block."""
     starts: list[int] = []  # prefills of the long prompt from its first token
 
-    def noting_starts(seq: Sequence, start: int, logits: torch.Tensor) -> None:
+    def noting_starts(seq: Sequence, start: int, logits: torch.Tensor) -> list[PromptLogprob]:
         if start == 0:
             starts.append(seq.num_prompt)
-        gather_prompt_logprobs(seq, start, logits)
+        return gather_prompt_logprobs(seq, start, logits)
 
     monkeypatch.setattr(engine_module, "gather_prompt_logprobs", noting_starts)
     rng = random.Random(9)

@@ -26,6 +26,8 @@ from batchpilot_server.engine_api import (
     TokenEvent,
 )
 
+from tests.support import runner_steps
+
 requires_c_compiler = pytest.mark.skipif(
     shutil.which(os.environ.get("CC", "cc")) is None,
     reason="no C compiler ($CC, else cc) to build the native attention kernel",
@@ -161,11 +163,11 @@ def paged_against_full_recompute(
     for seq in seqs:
         assert cache.pool.grow(seq.block_table, seq.max_total_tokens)
     worst = 0.0
-    logits = runner.prefill(seqs)
+    logits = runner_steps.prefill(runner, seqs)
     for _ in range(steps):
         for seq, row in zip(seqs, logits, strict=True):
             reference = model.full_logits(seq.token_ids)[-1]
             worst = max(worst, float((row - reference).abs().max()))
             seq.token_ids.append(int(row.argmax()))
-        logits = runner.decode(seqs)
+        logits = runner_steps.decode(runner, seqs)
     return worst

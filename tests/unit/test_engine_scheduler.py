@@ -1,8 +1,8 @@
 """The scheduler protocol on its own: no model, no threads, no torch, a virtual clock.
 
 A simulation drives the real schedulers this way: `schedule(now)`, compute what
-the plan says (here: mark the rows computed and sample a fixed token),
-`postprocess(rows, tokens, logprobs, now)`."""
+the plan says (here: nothing; every sampling row draws a fixed token),
+`postprocess(plan, tokens, logprobs, now)`, which advances the rows."""
 
 from __future__ import annotations
 
@@ -205,10 +205,8 @@ def test_slot_steps_count_held_and_padded_rows(padded: bool) -> None:
     for t in (0.010, 0.020, 0.030, 0.040):
         plan = scheduler.schedule(t)
         plans.append((plan.slot_steps(), list(plan.decode), list(plan.pad)))
-        for seq in [*plan.prefill, *plan.decode]:
-            seq.num_computed = seq.num_tokens
-        rows = [*plan.prefill, *plan.decode]
-        scheduler.postprocess(rows, [7] * len(rows), [0.0] * len(rows), t)
+        rows = plan.sampling()
+        scheduler.postprocess(plan, [7] * len(rows), [0.0] * len(rows), t)
     assert scheduler.idle
     prefill = plans[0][0]
     assert (prefill.active, prefill.finished, prefill.padding) == (33, 0, 3)

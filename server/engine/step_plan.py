@@ -1,0 +1,152 @@
+"""A step's plan: what each row computes, and the one writer of a sequence's progress.
+
+The scheduler plans a step (`StepPlan`); the model runner reads the plan and returns
+logits, writing nothing to the sequences; the sampler picks tokens; then
+`StepPlan.advance` (called by the scheduler's `postprocess`) records what the step
+did: each row's computed K/V, its prompt log-probabilities, the token it sampled and
+its grammar state. A simulation or a test drives the same code path without a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from batchpilot_server.engine.sequence import Sequence
+from batchpilot_server.engine_api import PromptLogprob
+
+if TYPE_CHECKING:
+    from batchpilot_server.engine.scheduler import Output
+
+# what prefill computed of a prompt's log-probabilities for a row that asked: the row,
+# the first prompt position the logits were taken at, and one entry per position
+PromptLogprobEntries = tuple[Sequence, int, list[PromptLogprob]]
+PromptLogprobs = Iterable[PromptLogprobEntries]
+
+
+@dataclass
+class StepPlan:
+    prefill: list[Sequence] = field(default_factory=list)  # compute tokens from num_computed
+    decode: list[Sequence] = field(default_factory=list)  # feed the newest token
+    preempted: list[Sequence] = field(default_factory=list)  # evicted to make room
+    # how many tokens each prefill row computes this step, a long prompt a chunk at a
+    # time so that running sequences keep decoding meanwhile (continuous). None: each
+    # row computes all it has left (dynamic: its batch runs as one unit, no other
+    # sequence decodes meanwhile, and every member's first token waits for the whole
+    # batch's prefill anyway, so chunks would only add steps).
+    chunks: list[int] | None = None
+    # the batch size this step records (the batch-size metric), 0: none. Dynamic: the
+    # batch that fires with this step; continuous: every step's rows.
+    batch_size: int = 0
+    # rows scheduled for the first time with this step (not recomputed ones)
+    first_scheduled: list[Sequence] = field(default_factory=list)
+    # requests that ended while this step was planned (cancellation of a batch
+    # member releasing the rest, a missed deadline, shutdown): deliver at once
+    ended: list[Output] = field(default_factory=list)
+    # finished members of a static or dynamic batch, held until it ends. Padded
+    # execution decodes them again (`pad`, outputs discarded) to keep the batch
+    # rectangular; ragged execution computes nothing for them (`held` counts them)
+    pad: list[Sequence] = field(default_factory=list)
+    held: int = 0
+    # prefix caching, over the sequences admitted with this step: tokens looked up in
+    # the cache, and how many of them it held (computed no more)
+    cache_queried: int = 0
+    cache_hit: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.prefill) + len(self.decode)
+
+    def chunk_sizes(self) -> list[int]:
+        """The tokens each prefill row computes this step; read before `advance`."""
+        return self.chunks or [seq.num_uncomputed for seq in self.prefill]
+
+    def sampling(self) -> list[Sequence]:
+        """The rows that sample a token after this step, in the order of the runner's
+        logits: the prefill rows whose chunk is the rest of their tokens (a chunk that
+        leaves part of its prompt for later samples nothing), then every decode row
+        (padding rows' outputs are discarded). Read before `advance`."""
+        completed = [
+            seq
+            for seq, size in zip(self.prefill, self.chunk_sizes(), strict=True)
+            if size == seq.num_uncomputed
+        ]
+        return completed + self.decode
+
+    def advance(self, tokens: list[int], prompt_logprobs: PromptLogprobs = ()) -> list[Sequence]:
+        """Record what this step did to its rows: what its forward computed
+        (`record_computed`), then each sampling row's token (`tokens`, in `sampling`
+        order) appended and fed to its grammar. Returns the sampling rows."""
+        rows = self.sampling()
+        self.record_computed(prompt_logprobs)
+        for seq, token in zip(rows, tokens, strict=True):
+            seq.token_ids.append(token)
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
+        return rows
+
+    def record_computed(self, prompt_logprobs: PromptLogprobs = ()) -> None:
+        """What this step's forward computed, the only writer of `num_computed` while a
+        sequence runs (admission and preemption set where it starts): each prefill
+        row's K/V by its chunk, each decode and padding row's up to its newest token;
+        and the prompt log-probabilities prefill gathered (a prefill that starts over,
+        preempted mid-prompt, gathers anew). Tests that drive the model runner alone
+        call it after each forward."""
+        for seq, size in zip(self.prefill, self.chunk_sizes(), strict=True):
+            seq.num_computed += size
+        for seq in (*self.decode, *self.pad):
+            seq.num_computed = seq.num_tokens
+        for seq, start, entries in prompt_logprobs:
+            if start == 0:
+                seq.prompt_logprobs = []
+            seq.prompt_logprobs += entries
+
+    def slot_steps(self) -> SlotSteps:
+        """The token positions this step's batch holds, by what they are for; read
+        before `advance`."""
+        prefill = self.chunk_sizes()
+        # the prefill forward is one rectangle as wide as its longest row: torch's
+        # attention takes no ragged batch, so shorter rows compute padding positions
+        rectangle = len(prefill) * max(prefill, default=0)
+        return SlotSteps(
+            active=sum(prefill) + len(self.decode),
+            finished=self.held,
+            padding=rectangle - sum(prefill) + len(self.pad),
+        )
+
+    def work(self) -> StepWork:
+        """What this step computes, for a step-time model; read before `advance`."""
+        prefill = self.chunk_sizes()
+        decode = self.decode + self.pad  # padding rows are computed too
+        contexts = [
+            seq.num_computed + size for seq, size in zip(self.prefill, prefill, strict=True)
+        ]
+        return StepWork(
+            decode_rows=len(decode),
+            prefill_tokens=sum(prefill),
+            kv_tokens=sum(contexts) + sum(seq.num_tokens for seq in decode),
+        )
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """One step's compute: rows of its decode forward, prompt tokens its prefill forward
+    computes (a cached prefix is not), and KV tokens attended (each row's context length
+    once the step computed it, summed)."""
+
+    decode_rows: int
+    prefill_tokens: int
+    kv_tokens: int
+
+
+@dataclass(frozen=True)
+class SlotSteps:
+    """Token positions of one step's batch (a decode row is one, a prefill row as many
+    as the forward's width): `active` ones compute a token a request needs, `finished`
+    ones are held by a finished member of a static or dynamic batch without compute
+    (ragged), `padding` ones are computed only to keep the batch rectangular."""
+
+    active: int
+    finished: int
+    padding: int
