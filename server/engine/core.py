@@ -30,7 +30,8 @@ import torch
 from batchpilot_server.batching_config import MODES, BatchingConfig, Mode
 from batchpilot_server.engine.block_pool import BlockPool
 from batchpilot_server.engine.busy_clock import BusyClock
-from batchpilot_server.engine.kv_cache import KVCache, bytes_per_block
+from batchpilot_server.engine.kv_cache import KVCache
+from batchpilot_server.engine.model_build import build_model
 from batchpilot_server.engine.model_runner import ModelRunner
 from batchpilot_server.engine.models import ModelSpec, resolve_device
 from batchpilot_server.engine.request_stream import END_OF_STREAM, RequestStream, StreamItem
@@ -39,7 +40,7 @@ from batchpilot_server.engine.scheduler import Output, Scheduler
 from batchpilot_server.engine.scheduler_policies import PolicyOptions, new_scheduler
 from batchpilot_server.engine.sequence import Sequence, TopLogprobs
 from batchpilot_server.engine.step_plan import PromptLogprobEntries, StepPlan
-from batchpilot_server.engine.weights import LoadedModel, load_model
+from batchpilot_server.engine.weights import LoadedModel
 from batchpilot_server.engine_api import (
     EngineError,
     EngineObserver,
@@ -187,8 +188,11 @@ class Engine:
         built.set_running_or_notify_cancel()  # from here `start` can no longer cancel it
         try:
             torch.set_num_threads(threads)  # torch's count is per thread
-            self._cache, self._runner = self._build(threads)
-            self._max_model_len = self._context_length(self._cache)
+            built_model = build_model(self._options, self._device, threads)
+            self._loaded, self._cache, self._runner = (
+                built_model.loaded, built_model.cache, built_model.runner
+            )
+            self._max_model_len = built_model.max_model_len
             self._sampler = Sampler(self._spec.vocab_size, self.tokenizer.eos_ids, self._device)
             scheduler = self._new_scheduler(self._cache.pool)
         except Exception as exc:
@@ -203,65 +207,6 @@ class Engine:
             return
         built.set_result(None)
         self._run(scheduler)
-
-    def _build(self, threads: int) -> tuple[KVCache, ModelRunner]:
-        options = self._options
-        self._loaded = load_model(
-            options.model,
-            device=self._device,
-            dtype=options.dtype,
-            quantization=options.quantization,
-            seed=options.seed,
-            max_model_len=options.max_model_len,
-        )
-        model = self._loaded.model
-        budget = options.kv_cache_mb * 2**20
-        if self._device == "cuda" and options.gpu_memory_fraction is not None:
-            free, _ = torch.cuda.mem_get_info()
-            budget = free * options.gpu_memory_fraction
-        cache = KVCache.sized(self._spec, budget, options.block_size, self._device, self._kv_dtype)
-        runner = ModelRunner(model, cache, options.attention, threads)
-        cache.pool.prefix_caching = options.prefix_caching and self._may_share_blocks(runner)
-        return cache, runner
-
-    @staticmethod
-    def _may_share_blocks(runner: ModelRunner) -> bool:
-        """Whether decode attention reads blocks that several sequences share: the
-        native kernel does; the torch path scores each pool block for one owner."""
-        if runner.attention == "native":
-            return True
-        log.warning("prefix caching is off: the torch decode attention cannot share blocks")
-        return False
-
-    @property
-    def _kv_dtype(self) -> torch.dtype:
-        # The model's K/V dtype where that is bfloat16 or on CUDA: a bfloat16 model's K/V
-        # are bfloat16 values, held exactly in half float32's bytes (twice the tokens per
-        # MiB, half the bytes decode attention reads); the native kernel computes in
-        # float32 over either. float16 on the CPU: float32, which the kernel reads.
-        if self._device == "cuda" or self._model.dtype == torch.bfloat16:
-            return self._model.dtype
-        return torch.float32
-
-    def _context_length(self, cache: KVCache) -> int:
-        """The model's context, or fewer tokens if the whole pool holds fewer: a longer
-        request could never be scheduled (as vLLM, but a warning rather than an error,
-        so that a small default pool still serves)."""
-        context, size = self._spec.max_seq_len, cache.block_size
-        pool_tokens = cache.pool.num_blocks * size
-        if pool_tokens >= context:
-            return context
-        needed = cache.pool.blocks_for(context) * bytes_per_block(self._spec, size, self._kv_dtype)
-        log.warning(
-            "the KV cache holds %d tokens, fewer than the model's context of %d: "
-            "max_model_len is %d tokens (prompt + output). Raise --kv-cache-mb (%.0f MiB "
-            "holds the whole context) or lower --max-model-len",
-            pool_tokens,
-            context,
-            pool_tokens,
-            needed / 2**20,
-        )
-        return pool_tokens
 
     def _new_scheduler(self, pool: BlockPool) -> Scheduler:
         """The batching policy `mode` names."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from batchpilot_server.batching_config import BatchingConfig
-from batchpilot_server.engine import core as engine_module
+from batchpilot_server.engine import model_build
 from batchpilot_server.engine.core import Engine
 from batchpilot_server.engine.kv_cache import KVCache, bytes_per_block
 from batchpilot_server.engine.model_runner import ModelRunner
@@ -260,7 +260,7 @@ async def test_the_default_pool_caps_smollm2s_context_so_a_chat_without_max_toke
     """SmolLM2's 8192-token context needs more than the default 64 MiB of float32 KV:
     the engine serves what the pool holds, and the chat default (what the context
     leaves after the prompt) is admitted and runs instead of being refused."""
-    monkeypatch.setattr(engine_module, "load_model", lambda source, **_: load_float32(source))
+    monkeypatch.setattr(model_build, "load_model", lambda source, **_: load_float32(source))
     options = EngineOptions(
         mode="continuous", config=BatchingConfig(), model=str(smollm2_dir), threads=1
     )

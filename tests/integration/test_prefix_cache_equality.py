@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from batchpilot_server import metric_names as names
-from batchpilot_server.engine import core as engine_module
+from batchpilot_server.engine import model_build
 from batchpilot_server.engine.core import Engine
 from batchpilot_server.engine_api import SamplingParams
 from batchpilot_server.serve_options import batching_config, engine_options, parser
@@ -127,7 +127,7 @@ async def test_smollm2_chats_sharing_a_system_prompt_decode_as_without_the_cache
     smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch, mode: str, budget: int
 ) -> None:
     # float32, loaded once for all the engines of this test
-    monkeypatch.setattr(engine_module, "load_model", lambda source, **_: load_float32(source))
+    monkeypatch.setattr(model_build, "load_model", lambda source, **_: load_float32(source))
     tokenizer = load_float32(str(smollm2_dir)).tokenizer
     system = (
         "You are a careful assistant for a bicycle repair shop. Answer in one short "

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from batchpilot_server.batching_config import BatchingConfig, Mode
-from batchpilot_server.engine import core as engine_module
+from batchpilot_server.engine import model_build
 from batchpilot_server.engine.core import Engine, RequestStream
 from batchpilot_server.engine.gguf_checkpoint import GGUFError
 from batchpilot_server.engine.models import UnsupportedModelError
@@ -111,7 +111,7 @@ def engines_share_loads() -> Iterator[None]:
     """Every engine of this module loads its model through the real loader once per
     source; loading itself is what the other tests here check."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(engine_module, "load_model", lambda source, **_: load_float32(source))
+        patch.setattr(model_build, "load_model", lambda source, **_: load_float32(source))
         yield
 
 

@@ -11,8 +11,7 @@ import time
 import pytest
 import torch
 from batchpilot_server.batching_config import BatchingConfig
-from batchpilot_server.engine import core as engine_module
-from batchpilot_server.engine import weights
+from batchpilot_server.engine import model_build, weights
 from batchpilot_server.engine.core import Engine
 from batchpilot_server.engine.kv_cache import bytes_per_block
 from batchpilot_server.engine.models import build_model, get_spec
@@ -143,7 +142,7 @@ async def test_a_small_kv_pool_caps_the_context_and_longer_requests_are_refused(
     spec = get_spec("tiny")
     pool_tokens = 8 * 16  # 0.5 MiB: 8 blocks of 16 tokens
     assert 8 * bytes_per_block(spec, 16, torch.float32) == 0.5 * 2**20
-    with caplog.at_level(logging.WARNING, logger="batchpilot_server.engine.core"):
+    with caplog.at_level(logging.WARNING, logger="batchpilot_server.engine.model_build"):
         engine = await started("continuous", kv_cache_mb=0.5)
     try:
         assert engine.max_model_len == pool_tokens < spec.max_seq_len
@@ -283,7 +282,7 @@ async def test_the_thread_that_steps_the_model_is_the_one_that_built_it(
         loaded_in.append(threading.get_ident())
         return weights.load_model(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(engine_module, "load_model", load_model)
+    monkeypatch.setattr(model_build, "load_model", load_model)
     observer = ThreadRecordingObserver()
     engine = await started("continuous", observer)
     try:
