@@ -229,16 +229,15 @@ class ScrapeSource:
 
     def _peaks(self, since: float) -> dict[str, float]:
         """Each peak gauge's highest value on any server in any snapshot of the window."""
-        peaks: dict[str, float] = {}
-        for snapshot in self.history:
-            if snapshot.at < since:
-                continue
-            for totals in snapshot.per_server.values():
-                for gauge in PEAKS.values():
-                    if gauge in totals.gauges:
-                        peaks[gauge] = max(peaks.get(gauge, totals.gauges[gauge]),
-                                           totals.gauges[gauge])  # fmt: skip
-        return peaks
+        readings = [
+            totals.gauges for snapshot in self.history if snapshot.at >= since
+            for totals in snapshot.per_server.values()
+        ]  # fmt: skip
+        return {
+            gauge: max(values)
+            for gauge in PEAKS.values()
+            if (values := [g[gauge] for g in readings if gauge in g])
+        }
 
 
 def _deltas(now: Snapshot, since: Snapshot) -> list[Totals]:
