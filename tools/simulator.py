@@ -542,8 +542,8 @@ class SimulatedServer:
         context = sum(seq.num_tokens for seq in decode)
         for seq in decode:
             self.pool.grow(seq.block_table, seq.num_tokens + steps - 1)
-            seq.token_ids += [SAMPLED_TOKEN] * steps
-            seq.num_computed = seq.num_tokens - 1
+            # each step computes the newest token and samples the next: as `postprocess`
+            seq.advance(steps, [SAMPLED_TOKEN] * steps)
         self.scheduler.steps += steps
         seconds = steps * first_s + growth_s * steps * (steps - 1) / 2
         if self.fleet.opt.mode == "continuous":  # each continuous step records its rows

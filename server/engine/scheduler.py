@@ -257,7 +257,7 @@ class QueueScheduler(ABC):
                 self.waiting.remove(seq)
             else:
                 released += self._drop(seq, now)
-            self._retire(seq)
+            seq.finish()
         return released
 
     def _expire_deadlines(self, now: float) -> list[Output]:
@@ -288,16 +288,10 @@ class QueueScheduler(ABC):
         error = EngineStoppedError("engine is shutting down; request not started")
         return [self._end(seq, error) for seq in refused]
 
-    @classmethod
-    def _end(cls, seq: Sequence, error: EngineError) -> Output:
-        cls._retire(seq)
-        return Output(seq, error)
-
     @staticmethod
-    def _retire(seq: Sequence) -> None:
-        """`seq` is done for good (its response complete, failed or unwanted): the one
-        place a sequence finishes; the sampler may then reuse its penalty row."""
-        seq.status = Status.FINISHED
+    def _end(seq: Sequence, error: EngineError) -> Output:
+        seq.finish()
+        return Output(seq, error)
 
     # ---- blocks and the prefix cache -------------------------------------------
 
@@ -309,9 +303,8 @@ class QueueScheduler(ABC):
         cached = self._cached_prefix(seq)
         if not self.pool.grow_sharing(seq.block_table, cached, num_tokens):
             return False
-        seq.status = Status.RUNNING
+        seq.admit(len(cached) * self.pool.block_size)
         seq.num_cached_blocks = len(cached)
-        seq.num_computed = len(cached) * self.pool.block_size
         if self._looks_up(seq):
             self.cache_queried += seq.num_tokens
             self.cache_hit += seq.num_computed

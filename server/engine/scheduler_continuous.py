@@ -23,7 +23,7 @@ from __future__ import annotations
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine.block_pool import BlockPool
 from batchpilot_server.engine.scheduler import Output, QueueScheduler, timeout_at
-from batchpilot_server.engine.sequence import Sequence, Status
+from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine.step_plan import StepPlan
 from batchpilot_server.engine_api import TokenEvent
 
@@ -111,10 +111,7 @@ class ContinuousScheduler(QueueScheduler):
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
-        # its K/V are given up: recomputed from the first token, or from as far as
-        # the prefix cache still holds them when it is admitted again
-        seq.num_computed = 0
-        seq.status = Status.WAITING
+        seq.preempt()
         self.waiting.appendleft(seq)  # victims go newest first: the oldest ends up in front
 
     def _policy_wake_at(self) -> float | None:
@@ -145,4 +142,4 @@ class ContinuousScheduler(QueueScheduler):
     def _leave(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
-        self._retire(seq)
+        seq.finish()

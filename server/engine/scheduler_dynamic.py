@@ -104,7 +104,7 @@ class DynamicScheduler(QueueScheduler):
         outputs = []
         for seq in released:
             self._release(seq)
-            self._retire(seq)
+            seq.finish()
             # every final event of a batch carries the step that ended it
             event = replace(self.held.pop(seq), step=self.steps)
             outputs.append(Output(seq, event, held_s=now - (seq.finished_at or now)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -45,7 +46,9 @@ class Sequence:
     # leading blocks of block_table the prefix cache knows: shared from it, or published
     num_cached_blocks: int = 0
     # tokens whose K/V the cache holds: a chunked prefill advances it chunk by chunk,
-    # each decode by one; preemption frees the blocks and sets it back to 0
+    # each decode by one; preemption frees the blocks and sets it back to 0.
+    # It, `status` and the tokens after the prompt change only through the
+    # transitions below (`admit`, `advance`, `preempt`, `finish`).
     num_computed: int = 0
     status: Status = Status.WAITING
     first_scheduled: float | None = None
@@ -66,6 +69,46 @@ class Sequence:
         self.token_ids = list(self.prompt_ids)
         if self.params.grammar is not None:
             self.grammar = self.params.grammar.start()
+
+    # ---- transitions: the only writers of status, num_computed and the output ----
+
+    def admit(self, num_cached: int) -> None:
+        """Scheduled to run, its first `num_cached` tokens' K/V shared from the prefix
+        cache: it computes from there."""
+        self.status = Status.RUNNING
+        self.num_computed = num_cached
+
+    def advance(self, computed: int, sampled: Collection[int] = ()) -> None:
+        """A forward computed the K/V of its next `computed` tokens, then `sampled` were
+        drawn, each from the logits of the token before it, and fed to the grammar.
+        One step: a prefill chunk (a token if it completes the prompt) or a decode (one
+        and one); the simulator's fast-forward: n decode steps at once."""
+        self.num_computed += computed
+        self.token_ids += sampled
+        if self.grammar is not None:
+            for token in sampled:
+                self.grammar.accept(token)
+
+    def gather_prompt_logprobs(self, start: int, entries: list[PromptLogprob]) -> None:
+        """Prefill's prompt log-probabilities from prompt position `start` on; a prefill
+        that starts over (preempted mid-prompt) gathers anew."""
+        if start == 0:
+            self.prompt_logprobs = []
+        self.prompt_logprobs += entries
+
+    def preempt(self) -> None:
+        """Evicted, its blocks given back (released first: publishing them reads
+        `num_computed`): recomputed from the first token, or from as far as the prefix
+        cache still holds them when admitted again."""
+        self.num_computed = 0
+        self.status = Status.WAITING
+
+    def finish(self) -> None:
+        """Done for good (its response complete, failed or unwanted): the sampler may
+        then reuse its penalty row."""
+        self.status = Status.FINISHED
+
+    # ---- what it is ------------------------------------------------------------
 
     @property
     def num_tokens(self) -> int:

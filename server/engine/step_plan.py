@@ -1,10 +1,11 @@
-"""A step's plan: what each row computes, and the one writer of a sequence's progress.
+"""A step's plan: what each row computes, and what it did once computed.
 
 The scheduler plans a step (`StepPlan`); the model runner reads the plan and returns
 logits, writing nothing to the sequences; the sampler picks tokens; then
 `StepPlan.advance` (called by the scheduler's `postprocess`) records what the step
-did: each row's computed K/V, its prompt log-probabilities, the token it sampled and
-its grammar state. A simulation or a test drives the same code path without a model.
+did through each row's `Sequence.advance`: its computed K/V, its prompt
+log-probabilities, the token it sampled and its grammar state. A simulation or a
+test drives the same code path without a model.
 """
 
 from __future__ import annotations
@@ -75,32 +76,30 @@ class StepPlan:
         return completed + self.decode
 
     def advance(self, tokens: list[int], prompt_logprobs: PromptLogprobs = ()) -> list[Sequence]:
-        """Record what this step did to its rows: what its forward computed
-        (`record_computed`), then each sampling row's token (`tokens`, in `sampling`
-        order) appended and fed to its grammar. Returns the sampling rows."""
+        """Record what this step did to its rows: what its forward computed and each
+        sampling row's token (`tokens`, in `sampling` order). Returns the sampling rows."""
         rows = self.sampling()
-        self.record_computed(prompt_logprobs)
-        for seq, token in zip(rows, tokens, strict=True):
-            seq.token_ids.append(token)
-            if seq.grammar is not None:
-                seq.grammar.accept(token)
+        sampled = {seq: (token,) for seq, token in zip(rows, tokens, strict=True)}
+        self._advance_rows(sampled, prompt_logprobs)
         return rows
 
     def record_computed(self, prompt_logprobs: PromptLogprobs = ()) -> None:
-        """What this step's forward computed, the only writer of `num_computed` while a
-        sequence runs (admission and preemption set where it starts): each prefill
-        row's K/V by its chunk, each decode and padding row's up to its newest token;
-        and the prompt log-probabilities prefill gathered (a prefill that starts over,
-        preempted mid-prompt, gathers anew). Tests that drive the model runner alone
-        call it after each forward."""
+        """What this step's forward computed, no token sampled: tests that drive the
+        model runner alone call it after each forward."""
+        self._advance_rows({}, prompt_logprobs)
+
+    def _advance_rows(
+        self, sampled: dict[Sequence, tuple[int]], prompt_logprobs: PromptLogprobs
+    ) -> None:
+        """Each row through `Sequence.advance`: a prefill row's K/V by its chunk, a
+        decode or padding row's up to its newest token, then its sampled token; and
+        the prompt log-probabilities prefill gathered."""
         for seq, size in zip(self.prefill, self.chunk_sizes(), strict=True):
-            seq.num_computed += size
+            seq.advance(size, sampled.get(seq, ()))
         for seq in (*self.decode, *self.pad):
-            seq.num_computed = seq.num_tokens
+            seq.advance(seq.num_uncomputed, sampled.get(seq, ()))
         for seq, start, entries in prompt_logprobs:
-            if start == 0:
-                seq.prompt_logprobs = []
-            seq.prompt_logprobs += entries
+            seq.gather_prompt_logprobs(start, entries)
 
     def slot_steps(self) -> SlotSteps:
         """The token positions this step's batch holds, by what they are for; read

@@ -1,6 +1,7 @@
 """Driving the model runner alone, as the engine's step does without the sampler: one
-forward over a plan, then `StepPlan.record_computed`, the one writer of what it
-computed (the tests append the tokens they feed next themselves)."""
+forward over a plan, then `StepPlan.record_computed`, which records what it
+computed through each row's `Sequence.advance` (the tests append the tokens they
+feed next themselves)."""
 
 from __future__ import annotations
 

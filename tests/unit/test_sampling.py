@@ -17,7 +17,7 @@ import pytest
 import torch
 from batchpilot_server.engine import sampling
 from batchpilot_server.engine.sampling import Knobs, Sampler, candidates, make_generator
-from batchpilot_server.engine.sequence import Sequence, Status
+from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine_api import SamplingParams
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -333,7 +333,7 @@ def test_penalty_counts_stay_right_as_sequences_come_and_go(
             torch.testing.assert_close(processed[row], expected, rtol=1e-6, atol=1e-6)
         for seq, token in zip(running, sampler.sample(logits.clone(), running).tokens, strict=True):
             seq.token_ids.append(token)
-        running[0].status = Status.FINISHED
+        running[0].finish()
         running = [*running[1:], pending.pop(0)]
     assert len(sampler.penalties.owners) == 8
 
