@@ -143,6 +143,44 @@ def test_the_tuning_rule_imports_nothing_that_imports_it() -> None:
         pending += targets
 
 
+def progress_writes(path: Path) -> Iterator[str]:
+    """Each assignment in `path` to a sequence's progress: `num_computed`, or a
+    `status` set to a `Status` (other objects' `status`, an HTTP code, is not)."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets, value = [node.target], node.value
+        else:
+            continue
+        for target in targets:
+            if not isinstance(target, ast.Attribute):
+                continue
+            sets_status = (
+                target.attr == "status"
+                and isinstance(value, ast.Attribute)
+                and isinstance(value.value, ast.Name)
+                and value.value.id == "Status"
+            )
+            if target.attr == "num_computed" or sets_status:
+                yield f"{path.relative_to(ROOT).as_posix()}:{node.lineno}"
+
+
+def test_only_the_sequence_writes_its_progress() -> None:
+    """`Sequence`'s transitions (admit, advance, preempt, finish) are the one writer of
+    its status and `num_computed`: the schedulers, the step plan, the simulator and the
+    tests call them rather than copy the bookkeeping (issue 42)."""
+    owner = ROOT / "server" / "engine" / "sequence.py"
+    writes = [
+        write
+        for folder in ("server", "tools", "tests", "bench")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path != owner
+        for write in progress_writes(path)
+    ]
+    assert not writes
+
+
 def test_every_test_file_lives_in_a_test_folder() -> None:
     tests = ROOT / "tests"
     misplaced = [
