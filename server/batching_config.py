@@ -179,7 +179,12 @@ class BatchingConfig:
         return self.batch_timeout_ms / 1000.0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        # without classes, the form servers before SLO classes take (their schema refuses
+        # an unknown key): a newer operator's ConfigMap and PUTs still reach older pods
+        if not self.slo.classes:
+            del data["slo"]["classes"]
+        return data
 
     def merged(self, changes: dict[str, Any]) -> BatchingConfig:
         """This config with `changes` applied; rejects unknown keys and bad values."""

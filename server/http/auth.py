@@ -59,6 +59,12 @@ API_KEY = BearerGuard(
 
 def require_bearer(request: web.Request, expected: str, guard: BearerGuard) -> None:
     """The one bearer-token check: an ApiError unless the request sends `expected`."""
+    require_one_of(request, [expected], guard)
+
+
+def require_one_of(request: web.Request, accepted: list[str], guard: BearerGuard) -> int:
+    """The index in `accepted` of the bearer credential the request sends; an ApiError
+    when it sends none of them."""
     challenge = {"WWW-Authenticate": f'Bearer realm="{guard.realm}"'}
     given = _bearer(request)
     if given is None:
@@ -69,8 +75,12 @@ def require_bearer(request: web.Request, expected: str, guard: BearerGuard) -> N
             code=guard.missing_code,
             headers=challenge,
         )
-    # constant time, so that the answer's timing tells nothing of the secret
-    if not hmac.compare_digest(given, expected.encode("utf-8", "surrogateescape")):
+    # constant time, and every key compared, so that the timing tells nothing of the secrets
+    matches = [
+        hmac.compare_digest(given, expected.encode("utf-8", "surrogateescape"))
+        for expected in accepted
+    ]
+    if True not in matches:
         unauthenticated = guard.invalid_status == 401  # a 401 names its scheme (RFC 9110)
         raise ApiError(
             guard.invalid_status,
@@ -79,6 +89,7 @@ def require_bearer(request: web.Request, expected: str, guard: BearerGuard) -> N
             code=guard.invalid_code,
             headers=challenge if unauthenticated else None,
         )
+    return matches.index(True)
 
 
 def _bearer(request: web.Request) -> bytes | None:
@@ -96,10 +107,23 @@ KEYED_PREFIXES = ("/v1/",)
 KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
+# where the middleware leaves the SLO class a request's API key is bound to (--api-key-class)
+BOUND_CLASS = web.RequestKey("batchpilot_bound_class", str)
+
+
 @web.middleware
 async def api_key_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    current_key = request.app[STATE].api_key
+    state = request.app[STATE]
     path = request.path
-    if current_key is not None and (path.startswith(KEYED_PREFIXES) or path in KEYED_PATHS):
-        require_bearer(request, current_key(), API_KEY)
+    keyed = state.api_key is not None or state.class_keys
+    if keyed and (path.startswith(KEYED_PREFIXES) or path in KEYED_PATHS):
+        # the free key (any class) first, then each bound one
+        bound: list[str | None] = [None] if state.api_key is not None else []
+        accepted = [state.api_key()] if state.api_key is not None else []
+        for class_key in state.class_keys:
+            bound.append(class_key.slo_class)
+            accepted.append(class_key.key())
+        slo_class = bound[require_one_of(request, accepted, API_KEY)]
+        if slo_class is not None:
+            request[BOUND_CLASS] = slo_class
     return await handler(request)
