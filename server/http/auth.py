@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from batchpilot_server.http.protocol import ApiError
 from batchpilot_server.http.responses import Handler
-from batchpilot_server.http.server_state import STATE
+from batchpilot_server.http.server_state import STATE, ServerState
 
 # a fixed token, or where to get the one in force (TokenFile.current); None: no token,
 # so the admin API is off, or the API routes are open
@@ -111,19 +111,21 @@ KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
 BOUND_CLASS = web.RequestKey("batchpilot_bound_class", str)
 
 
+def _keys_in_force(state: ServerState) -> list[tuple[str | None, str]]:
+    """(bound class, key) of every key that opens the API routes: the free key, whose
+    requests pick their own class, first; then each key bound to a class."""
+    free = [] if state.api_key is None else [(None, state.api_key())]
+    return free + [(k.slo_class, k.key()) for k in state.class_keys]
+
+
 @web.middleware
 async def api_key_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    state = request.app[STATE]
     path = request.path
-    keyed = state.api_key is not None or state.class_keys
-    if keyed and (path.startswith(KEYED_PREFIXES) or path in KEYED_PATHS):
-        # the free key (any class) first, then each bound one
-        bound: list[str | None] = [None] if state.api_key is not None else []
-        accepted = [state.api_key()] if state.api_key is not None else []
-        for class_key in state.class_keys:
-            bound.append(class_key.slo_class)
-            accepted.append(class_key.key())
-        slo_class = bound[require_one_of(request, accepted, API_KEY)]
-        if slo_class is not None:
-            request[BOUND_CLASS] = slo_class
+    if path.startswith(KEYED_PREFIXES) or path in KEYED_PATHS:
+        keys = _keys_in_force(request.app[STATE])
+        if keys:  # none: the routes are open
+            index = require_one_of(request, [key for _, key in keys], API_KEY)
+            slo_class = keys[index][0]
+            if slo_class is not None:
+                request[BOUND_CLASS] = slo_class
     return await handler(request)
