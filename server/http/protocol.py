@@ -396,7 +396,7 @@ class SloClassUpdate(TypedDict, total=False):
     (higher is served first, an InferenceObjective's meaning)."""
 
     __pydantic_config__ = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # type: ignore[misc]
-    name: Required[Annotated[str, Field(pattern=CLASS_NAME_PATTERN.pattern, max_length=63)]]
+    name: Required[Annotated[str, Field(pattern=f"^{CLASS_NAME_PATTERN.pattern}$", max_length=63)]]
     priority: Annotated[int, Field(ge=-MAX_CLASS_PRIORITY, le=MAX_CLASS_PRIORITY)]
     ttft_ms: SloTargetMs
     tpot_ms: SloTargetMs
