@@ -25,12 +25,17 @@ from batchpilot_operator.slo import (
     DEFAULT_BUDGET_WINDOW_S,
     KV_HIGH_WATERMARK,
     Slo,
+    SloClass,
 )
 from batchpilot_server.batching_config import (
+    CLASS_NAME_PATTERN,
+    DEFAULT_CLASS,
     MAX_BATCH_SIZE_LIMIT,
     MAX_BATCH_TIMEOUT_MS,
+    MAX_CLASS_PRIORITY,
     MAX_PREFILL_TOKEN_BUDGET,
     MAX_QUEUE_SIZE_LIMIT,
+    MAX_SLO_CLASSES,
     MAX_SLO_TARGET_MS,
     MODES,
     BatchingConfig,
@@ -74,6 +79,7 @@ MIN_ATTAINMENT, MAX_ATTAINMENT = 0.5, 0.9999
 BUDGET_WINDOW_PATTERN = re.compile(r"([1-9][0-9]{0,5})([smhd])")
 BUDGET_WINDOW_UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_BUDGET_WINDOW_S = 90 * 86400
+SLO_CLASS_KEYS = ("name", "priority", *SLO_TARGET_KEYS, "attainment")
 
 
 class SpecError(ValueError):
@@ -366,6 +372,65 @@ def _slo(value: Any, kv_high_watermark: float) -> Slo:
         ),
         budget_window_s=_budget_window(raw),
         kv_high_watermark=kv_high_watermark,
+        classes=_slo_classes(raw.get("classes")),
+    )  # fmt: skip
+
+
+def _slo_classes(value: Any) -> tuple[SloClass, ...]:
+    """slo.classes: named classes beside the top-level targets (the default class)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_SLO_CLASSES:
+        raise SpecError(
+            "InvalidSLO", f"slo.classes must be a list of at most {MAX_SLO_CLASSES} classes"
+        )
+    classes = tuple(_slo_class(item, index) for index, item in enumerate(value))
+    names = [c.name for c in classes]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise SpecError("InvalidSLO", f"slo.classes names {', '.join(duplicates)} more than once")
+    return classes
+
+
+def _slo_class(value: Any, index: int) -> SloClass:
+    path = f"slo.classes[{index}]"
+    raw = _section({path: value}, path)
+    unknown = sorted(set(raw) - set(SLO_CLASS_KEYS))
+    if unknown:
+        raise SpecError("InvalidSLO", f"{path} has unknown field(s) {', '.join(unknown)}")
+    name = _str(raw, "name", "", f"{path}.name")
+    if not CLASS_NAME_PATTERN.fullmatch(name):
+        raise SpecError(
+            "InvalidSLO",
+            f"{path}.name must be a DNS label (lowercase letters, digits and '-', at most "
+            f"63), got {_shown(name)}",
+        )
+    if name == DEFAULT_CLASS:
+        raise SpecError(
+            "InvalidSLO",
+            f"{path}.name {DEFAULT_CLASS!r} is the top-level targets' class: name it otherwise",
+        )
+    targets_s = {
+        short: _number(raw, key, 0, f"{path}.{key}", low=1, high=MAX_SLO_TARGET_MS) / 1000.0
+        for key, short in SLO_TARGET_KEYS.items()
+        if key in raw
+    }
+    if not targets_s:
+        raise SpecError(
+            "InvalidSLO", f"{path} ({name}) states no target: give ttftMs, tpotMs or e2eMs"
+        )
+    return SloClass(
+        name=name,
+        priority=_int(
+            raw, "priority", 0, f"{path}.priority", -MAX_CLASS_PRIORITY, MAX_CLASS_PRIORITY
+        ),
+        ttft_s=targets_s.get("ttft"),
+        tpot_s=targets_s.get("tpot"),
+        e2e_s=targets_s.get("e2e"),
+        attainment=_number(
+            raw, "attainment", DEFAULT_ATTAINMENT, f"{path}.attainment",
+            low=MIN_ATTAINMENT, high=MAX_ATTAINMENT,
+        ),
     )  # fmt: skip
 
 
@@ -448,14 +513,20 @@ def _check_servable(spec: PolicySpec) -> None:
     # A dynamic batch may hold its oldest request the whole timeout before the first
     # token: a floor at the TTFT or e2e target could never meet it. TPOT has no such
     # bound (the timeout delays a request's start, not its later tokens).
-    for name, field in (("ttft", "slo.ttftMs"), ("e2e", "slo.e2eMs (or slo.p99LatencyMs)")):
-        target_s = spec.slo.stated.get(name)
-        if target_s is not None and bounds.min_timeout_ms >= target_s * 1000.0:
-            raise SpecError(
-                "InvalidBounds",
-                f"batching.batchTimeoutMs.min ({bounds.min_timeout_ms:g} ms) is not below "
-                f"{field} ({target_s * 1000.0:g} ms): the SLO could never be met",
-            )
+    floors = [
+        (spec.slo.stated, "slo.ttftMs", "slo.e2eMs (or slo.p99LatencyMs)"),
+        *((c.stated, f"slo.classes[{c.name}].ttftMs", f"slo.classes[{c.name}].e2eMs")
+          for c in spec.slo.classes),
+    ]  # fmt: skip
+    for stated, ttft_field, e2e_field in floors:
+        for name, field in (("ttft", ttft_field), ("e2e", e2e_field)):
+            target_s = stated.get(name)
+            if target_s is not None and bounds.min_timeout_ms >= target_s * 1000.0:
+                raise SpecError(
+                    "InvalidBounds",
+                    f"batching.batchTimeoutMs.min ({bounds.min_timeout_ms:g} ms) is not below "
+                    f"{field} ({target_s * 1000.0:g} ms): the SLO could never be met",
+                )
     if spec.slo.budget_window_s < spec.autotune.window_seconds:
         raise SpecError(
             "InvalidSLO",

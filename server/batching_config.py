@@ -6,6 +6,7 @@ Torch-free on purpose: the operator imports this module.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -24,43 +25,134 @@ MAX_SLO_TARGET_MS = 86_400_000.0  # a day: any longer target is a typo
 
 FIELDS = ("max_batch_size", "batch_timeout_ms", "max_queue_size", "prefill_token_budget", "slo")
 SLO_TARGETS = ("ttft_ms", "tpot_ms", "e2e_ms")
+SLO_CLASS_FIELDS = ("name", "priority", *SLO_TARGETS)
+# The class of a request that names none: the top-level targets, at priority 0.
+DEFAULT_CLASS = "default"
+# A class is named as a Kubernetes object is (the Gateway API Inference Extension's
+# InferenceObjective names one): a DNS label, which also keeps it a safe metric label.
+CLASS_NAME_PATTERN = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+MAX_CLASS_PRIORITY = 1_000_000
+MAX_SLO_CLASSES = 16
 
 
 class ConfigError(ValueError):
     """A batching config the caller sent is malformed or out of range."""
 
 
+def _check_targets(section: str, targets: dict[str, float | None]) -> None:
+    for name, value in targets.items():
+        if value is not None:
+            _check_number(f"{section}.{name}", value, 0.0, MAX_SLO_TARGET_MS)
+            if value <= 0:
+                raise ConfigError(f"{section}.{name} must be positive, got {brief(value)}")
+
+
+def _stated(targets: dict[str, float | None]) -> dict[str, float]:
+    """The stated targets by short name (ttft, tpot, e2e)."""
+    return {name.removesuffix("_ms"): value for name, value in targets.items() if value is not None}
+
+
+@dataclass(frozen=True)
+class SloClass:
+    """A named class of requests with targets of its own (milliseconds) and a priority:
+    higher is served first, the InferenceObjective's meaning. A class states at least one
+    target: one without would judge nothing and could never bind."""
+
+    name: str
+    priority: int = 0
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not CLASS_NAME_PATTERN.fullmatch(self.name):
+            raise ConfigError(
+                "slo.classes[].name must be a DNS label (lowercase letters, digits and '-', "
+                f"at most 63), got {brief(self.name)}"
+            )
+        section = f"slo.classes[{self.name}]"
+        _check_int(f"{section}.priority", self.priority, -MAX_CLASS_PRIORITY, MAX_CLASS_PRIORITY)
+        _check_targets(section, self._targets())
+        if not self.stated:
+            raise ConfigError(f"{section} states no target: give ttft_ms, tpot_ms or e2e_ms")
+
+    def _targets(self) -> dict[str, float | None]:
+        return {name: getattr(self, name) for name in SLO_TARGETS}
+
+    @property
+    def stated(self) -> dict[str, float]:
+        """The stated targets by short name (ttft, tpot, e2e), in milliseconds."""
+        return _stated(self._targets())
+
+    @classmethod
+    def from_dict(cls, data: Any) -> SloClass:
+        if not isinstance(data, dict):
+            fields = ", ".join(SLO_CLASS_FIELDS)
+            raise ConfigError(f"slo.classes[] must be JSON objects of {fields}")
+        _refuse_unknown("slo.classes[]", data, SLO_CLASS_FIELDS)
+        if "name" not in data:
+            raise ConfigError("slo.classes[] needs a name")
+        return cls(**data)
+
+
 @dataclass(frozen=True)
 class SloTargets:
     """The policy's per-request targets, in milliseconds; None: not stated.
 
-    Each pod judges every request it finishes against them (a request meets the
-    SLO when every stated target holds for it); no target stated: nothing is judged.
+    Each pod judges every request it finishes against its class's targets (a request
+    meets the SLO when every stated target holds for it). The top-level targets are the
+    default class's, the one a request naming no class is in; no target stated: nothing
+    in that class is judged. `classes` adds named classes beside it.
     """
 
     ttft_ms: float | None = None  # arrival to first token
     tpot_ms: float | None = None  # mean time per output token after the first
     e2e_ms: float | None = None  # arrival to last byte
+    classes: tuple[SloClass, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in SLO_TARGETS:
-            value = getattr(self, name)
-            if value is not None:
-                _check_number(f"slo.{name}", value, 0.0, MAX_SLO_TARGET_MS)
-                if value <= 0:
-                    raise ConfigError(f"slo.{name} must be positive, got {brief(value)}")
+        _check_targets("slo", {name: getattr(self, name) for name in SLO_TARGETS})
+        if not isinstance(self.classes, tuple | list):
+            raise ConfigError("slo.classes must be a list of classes")
+        if len(self.classes) > MAX_SLO_CLASSES:
+            raise ConfigError(f"slo.classes holds at most {MAX_SLO_CLASSES} classes")
+        # from JSON (to_dict's form) the classes come as objects: type them
+        classes = tuple(
+            c if isinstance(c, SloClass) else SloClass.from_dict(c) for c in self.classes
+        )
+        object.__setattr__(self, "classes", classes)
+        names = [c.name for c in classes]
+        if DEFAULT_CLASS in names:
+            raise ConfigError(
+                f"slo.classes must not name a class {DEFAULT_CLASS!r}: that name is the "
+                "top-level targets' (the class of a request that names none)"
+            )
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ConfigError(f"slo.classes names {', '.join(duplicates)} more than once")
 
     @property
     def stated(self) -> dict[str, float]:
-        """The stated targets by short name (ttft, tpot, e2e), in milliseconds."""
-        values = {name.removesuffix("_ms"): getattr(self, name) for name in SLO_TARGETS}
-        return {name: value for name, value in values.items() if value is not None}
+        """The default class's stated targets by short name (ttft, tpot, e2e), in ms."""
+        return _stated({name: getattr(self, name) for name in SLO_TARGETS})
+
+    @property
+    def default_class(self) -> SloClass | None:
+        """The top-level targets as a class; None when they state no target."""
+        if not self.stated:
+            return None
+        return SloClass(DEFAULT_CLASS, 0, self.ttft_ms, self.tpot_ms, self.e2e_ms)
+
+    def by_name(self) -> dict[str, SloClass | None]:
+        """Every class a request may name: the default one (None: no targets, so its
+        requests go unjudged), then the named ones in the order given."""
+        return {DEFAULT_CLASS: self.default_class, **{c.name: c for c in self.classes}}
 
     @classmethod
     def from_dict(cls, data: Any) -> SloTargets:
         if not isinstance(data, dict):
-            raise ConfigError("slo must be a JSON object of ttft_ms, tpot_ms and e2e_ms")
-        _refuse_unknown("slo", data, SLO_TARGETS)
+            raise ConfigError("slo must be a JSON object of ttft_ms, tpot_ms, e2e_ms and classes")
+        _refuse_unknown("slo", data, (*SLO_TARGETS, "classes"))
         return cls(**data)
 
 
@@ -87,7 +179,12 @@ class BatchingConfig:
         return self.batch_timeout_ms / 1000.0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        # without classes, the form servers before SLO classes take (their schema refuses
+        # an unknown key): a newer operator's ConfigMap and PUTs still reach older pods
+        if not self.slo.classes:
+            del data["slo"]["classes"]
+        return data
 
     def merged(self, changes: dict[str, Any]) -> BatchingConfig:
         """This config with `changes` applied; rejects unknown keys and bad values."""

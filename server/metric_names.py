@@ -32,13 +32,17 @@ REQUEST_PROMPT_TOKENS = "batchpilot_request_prompt_tokens"
 # Each completed request's mean time per output token after its first (the tpot target's
 # quantity; a one-token answer has none).
 REQUEST_TIME_PER_OUTPUT_TOKEN = "batchpilot_request_time_per_output_token_seconds"
-# Requests judged against the config's SLO targets as they end, labels result (met|missed)
-# and target (ttft|tpot|e2e, and all: every stated target held); nothing when none is stated.
+# Requests judged against their SLO class's targets as they end, labels class, result
+# (met|missed) and target (ttft|tpot|e2e, and all: every stated target held); nothing
+# grows in a class that states no target.
 REQUESTS_SLO_TOTAL = "batchpilot_requests_slo_total"
 SLO_RESULTS = ("met", "missed")
 SLO_STATED = ("ttft", "tpot", "e2e")  # the targets a policy may state
 SLO_ALL = "all"  # every stated target held
 SLO_TARGETS = (*SLO_STATED, SLO_ALL)
+# The request's SLO class (docs/server.md), on the SLO counter and the request latency
+# histograms; vLLM's names keep their labels, which gateways read.
+CLASS_LABEL = "class"
 PREEMPTIONS_TOTAL = "batchpilot_preemptions_total"
 # Tokens of admitted sequences looked up in the prefix cache, and those found there (not
 # computed again); hits / queries is the cache's hit rate.

@@ -16,13 +16,16 @@ from batchpilot_server.engine_api import EngineOptions
 from batchpilot_server.http.app import begin_drain, build_app, end_in_flight, wait_drained
 from batchpilot_server.http.connections import ConnectionGuard, ConnectionLimits
 from batchpilot_server.http.protocol import Limits
+from batchpilot_server.http.server_state import ClassKey
 from batchpilot_server.serve_options import (
     ANSWER_MARGIN_S,
+    ClassKeyFile,
     UsageError,
     admin_token,
     api_key,
     batching_config,
     chat_template,
+    class_keys,
     connection_limits,
     engine_options,
     parser,
@@ -35,6 +38,7 @@ log = logging.getLogger("batchpilot.serve")
 class Secrets:
     admin_token: TokenFile | None
     api_key: str | TokenFile | None
+    class_keys: list[ClassKeyFile]
 
 
 async def serve(
@@ -51,6 +55,7 @@ async def serve(
         admin_token=None if token is None else token.current,
         limits=limits,
         api_key=key.current if isinstance(key, TokenFile) else key,
+        class_keys=tuple(ClassKey(k.slo_class, k.file.current) for k in secrets.class_keys),
         chat_template=template,
         metrics_compat=args.metrics_compat,
     )
@@ -118,7 +123,8 @@ def main(argv: list[str]) -> int:
         if args.shutdown_grace_s < 0 or args.queue_timeout_s <= 0:
             raise UsageError("--shutdown-grace-s must be >= 0 and --queue-timeout-s > 0")
         options = engine_options(args, batching_config(args))
-        secrets = Secrets(admin_token(args.admin_token_file), api_key(args))
+        free_key = api_key(args)
+        secrets = Secrets(admin_token(args.admin_token_file), free_key, class_keys(args, free_key))
         connections = connection_limits(args)
         template = chat_template(args.chat_template)
     except UsageError as exc:

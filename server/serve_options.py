@@ -7,10 +7,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from batchpilot_server.admin_token import TokenFile, TokenFileError
-from batchpilot_server.batching_config import MODES, BatchingConfig, ConfigError
+from batchpilot_server.batching_config import (
+    CLASS_NAME_PATTERN,
+    DEFAULT_CLASS,
+    MODES,
+    BatchingConfig,
+    ConfigError,
+)
 from batchpilot_server.chat_template import ChatTemplate, ChatTemplateError
 from batchpilot_server.cpu_quota import default_threads
 from batchpilot_server.engine_api import (
@@ -161,6 +168,15 @@ def parser() -> argparse.ArgumentParser:
         help="as --api-key, the key read from this file (again whenever it changes)",
     )
     p.add_argument(
+        "--api-key-class",
+        action="append",
+        default=[],
+        metavar="CLASS=KEY_FILE",
+        help="a tenant's API key, read from KEY_FILE (again whenever it changes), bound to "
+        "the SLO class CLASS: its requests are judged in CLASS whatever header or priority "
+        "they send. Repeat for more tenants; any bound key also opens the OpenAI routes",
+    )
+    p.add_argument(
         "--chat-template",
         type=Path,
         metavar="FILE",
@@ -308,6 +324,34 @@ def api_key(args: argparse.Namespace) -> str | TokenFile | None:
         source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
         raise UsageError(f"{source} is empty; give a key or leave it unset")
     return key.strip() if key is not None else None
+
+
+def class_keys(args: argparse.Namespace, free_key: str | TokenFile | None) -> list[ClassKeyFile]:
+    """--api-key-class CLASS=KEY_FILE, each read now; no key may open two classes (the
+    first match would win, and a tenant could escape its class)."""
+    out: list[ClassKeyFile] = []
+    for given in args.api_key_class:
+        name, sep, path = given.partition("=")
+        if not sep or not path:
+            raise UsageError(f"--api-key-class {given!r}: give CLASS=KEY_FILE")
+        if name != DEFAULT_CLASS and not CLASS_NAME_PATTERN.fullmatch(name):
+            raise UsageError(f"--api-key-class {given!r}: {name!r} is no SLO class name")
+        try:
+            out.append(ClassKeyFile(name, TokenFile(Path(path), what=f"API key of class {name}")))
+        except TokenFileError as exc:
+            raise UsageError(str(exc)) from exc
+    keys = [k.file.current() for k in out]
+    if free_key is not None:
+        keys.append(free_key if isinstance(free_key, str) else free_key.current())
+    if len(set(keys)) < len(keys):
+        raise UsageError("--api-key-class: two keys are the same; each tenant needs its own")
+    return out
+
+
+@dataclass(frozen=True)
+class ClassKeyFile:
+    slo_class: str
+    file: TokenFile
 
 
 def chat_template(path: Path | None) -> str | None:

@@ -27,7 +27,7 @@ import uuid
 from concurrent.futures import Future
 
 import torch
-from batchpilot_server.batching_config import MODES, BatchingConfig, Mode
+from batchpilot_server.batching_config import DEFAULT_CLASS, MODES, BatchingConfig, Mode
 from batchpilot_server.engine.block_pool import BlockPool
 from batchpilot_server.engine.busy_clock import BusyClock
 from batchpilot_server.engine.kv_cache import KVCache
@@ -261,9 +261,12 @@ class Engine:
         params: SamplingParams,
         *,
         deadline_s: float | None = None,
+        slo_class: str = DEFAULT_CLASS,
+        priority: int = 0,
     ) -> RequestStream:
-        """A request the API validated (token ids, sampling values); raises
-        QueueFullError, PromptTooLongError or EngineStoppedError."""
+        """A request the API validated (token ids, sampling values) in its SLO class at
+        that class's priority (higher first); raises QueueFullError, PromptTooLongError
+        or EngineStoppedError."""
         now = time.monotonic()
         seq = Sequence(
             request_id=f"req-{uuid.uuid4().hex[:16]}-{next(self._ids)}",
@@ -272,6 +275,8 @@ class Engine:
             arrival=now,
             deadline=None if deadline_s is None else now + deadline_s,
             generator=make_generator(params, self._device),
+            slo_class=slo_class,
+            priority=priority,
         )
         stream = RequestStream(seq.request_id, lambda: self._cancel(seq))
         with self._cond:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from batchpilot_server.batching_config import DEFAULT_CLASS
 from batchpilot_server.engine.block_pool import BlockHash
 from batchpilot_server.engine_api import (
     GREEDY_BELOW_TEMPERATURE,
@@ -38,6 +39,10 @@ class Sequence:
     arrival: float  # time.monotonic() at submit
     deadline: float | None  # monotonic; only applies until first scheduled
     generator: torch.Generator | None  # None: greedy
+    # the request's SLO class and that class's priority (higher is served first, the
+    # InferenceObjective's meaning; http/slo_class.py maps vLLM's `priority` to a class)
+    slo_class: str = DEFAULT_CLASS
+    priority: int = 0
     token_ids: list[int] = field(init=False)
     block_table: list[int] = field(default_factory=list)
     # the prefix cache's names of the full blocks of token_ids, as far as computed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from batchpilot_server.batching_config import DEFAULT_CLASS
 from batchpilot_server.http.server_state import ServerState
 from batchpilot_server.http.slo_judge import RequestTiming, judge
 
@@ -21,6 +22,9 @@ class RequestEnd:
     def __init__(self, state: ServerState, arrival: float) -> None:
         self.state = state
         self.timing = RequestTiming(arrival)  # Generation records each token's time here
+        # the request's SLO class once known (slo_class.py); one refused before its body
+        # was read (a draining server's 503) is the default class's
+        self.slo_class = DEFAULT_CLASS
         self.recorded = False
 
     def record(self, outcome: str, status: int | None = None) -> None:
@@ -29,14 +33,18 @@ class RequestEnd:
         if self.recorded:
             return
         self.recorded = True
-        metrics, now = self.state.metrics, time.monotonic()
+        metrics, now, name = self.state.metrics, time.monotonic(), self.slo_class
         if outcome == "ok":
-            metrics.request_duration.observe(now - self.timing.arrival_s)
+            metrics.request_duration.observe(now - self.timing.arrival_s, name)
             if (tpot := self.timing.tpot_s) is not None:
-                metrics.request_tpot.observe(tpot)
+                metrics.request_tpot.observe(tpot, name)
         metrics.count_request(outcome)
-        targets = self.state.engine.config.slo  # the targets in force as it ends
+        # its class's targets in force as it ends; None: the class states no target (or a
+        # PUT removed the class while the request ran), so it is not judged
+        targets = self.state.engine.config.slo.by_name().get(name)
+        if targets is None:
+            return
         if outcome == "ok":
-            metrics.count_slo(judge(targets, self.timing, now))
+            metrics.count_slo(judge(targets, self.timing, now), name)
         elif status in SLO_FAILURES:
-            metrics.count_slo(judge(targets, None, now))
+            metrics.count_slo(judge(targets, None, now), name)

@@ -133,12 +133,26 @@ class VersionResponse(BaseModel):
     version: str
 
 
+class SloClassState(BaseModel):
+    """A named class's targets in milliseconds (null: not stated) and priority."""
+
+    name: str
+    priority: int = Field(description="Higher is served first.")
+    ttft_ms: float | None
+    tpot_ms: float | None
+    e2e_ms: float | None
+
+
 class SloState(BaseModel):
-    """The SLO targets in force, in milliseconds; null: not stated."""
+    """The SLO targets in force, in milliseconds; null: not stated. The top-level ones
+    are the class `default`'s, of a request that names none."""
 
     ttft_ms: float | None = Field(description="Arrival to first token.")
     tpot_ms: float | None = Field(description="Mean time per output token after the first.")
     e2e_ms: float | None = Field(description="Arrival to last byte.")
+    classes: list[SloClassState] = Field(
+        default_factory=list, description="The named classes beside the default."
+    )
 
 
 class BatchingState(BaseModel):

@@ -30,7 +30,7 @@ from batchpilot_server.http.probes import (
 )
 from batchpilot_server.http.protocol import Limits
 from batchpilot_server.http.responses import error_middleware
-from batchpilot_server.http.server_state import STATE, EngineLike, ServerState
+from batchpilot_server.http.server_state import STATE, ClassKey, EngineLike, ServerState
 from batchpilot_server.http.serving import (
     chat_completions,
     completions,
@@ -49,6 +49,7 @@ def create_app(
     admin_token: TokenSource,
     limits: Limits,
     api_key: TokenSource = None,
+    class_keys: tuple[ClassKey, ...] = (),
     chat_template: str | None = None,
     defaults: GenerationDefaults = MODEL_NEUTRAL,
 ) -> web.Application:
@@ -56,13 +57,15 @@ def create_app(
 
     `api_key` (a key, or where to get the one in force): the OpenAI routes and
     /tokenize, /detokenize then need `Authorization: Bearer <key>`; probes, /metrics,
-    /version and /openapi.json stay open, the admin API keeps its own token."""
+    /version and /openapi.json stay open, the admin API keeps its own token. `class_keys`:
+    more keys, each binding its requests to an SLO class (docs/server.md)."""
     state = ServerState(
         engine=engine,
         metrics=metrics,
         limits=limits,
         admin_token=token_getter(admin_token),
         api_key=token_getter(api_key),
+        class_keys=class_keys,
         chat_template=chat_template,
         defaults=defaults,
     )
@@ -140,6 +143,7 @@ def build_app(
     admin_token: TokenSource = None,
     limits: Limits | None = None,
     api_key: TokenSource = None,
+    class_keys: tuple[ClassKey, ...] = (),
     chat_template: str | None = None,
     metrics_compat: MetricsCompat = "vllm",
 ) -> web.Application:
@@ -159,6 +163,7 @@ def build_app(
         admin_token=admin_token,
         limits=limits or Limits(),
         api_key=api_key,
+        class_keys=class_keys,
         chat_template=chat_template,
         defaults=generation_defaults(options.model),
     )

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from batchpilot_server.http.protocol import ApiError
 from batchpilot_server.http.responses import Handler
-from batchpilot_server.http.server_state import STATE
+from batchpilot_server.http.server_state import STATE, ServerState
 
 # a fixed token, or where to get the one in force (TokenFile.current); None: no token,
 # so the admin API is off, or the API routes are open
@@ -59,6 +59,12 @@ API_KEY = BearerGuard(
 
 def require_bearer(request: web.Request, expected: str, guard: BearerGuard) -> None:
     """The one bearer-token check: an ApiError unless the request sends `expected`."""
+    require_one_of(request, [expected], guard)
+
+
+def require_one_of(request: web.Request, accepted: list[str], guard: BearerGuard) -> int:
+    """The index in `accepted` of the bearer credential the request sends; an ApiError
+    when it sends none of them."""
     challenge = {"WWW-Authenticate": f'Bearer realm="{guard.realm}"'}
     given = _bearer(request)
     if given is None:
@@ -69,8 +75,12 @@ def require_bearer(request: web.Request, expected: str, guard: BearerGuard) -> N
             code=guard.missing_code,
             headers=challenge,
         )
-    # constant time, so that the answer's timing tells nothing of the secret
-    if not hmac.compare_digest(given, expected.encode("utf-8", "surrogateescape")):
+    # constant time, and every key compared, so that the timing tells nothing of the secrets
+    matches = [
+        hmac.compare_digest(given, expected.encode("utf-8", "surrogateescape"))
+        for expected in accepted
+    ]
+    if True not in matches:
         unauthenticated = guard.invalid_status == 401  # a 401 names its scheme (RFC 9110)
         raise ApiError(
             guard.invalid_status,
@@ -79,6 +89,7 @@ def require_bearer(request: web.Request, expected: str, guard: BearerGuard) -> N
             code=guard.invalid_code,
             headers=challenge if unauthenticated else None,
         )
+    return matches.index(True)
 
 
 def _bearer(request: web.Request) -> bytes | None:
@@ -96,10 +107,25 @@ KEYED_PREFIXES = ("/v1/",)
 KEYED_PATHS = frozenset({"/tokenize", "/detokenize"})
 
 
+# where the middleware leaves the SLO class a request's API key is bound to (--api-key-class)
+BOUND_CLASS = web.RequestKey("batchpilot_bound_class", str)
+
+
+def _keys_in_force(state: ServerState) -> list[tuple[str | None, str]]:
+    """(bound class, key) of every key that opens the API routes: the free key, whose
+    requests pick their own class, first; then each key bound to a class."""
+    free = [] if state.api_key is None else [(None, state.api_key())]
+    return free + [(k.slo_class, k.key()) for k in state.class_keys]
+
+
 @web.middleware
 async def api_key_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    current_key = request.app[STATE].api_key
     path = request.path
-    if current_key is not None and (path.startswith(KEYED_PREFIXES) or path in KEYED_PATHS):
-        require_bearer(request, current_key(), API_KEY)
+    if path.startswith(KEYED_PREFIXES) or path in KEYED_PATHS:
+        keys = _keys_in_force(request.app[STATE])
+        if keys:  # none: the routes are open
+            index = require_one_of(request, [key for _, key in keys], API_KEY)
+            slo_class = keys[index][0]
+            if slo_class is not None:
+                request[BOUND_CLASS] = slo_class
     return await handler(request)

@@ -19,6 +19,7 @@ from batchpilot_server.http.protocol import ApiError, invalid
 from batchpilot_server.http.protocol_output import ChoiceDelta, ChoiceOutput, TokenSpeller
 from batchpilot_server.http.protocol_parse import GenerationRequest
 from batchpilot_server.http.server_state import RequestStream, ServerState
+from batchpilot_server.http.slo_class import RequestClass
 from batchpilot_server.http.slo_judge import RequestTiming
 from batchpilot_server.http.tool_calls import ToolCallStream
 
@@ -28,10 +29,16 @@ class Generation:
     merged in the order they come, and the request's metrics."""
 
     def __init__(
-        self, state: ServerState, parsed: GenerationRequest, timing: RequestTiming, id_prefix: str
+        self,
+        state: ServerState,
+        parsed: GenerationRequest,
+        timing: RequestTiming,
+        id_prefix: str,
+        slo_class: RequestClass,
     ) -> None:
         self.state = state
         self.parsed = parsed
+        self.slo_class = slo_class
         self.timing = timing
         self.arrival = timing.arrival_s
         self.id = f"{id_prefix}-{uuid.uuid4().hex}"
@@ -74,7 +81,13 @@ class Generation:
     def _submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
         limits = self.state.limits
         try:
-            return self.state.engine.submit(prompt_ids, params, deadline_s=limits.queue_timeout_s)
+            return self.state.engine.submit(
+                prompt_ids,
+                params,
+                deadline_s=limits.queue_timeout_s,
+                slo_class=self.slo_class.name,
+                priority=self.slo_class.priority,
+            )
         except QueueFullError as exc:
             raise ApiError(
                 429,
@@ -142,10 +155,10 @@ class Generation:
         now = time.monotonic()
         metrics = self.state.metrics
         if self._first_token:
-            metrics.ttft.observe(now - self.arrival)
+            metrics.ttft.observe(now - self.arrival, self.slo_class.name)
             self._first_token = False
         elif index in self._last_token_at:
-            metrics.inter_token.observe(now - self._last_token_at[index])
+            metrics.inter_token.observe(now - self._last_token_at[index], self.slo_class.name)
         self._last_token_at[index] = now
         self.timing.token(index, now)
         metrics.generation_tokens.inc()

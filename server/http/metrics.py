@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Literal
 
 from batchpilot_server import metric_names as names
-from batchpilot_server.batching_config import BatchingConfig, Mode
+from batchpilot_server.batching_config import DEFAULT_CLASS, BatchingConfig, Mode
 from batchpilot_server.engine_api import EngineStats
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -80,12 +80,27 @@ class ServerMetrics:
             return Counter(base, doc, labels, registry=self.registry).labels(**self._values)
 
         latency = names.LATENCY_BUCKETS
-        self.request_duration = histogram(
-            names.REQUEST_DURATION, "Arrival to last byte of completed requests.", latency
+        self.vllm = VllmMetrics(model, self.registry, block_size) if compat == "vllm" else None
+        vllm = self.vllm
+
+        def by_class(name: str, doc: str, theirs: Histogram | None) -> ClassHistogram:
+            family = Histogram(
+                name, doc, [*labels, names.CLASS_LABEL], buckets=latency, registry=self.registry
+            )
+            return ClassHistogram(family, self._values, theirs)
+
+        self.request_duration = by_class(
+            names.REQUEST_DURATION,
+            "Arrival to last byte of completed requests.",
+            vllm and vllm.e2e,
         )
-        self.ttft = histogram(names.TIME_TO_FIRST_TOKEN, "Arrival to first token.", latency)
-        self.inter_token = histogram(
-            names.INTER_TOKEN_LATENCY, "Time between tokens of one request.", latency
+        self.ttft = by_class(
+            names.TIME_TO_FIRST_TOKEN, "Arrival to first token.", vllm and vllm.ttft
+        )
+        self.inter_token = by_class(
+            names.INTER_TOKEN_LATENCY,
+            "Time between tokens of one request.",
+            vllm and vllm.inter_token,
         )
         self.queue_wait = histogram(names.QUEUE_WAIT, "Arrival to first scheduled.", latency)
         self.batch_size = histogram(
@@ -103,10 +118,10 @@ class ServerMetrics:
             "Prompt tokens of each finished request.",
             names.PROMPT_TOKEN_BUCKETS,
         )
-        self.request_tpot = histogram(
+        self.request_tpot = by_class(
             names.REQUEST_TIME_PER_OUTPUT_TOKEN,
             "Each completed request's mean time per output token after its first.",
-            latency,
+            vllm and vllm.request_tpot,
         )
         self.step_duration = histogram(
             names.STEP_DURATION,
@@ -164,16 +179,20 @@ class ServerMetrics:
         }
         slo = Counter(
             names.REQUESTS_SLO_TOTAL.removesuffix("_total"),
-            "Requests judged against the SLO targets in force as they end: per stated "
-            "target met or missed, and target all (every stated target held).",
-            [*labels, "result", "target"],
+            "Requests judged against their SLO class's targets in force as they end: per "
+            "stated target met or missed, and target all (every stated target held).",
+            [*labels, names.CLASS_LABEL, "result", "target"],
             registry=self.registry,
         )
-        self.slo = {
-            (result, target): slo.labels(**self._values, result=result, target=target)
-            for result in names.SLO_RESULTS
-            for target in names.SLO_TARGETS
-        }
+        self._slo = slo
+        for result in names.SLO_RESULTS:  # the default class's series exist from the start
+            for target in names.SLO_TARGETS:
+                slo.labels(
+                    **self._values,
+                    **{names.CLASS_LABEL: DEFAULT_CLASS},
+                    result=result,
+                    target=target,
+                )
         self._slo_target = Gauge(
             names.SLO_TARGET,
             "The SLO targets in force, in seconds (the stated ones).",
@@ -203,13 +222,8 @@ class ServerMetrics:
         self.config_prefill_token_budget = gauge(
             names.CONFIG_PREFILL_TOKEN_BUDGET, "prefill_token_budget in force."
         )
-        self.vllm = VllmMetrics(model, self.registry, block_size) if compat == "vllm" else None
         if self.vllm is not None:  # each observation reaches both names
-            self.request_duration = Both(self.request_duration, self.vllm.e2e)
-            self.ttft = Both(self.ttft, self.vllm.ttft)
-            self.inter_token = Both(self.inter_token, self.vllm.inter_token)
             self.queue_wait = Both(self.queue_wait, self.vllm.queue_time)
-            self.request_tpot = Both(self.request_tpot, self.vllm.request_tpot)
             self.prompt_tokens = Both(self.prompt_tokens, self.vllm.prompt_tokens)
             self.generation_tokens = Both(self.generation_tokens, self.vllm.generation_tokens)
 
@@ -253,10 +267,16 @@ class ServerMetrics:
     def count_request(self, outcome: str) -> None:
         self.requests[outcome].inc()
 
-    def count_slo(self, verdict: dict[str, bool]) -> None:
-        """One request's judgement (slo_judge.judge): each target it names, met or missed."""
+    def count_slo(self, verdict: dict[str, bool], slo_class: str = DEFAULT_CLASS) -> None:
+        """One request's judgement (slo_judge.judge) in its class: each target it names,
+        met or missed."""
         for target, met in verdict.items():
-            self.slo[("met" if met else "missed", target)].inc()
+            self._slo.labels(
+                **self._values,
+                **{names.CLASS_LABEL: slo_class},
+                result="met" if met else "missed",
+                target=target,
+            ).inc()
 
     def set_config(self, config: BatchingConfig) -> None:
         self.config_max_batch_size.set(config.max_batch_size)
@@ -274,6 +294,25 @@ class ServerMetrics:
         if self.vllm is not None:
             self.vllm.read(stats)
         return generate_latest(self.registry)
+
+
+class ClassHistogram:
+    """A latency histogram by SLO class; each observation also reaches vLLM's name
+    (`theirs`), which keeps its own labels. The default class's series exist from the start."""
+
+    def __init__(self, ours: Histogram, values: dict[str, str], theirs: Histogram | None) -> None:
+        self._ours = ours
+        self._values = values
+        self._theirs = theirs
+        self._child(DEFAULT_CLASS)
+
+    def _child(self, slo_class: str) -> Histogram:
+        return self._ours.labels(**self._values, **{names.CLASS_LABEL: slo_class})
+
+    def observe(self, value: float, slo_class: str = DEFAULT_CLASS) -> None:
+        self._child(slo_class).observe(value)
+        if self._theirs is not None:
+            self._theirs.observe(value)
 
 
 class Both:

@@ -17,13 +17,16 @@ ignore it, as vLLM does; a declared field whose value this server cannot honour 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Required
 
 from batchpilot_server.batching_config import (
+    CLASS_NAME_PATTERN,
     MAX_BATCH_SIZE_LIMIT,
     MAX_BATCH_TIMEOUT_MS,
+    MAX_CLASS_PRIORITY,
     MAX_PREFILL_TOKEN_BUDGET,
     MAX_QUEUE_SIZE_LIMIT,
+    MAX_SLO_CLASSES,
     MAX_SLO_TARGET_MS,
 )
 from batchpilot_server.engine_api import GREEDY_BELOW_TEMPERATURE
@@ -44,6 +47,7 @@ MAX_STOP_SEQUENCES = 4
 MAX_STOP_LENGTH = 256
 # torch.Generator.manual_seed takes 64 bits; OpenAI's seed is a non-negative integer.
 MAX_SEED = 2**64 - 1
+MAX_REQUEST_PRIORITY = 2**63 - 1  # vLLM's field is a plain integer: any int64
 # Caps that keep one request's cost bounded (docs/api.md): choices per prompt, engine
 # sequences per request (prompts x n), top log-probabilities per token (vLLM's default
 # max_logprobs), logit_bias entries (OpenAI's) and stop_token_ids.
@@ -227,6 +231,13 @@ class SamplingFields(Lenient):
     ignore_eos: bool | None = Field(None, description="Generate past the end-of-sequence token.")
     n: int | None = Field(None, ge=1, le=MAX_N, description="Choices per prompt.")
     user: Text | None = None
+    priority: int | None = Field(
+        None,
+        ge=-MAX_REQUEST_PRIORITY,
+        le=MAX_REQUEST_PRIORITY,
+        description="vLLM's: lower is served earlier. Picks the SLO class when no "
+        "x-gateway-inference-objective header names one (docs/server.md).",
+    )
 
 
 class CompletionRequest(SamplingFields):
@@ -380,14 +391,28 @@ class ChatCompletionRequest(SamplingFields):
 SloTargetMs = Annotated[float | None, Field(gt=0.0, le=MAX_SLO_TARGET_MS)]
 
 
+class SloClassUpdate(TypedDict, total=False):
+    """A named class of requests with targets of its own (at least one) and a priority
+    (higher is served first, an InferenceObjective's meaning)."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # type: ignore[misc]
+    name: Required[Annotated[str, Field(pattern=f"^{CLASS_NAME_PATTERN.pattern}$", max_length=63)]]
+    priority: Annotated[int, Field(ge=-MAX_CLASS_PRIORITY, le=MAX_CLASS_PRIORITY)]
+    ttft_ms: SloTargetMs
+    tpot_ms: SloTargetMs
+    e2e_ms: SloTargetMs
+
+
 class SloUpdate(TypedDict, total=False):
     """The SLO targets a PUT sets, all together: a target left out (or null) is not
-    stated; `{}` states none, and nothing is judged."""
+    stated; `{}` states none, and nothing is judged. The top-level targets are the class
+    `default`'s (a request naming no class); `classes` are the named ones beside it."""
 
     __pydantic_config__ = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # type: ignore[misc]
     ttft_ms: SloTargetMs
     tpot_ms: SloTargetMs
     e2e_ms: SloTargetMs
+    classes: Annotated[list[SloClassUpdate], Field(max_length=MAX_SLO_CLASSES)]
 
 
 class BatchingUpdate(TypedDict, total=False):

@@ -78,6 +78,8 @@ class GenerationRequest:
     grammar: GrammarRequest | None = None
     # the tools offered (tool_choice not "none"): their calls are parsed from the output
     tool_names: tuple[str, ...] = ()
+    # the body's `priority` (vLLM's: lower earlier); slo_class.py maps it to a class
+    priority: int | None = None
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -238,6 +240,7 @@ def _generation(
         echo=echo,
         logprobs=params.logprobs,
         output=output,
+        priority=request.priority,
     )
 
 

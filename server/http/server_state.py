@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from aiohttp import web
-from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.batching_config import DEFAULT_CLASS, BatchingConfig
 from batchpilot_server.engine_api import EngineStats, SamplingParams, TokenEvent
 from batchpilot_server.http.generation_defaults import MODEL_NEUTRAL, GenerationDefaults
 from batchpilot_server.http.grammar_compiler import GrammarCompiler
@@ -44,10 +44,25 @@ class EngineLike(Protocol):
     async def shutdown(self) -> None: ...
     def abort(self, reason: str) -> None: ...
     def submit(
-        self, prompt_token_ids: list[int], params: SamplingParams, *, deadline_s: float | None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        deadline_s: float | None,
+        slo_class: str = DEFAULT_CLASS,
+        priority: int = 0,
     ) -> RequestStream: ...
     def reconfigure(self, config: BatchingConfig) -> None: ...
     def stats(self) -> EngineStats: ...
+
+
+@dataclass(frozen=True)
+class ClassKey:
+    """An API key bound to an SLO class: its requests are judged (and served) in that
+    class whatever header or priority they send, so that a tenant cannot promote itself."""
+
+    slo_class: str
+    key: Callable[[], str]  # the key in force (TokenFile.current)
 
 
 class InFlight:
@@ -83,6 +98,8 @@ class ServerState:
     limits: Limits
     admin_token: Callable[[], str] | None  # the token in force now (TokenFile.current)
     api_key: Callable[[], str] | None = None  # the OpenAI routes' bearer key; None: open
+    # keys bound to an SLO class (--api-key-class); any of them also opens the routes
+    class_keys: tuple[ClassKey, ...] = ()
     chat_template: str | None = None  # --chat-template: replaces the model's at start
     defaults: GenerationDefaults = MODEL_NEUTRAL
     # response_format and forced tool calls: compiled once the engine has its tokenizer

@@ -16,6 +16,7 @@ from batchpilot_server.http.answers import (
     ModelList,
     TokenizeResponse,
 )
+from batchpilot_server.http.auth import BOUND_CLASS
 from batchpilot_server.http.generation import Generation
 from batchpilot_server.http.protocol import ApiError
 from batchpilot_server.http.protocol_output import TokenSpeller
@@ -30,6 +31,7 @@ from batchpilot_server.http.protocol_parse import (
 from batchpilot_server.http.request_body import read_json
 from batchpilot_server.http.responses import json_answer
 from batchpilot_server.http.server_state import STATE, ServerState
+from batchpilot_server.http.slo_class import OBJECTIVE_HEADER, class_of
 from batchpilot_server.http.streaming import StreamEnded, stream_answer
 
 
@@ -89,12 +91,19 @@ async def _generate(
             outcome="rejected",
         )
     parsed = reader(await read_json(request), state.served())
+    slo_class = class_of(
+        state.engine.config.slo,
+        bound=request.get(BOUND_CLASS),
+        header=request.headers.get(OBJECTIVE_HEADER),
+        priority=parsed.priority,
+    )
+    end.slo_class = slo_class.name
     if parsed.grammar is not None:
         # before submit, in a worker thread: the engine thread only masks
         assert state.structured is not None  # set once the engine started
         grammar = await state.structured.compile(parsed.grammar)
         parsed = replace(parsed, params=replace(parsed.params, grammar=grammar))
-    generation = Generation(state, parsed, end.timing, answer_format.id_prefix)
+    generation = Generation(state, parsed, end.timing, answer_format.id_prefix, slo_class)
     try:
         if parsed.stream:
             return await stream_answer(request, generation, answer_format, end)

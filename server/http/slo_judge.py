@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchpilot_server.batching_config import SloTargets
+from batchpilot_server.batching_config import SloClass, SloTargets
 
 ALL = "all"  # the target label of the verdict on every stated target together
 
@@ -64,8 +64,11 @@ class RequestTiming:
         return max(values, default=None)
 
 
-def judge(targets: SloTargets, timing: RequestTiming | None, end_s: float) -> dict[str, bool]:
-    """{target: met} for each stated target and "all"; {} when none is stated.
+def judge(
+    targets: SloClass | SloTargets, timing: RequestTiming | None, end_s: float
+) -> dict[str, bool]:
+    """{target: met} for each target stated (by a class, or the top-level, default ones)
+    and "all"; {} when none is stated.
 
     `timing` None: the server failed the request (rejected, timed out): every stated
     target is missed. A one-token answer meets tpot trivially; an answer that ended

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.timeout(90)
 
 async def test_config_file_wins_over_flags(tmp_path: Path) -> None:
     config = tmp_path / "batching.json"
-    slo = {"ttft_ms": 500.0, "tpot_ms": None, "e2e_ms": 9000.0}
+    # the SLO classes too: the config file is how a local server gets them
+    chat = {"name": "chat", "priority": 5, "ttft_ms": 200.0, "tpot_ms": None, "e2e_ms": None}
+    slo = {"ttft_ms": 500.0, "tpot_ms": None, "e2e_ms": 9000.0, "classes": [chat]}
     config.write_text(
         json.dumps(
             {"max_batch_size": 3, "batch_timeout_ms": 7, "prefill_token_budget": 512, "slo": slo}

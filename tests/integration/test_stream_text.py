@@ -68,7 +68,13 @@ class ScriptedEngine:
         pass
 
     def submit(
-        self, prompt_token_ids: list[int], params: SamplingParams, *, deadline_s: float | None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        deadline_s: float | None,
+        slo_class: str = "default",
+        priority: int = 0,
     ) -> ScriptedStream:
         return ScriptedStream(self.script[: params.max_tokens])
 

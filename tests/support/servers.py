@@ -32,6 +32,7 @@ from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine_api import EngineOptions
 from batchpilot_server.http.app import build_app
 from batchpilot_server.http.protocol import Limits
+from batchpilot_server.http.server_state import ClassKey
 from batchpilot_tools.prometheus_local import free_port
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -183,6 +184,7 @@ async def serve_in_process(
     admin_token: str | None = "test-token",
     threads: int = 1,
     api_key: str | None = None,
+    class_keys: tuple[ClassKey, ...] = (),
     chat_template: str | None = None,
     model: str = "tiny",
     dtype: str = "auto",
@@ -207,6 +209,7 @@ async def serve_in_process(
         admin_token=admin_token,
         limits=limits_,
         api_key=api_key,
+        class_keys=class_keys,
         chat_template=chat_template,
     )
     server = TestServer(app, host="127.0.0.1")  # binds a free port itself

@@ -166,6 +166,33 @@ INVALID = [
      "does not match"),
     ("budget window in weeks", {"slo": {"ttftMs": 200, "budgetWindow": "1w"}}, "does not match"),
     (
+        "two SLO classes of one name",
+        {"slo": {"ttftMs": 200, "classes": [{"name": "chat", "ttftMs": 100},
+                                            {"name": "chat", "e2eMs": 60000}]}},
+        "slo.classes must not name a class twice",
+    ),
+    (
+        "an SLO class without a target",
+        {"slo": {"ttftMs": 200, "classes": [{"name": "batch", "priority": -1}]}},
+        "each of slo.classes must state at least one target",
+    ),
+    (
+        "an SLO class named default",
+        {"slo": {"ttftMs": 200, "classes": [{"name": "default", "ttftMs": 100}]}},
+        "slo.classes must not name a class default",
+    ),
+    (
+        "an SLO class whose TTFT is at the timeout floor",
+        {"batching": {"batchTimeoutMs": {"initial": 60, "min": 50, "max": 100}},
+         "slo": {"tpotMs": 100, "classes": [{"name": "chat", "ttftMs": 50}]}},
+        "must be below each class's ttftMs and e2eMs",
+    ),
+    (
+        "an SLO class name that is no DNS label",
+        {"slo": {"ttftMs": 200, "classes": [{"name": "Chat_UI", "ttftMs": 100}]}},
+        "does not match",
+    ),
+    (
         "prefill budget initial above max",
         {"batching": {"prefillTokenBudget": {"initial": 4096}}},
         "prefillTokenBudget needs min <= initial <= max",
@@ -393,6 +420,37 @@ ACCEPTED_SLOS = [
 ]
 
 
+def test_slo_classes_are_accepted_by_the_crd_and_parsed_alike() -> None:
+    classes = [
+        {"name": "chat", "priority": 10, "ttftMs": 1000, "tpotMs": 100, "attainment": 0.95},
+        {"name": "batch", "priority": -5, "e2eMs": 300000},
+    ]
+    obj = policy(slo={"ttftMs": 2000, "classes": classes})
+    assert refusals(obj) == []
+    parsed = parse_spec(obj["spec"]).slo
+    chat, batch = parsed.classes
+    assert (chat.name, chat.priority, chat.stated, chat.attainment) == (
+        "chat", 10, {"ttft": 1.0, "tpot": 0.1}, 0.95
+    )
+    assert (batch.name, batch.priority, batch.stated, batch.attainment) == (
+        "batch", -5, {"e2e": 300.0}, 0.99
+    )
+    # the pods get every class's targets with the default class's (the top-level ones)
+    pods = parsed.targets()
+    assert list(pods.by_name()) == ["default", "chat", "batch"]
+    assert pods.by_name()["batch"].e2e_ms == 300000.0  # type: ignore[union-attr]
+
+
+def test_the_status_holds_per_class_slo_and_the_binding_class() -> None:
+    status = {"slo": {"bindingClass": "chat", "classes": [
+        {"name": "chat", "priority": 10, "objective": "ttft<=1000ms @95%", "attainmentTarget": 0.95,
+         "judged": 120, "attainment": 0.93, "p99TtftMs": 1400.0, "p99TpotMs": 80.0,
+         "p99E2eMs": 9000.0, "budgetAttainment": 0.96, "errorBudgetRemaining": 0.2},
+        {"name": "default", "priority": 0, "judged": 0},
+    ]}}
+    assert refusals({**policy(), "status": status}) == []
+
+
 @pytest.mark.parametrize(
     ("slo", "expected"), [c[1:] for c in ACCEPTED_SLOS], ids=[c[0] for c in ACCEPTED_SLOS]
 )
@@ -431,7 +489,7 @@ def test_names_subresource_and_printer_columns() -> None:
     columns = VERSION["additionalPrinterColumns"]
     assert [c["name"].upper() for c in columns] == [
         "MODE", "REPLICAS", "READY-PODS", "BATCH", "TIMEOUT", "ATTAINMENT", "BUDGET", "SLO",
-        "P99", "READY", "AGE",
+        "P99", "BINDING", "READY", "AGE",
     ]
     # the older p99 column only in -o wide: the attainment and the objective say more
     for column in columns:
@@ -444,7 +502,8 @@ def test_names_subresource_and_printer_columns() -> None:
             node = node.get("items", node)
         else:
             assert node["type"] in (column["type"], "integer" if column["type"] == "number" else "")
-    assert {c["name"]: c.get("priority", 0) for c in columns}["P99"] == 1
+    priorities = {c["name"]: c.get("priority", 0) for c in columns}
+    assert priorities["P99"] == priorities["Binding"] == 1
 
 
 def test_every_schema_node_is_an_object_with_a_type_or_a_union() -> None:

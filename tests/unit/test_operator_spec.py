@@ -118,6 +118,20 @@ def test_an_unknown_preset_names_the_known_ones() -> None:
         ({"slo": {"ttftMs": 200, "budgetWindow": "30s"}}, "InvalidSLO",
          "shorter than autotune.windowSeconds (60)"),
         ({"slo": [200]}, "InvalidSpec", "slo must be an object"),
+        ({"slo": {"ttftMs": 200,
+                  "classes": [{"name": "a", "ttftMs": 9}, {"name": "a", "e2eMs": 9}]}},
+         "InvalidSLO", "slo.classes names a more than once"),
+        ({"slo": {"ttftMs": 200, "classes": [{"name": "batch"}]}}, "InvalidSLO",
+         "slo.classes[0] (batch) states no target"),
+        ({"slo": {"ttftMs": 200, "classes": [{"name": "default", "ttftMs": 9}]}}, "InvalidSLO",
+         "'default' is the top-level targets' class"),
+        ({"slo": {"ttftMs": 200, "classes": [{"name": "a", "ttftMs": 9, "ttft": 1}]}},
+         "InvalidSLO", "slo.classes[0] has unknown field(s) ttft"),
+        ({"slo": {"ttftMs": 200, "classes": {"name": "a"}}}, "InvalidSLO",
+         "slo.classes must be a list"),
+        ({"slo": {"tpotMs": 50, "classes": [{"name": "chat", "ttftMs": 10}]},
+          "batching": {"batchTimeoutMs": {"min": 10}}},
+         "InvalidBounds", "is not below slo.classes[chat].ttftMs (10 ms)"),
         ({"batching": {"prefillTokenBudget": {"initial": 4096}}}, "InvalidBounds",
          "batching.prefillTokenBudget needs min <= initial <= max"),
         ({"batching": {"prefillTokenBudget": {"max": 2_000_000}}}, "InvalidSpec",
@@ -251,3 +265,15 @@ def test_an_omitted_replica_count_starts_at_min_replicas_under_autoscale() -> No
     assert parse_spec({"autoscale": {}}).replicas == ReplicaBounds().min_replicas
     # a count given (by the user, kubectl scale, an HPA or the rule) is the count of record
     assert parse_spec({"replicas": 4, "autoscale": {"minReplicas": 3}}).replicas == 4
+
+
+def test_slo_classes_reach_the_pods_config_and_a_policy_without_keeps_the_older_form() -> None:
+    # older pods refuse an unknown slo key: a policy without classes writes none
+    plain = parse_spec({"slo": {"ttftMs": 200}}).initial_config()
+    assert "classes" not in plain.to_dict()["slo"]
+    classes = [{"name": "batch", "priority": -1, "e2eMs": 60000, "attainment": 0.9}]
+    config = parse_spec({"slo": {"ttftMs": 200, "classes": classes}}).initial_config()
+    assert list(config.to_dict()["slo"]["classes"]) == [
+        {"name": "batch", "priority": -1, "ttft_ms": None, "tpot_ms": None, "e2e_ms": 60000.0}
+    ]
+    assert BatchingConfig.from_dict(config.to_dict()) == config  # the ConfigMap's round trip

@@ -207,3 +207,23 @@ async def test_an_older_server_without_slo_series_leaves_them_none() -> None:
     totals = parse_metrics(older)
     assert totals.slo == {}
     assert parse_metrics("").slo == {}
+
+
+def test_the_scrape_sums_every_class_into_the_window_totals() -> None:
+    # the operator's totals stay over all requests once the pods count by class
+    metrics = ServerMetrics(model="tiny", mode="continuous")
+    for slo_class, seconds in (("default", 0.1), ("chat", 0.2), ("batch", 0.3)):
+        metrics.request_duration.observe(seconds, slo_class)
+        metrics.count_slo({"e2e": True, names.SLO_ALL: True}, slo_class)
+    totals = parse_metrics(metrics.exposition(EngineStats(0, 0, 10, 0)).decode())
+    assert totals.counts[names.REQUEST_DURATION] == 3
+    assert totals.sums[names.REQUEST_DURATION] == pytest.approx(0.6)
+    assert totals.slo[("met", names.SLO_ALL)] == 3
+
+
+def test_the_prometheus_queries_sum_over_the_class_label() -> None:
+    # every query aggregates with sum or `sum by` of labels other than class: a class
+    # label adds series, never a result per class
+    for query in queries('policy="p"', 60.0).values():
+        assert names.CLASS_LABEL not in query
+        assert query.startswith(("sum", "count(", "max(")) or " / " in query

@@ -56,6 +56,13 @@ NUMBER = st.integers(-5, 5000) | st.floats(-1, 1e5) | JSON
 # A spec's numbers may be any size: Python's json reads integers of any length.
 SPEC_NUMBER = NUMBER | st.sampled_from([HUGE, -HUGE])
 KNOB = _object({"initial": SPEC_NUMBER, "min": SPEC_NUMBER, "max": SPEC_NUMBER}) | JSON
+SLO_CLASS = _object({
+    "name": st.sampled_from(["chat", "batch", "default", "Bad_Name", ""]) | JSON,
+    "priority": SPEC_NUMBER,
+    "ttftMs": SPEC_NUMBER,
+    "e2eMs": SPEC_NUMBER,
+    "attainment": SPEC_NUMBER,
+}) | JSON
 SPECS = _object({
     "replicas": SPEC_NUMBER,
     "server": _object({
@@ -80,6 +87,7 @@ SPECS = _object({
         "e2eMs": SPEC_NUMBER,
         "attainment": SPEC_NUMBER,
         "budgetWindow": st.sampled_from(["1h", "30m", "0d", "99999d", "1w"]) | JSON,
+        "classes": st.lists(SLO_CLASS, max_size=3) | JSON,
     }) | JSON,
     "autotune": _object({
         "enabled": st.booleans() | JSON,
