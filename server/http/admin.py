@@ -8,9 +8,10 @@ from typing import Any
 
 from aiohttp import web
 from batchpilot_server.batching_config import ConfigError
+from batchpilot_server.http.admin_protocol import BatchingUpdate
 from batchpilot_server.http.answers import BatchingState
 from batchpilot_server.http.auth import ADMIN_TOKEN, require_bearer
-from batchpilot_server.http.protocol import ApiError, BatchingUpdate, invalid
+from batchpilot_server.http.protocol import ApiError, invalid
 from batchpilot_server.http.request_body import read_json
 from batchpilot_server.http.request_validation import known_fields, validate
 from batchpilot_server.http.responses import json_answer

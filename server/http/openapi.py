@@ -1,11 +1,12 @@
-"""The OpenAPI 3.1 document served at /openapi.json, derived from protocol.py's and
-answers.py's models."""
+"""The OpenAPI 3.1 document served at /openapi.json, derived from the models of protocol.py,
+admin_protocol.py and answers.py."""
 
 from __future__ import annotations
 
 from functools import cache
 from typing import Any
 
+from batchpilot_server.http.admin_protocol import BatchingUpdate
 from batchpilot_server.http.answers import (
     BatchingState,
     ChatCompletion,
@@ -17,7 +18,6 @@ from batchpilot_server.http.answers import (
     VersionResponse,
 )
 from batchpilot_server.http.protocol import (
-    BatchingUpdate,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

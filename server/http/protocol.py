@@ -17,18 +17,8 @@ ignore it, as vLLM does; a declared field whose value this server cannot honour 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Required
+from typing import Annotated, Any, Literal
 
-from batchpilot_server.batching_config import (
-    CLASS_NAME_PATTERN,
-    MAX_BATCH_SIZE_LIMIT,
-    MAX_BATCH_TIMEOUT_MS,
-    MAX_CLASS_PRIORITY,
-    MAX_PREFILL_TOKEN_BUDGET,
-    MAX_QUEUE_SIZE_LIMIT,
-    MAX_SLO_CLASSES,
-    MAX_SLO_TARGET_MS,
-)
 from batchpilot_server.engine_api import GREEDY_BELOW_TEMPERATURE
 from pydantic import (
     AfterValidator,
@@ -39,7 +29,6 @@ from pydantic import (
     Tag,
 )
 from pydantic_core import PydanticCustomError
-from typing_extensions import TypedDict
 
 # OpenAI's default when a completion request names no `max_tokens`.
 DEFAULT_MAX_TOKENS = 16
@@ -385,47 +374,6 @@ class ChatCompletionRequest(SamplingFields):
     audio: None = Field(None, description="Only null: no audio output.")
     moderation: None = Field(None, description="Only null: no moderation.")
     web_search_options: None = Field(None, description="Only null: no web search.")
-
-
-# a target in milliseconds; null: not stated
-SloTargetMs = Annotated[float | None, Field(gt=0.0, le=MAX_SLO_TARGET_MS)]
-
-
-class SloClassUpdate(TypedDict, total=False):
-    """A named class of requests with targets of its own (at least one) and a priority
-    (higher is served first, an InferenceObjective's meaning)."""
-
-    __pydantic_config__ = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # type: ignore[misc]
-    name: Required[Annotated[str, Field(pattern=f"^{CLASS_NAME_PATTERN.pattern}$", max_length=63)]]
-    priority: Annotated[int, Field(ge=-MAX_CLASS_PRIORITY, le=MAX_CLASS_PRIORITY)]
-    ttft_ms: SloTargetMs
-    tpot_ms: SloTargetMs
-    e2e_ms: SloTargetMs
-
-
-class SloUpdate(TypedDict, total=False):
-    """The SLO targets a PUT sets, all together: a target left out (or null) is not
-    stated; `{}` states none, and nothing is judged. The top-level targets are the class
-    `default`'s (a request naming no class); `classes` are the named ones beside it."""
-
-    __pydantic_config__ = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # type: ignore[misc]
-    ttft_ms: SloTargetMs
-    tpot_ms: SloTargetMs
-    e2e_ms: SloTargetMs
-    classes: Annotated[list[SloClassUpdate], Field(max_length=MAX_SLO_CLASSES)]
-
-
-class BatchingUpdate(TypedDict, total=False):
-    """A PUT /admin/batching body: the fields to change."""
-
-    __pydantic_config__ = ConfigDict(  # type: ignore[misc]
-        extra="forbid", strict=True, allow_inf_nan=False, json_schema_extra={"minProperties": 1}
-    )
-    max_batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE_LIMIT)]
-    batch_timeout_ms: Annotated[float, Field(ge=0.0, le=MAX_BATCH_TIMEOUT_MS)]
-    max_queue_size: Annotated[int, Field(ge=1, le=MAX_QUEUE_SIZE_LIMIT)]
-    prefill_token_budget: Annotated[int, Field(ge=1, le=MAX_PREFILL_TOKEN_BUDGET)]
-    slo: SloUpdate
 
 
 class TokenizeRequest(Lenient):
