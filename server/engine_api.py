@@ -141,6 +141,11 @@ class PromptLogprob:
     top: tuple[tuple[int, float], ...] = ()  # the k most likely (token id, logprob)
 
 
+# The scheduler's starvation bound by default: well past an interactive class's TTFT
+# target (seconds), well within a batch class's end-to-end target (minutes).
+CLASS_MAX_WAIT_S = 30.0
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     mode: Mode
@@ -166,6 +171,9 @@ class EngineOptions:
     # automatic prefix caching: a request reuses the K/V of the longest prefix of its
     # tokens that earlier requests computed (block_pool)
     prefix_caching: bool = True
+    # SLO classes: a request that arrived this long ago ranks above every class
+    # (scheduler.class_rank), so no class starves
+    class_max_wait_s: float = CLASS_MAX_WAIT_S
 
     @property
     def served_name(self) -> str:

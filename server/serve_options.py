@@ -22,6 +22,7 @@ from batchpilot_server.chat_template import ChatTemplate, ChatTemplateError
 from batchpilot_server.cpu_quota import default_threads
 from batchpilot_server.engine_api import (
     ATTENTION_BACKENDS,
+    CLASS_MAX_WAIT_S,
     DTYPES,
     EXECUTIONS,
     QUANTIZATIONS,
@@ -116,6 +117,14 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         help="static mode's safety valve: a partial batch fires once its oldest request "
         "waited this long (default: off, a batch waits until it is full)",
+    )
+    p.add_argument(
+        "--class-max-wait-s",
+        type=float,
+        default=CLASS_MAX_WAIT_S,
+        help="SLO classes: a request that arrived this long ago is served, and kept from "
+        "preemption, as if in the highest class, so no class starves "
+        f"(default: {CLASS_MAX_WAIT_S:g})",
     )
     p.add_argument(
         "--max-batch-size",
@@ -377,6 +386,8 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
         raise UsageError("--max-wait-ms applies to --mode static only")
     if args.max_wait_ms is not None and args.max_wait_ms < 0:
         raise UsageError(f"--max-wait-ms must be >= 0, got {args.max_wait_ms:g}")
+    if not args.class_max_wait_s >= 0:
+        raise UsageError(f"--class-max-wait-s must be >= 0, got {args.class_max_wait_s:g}")
     check_model_reference(args.model)
     return EngineOptions(
         mode=args.mode,
@@ -396,6 +407,7 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
         dynamic_execution=args.dynamic_execution,
         max_wait_ms=args.max_wait_ms,
         prefix_caching=args.prefix_caching,
+        class_max_wait_s=args.class_max_wait_s,
     )
 
 

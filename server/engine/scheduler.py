@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,6 +35,7 @@ from batchpilot_server.engine.block_pool import BlockPool, extend_block_hashes
 from batchpilot_server.engine.sequence import Sequence, Status, TopLogprobs
 from batchpilot_server.engine.step_plan import PromptLogprobs, StepPlan
 from batchpilot_server.engine_api import (
+    CLASS_MAX_WAIT_S,
     DeadlineExceededError,
     EngineError,
     EngineStoppedError,
@@ -124,16 +127,25 @@ class Scheduler(Protocol):
 
 class QueueScheduler(ABC):
     """The part both policies share: the waiting queue and what happens to requests in
-    it (admission, cancellation, deadlines, shutdown), counters, turning sampled
-    tokens into events, and the blocks a sequence takes and gives back (with the
-    prefix cache: `_admit`, `_release`). A policy plans steps (`_plan`), and
-    decides when finished sequences' responses complete (`_finish`) and what a
-    cancelled running sequence leaves (`_drop`)."""
+    it (admission, cancellation, deadlines, shutdown), the order of service by SLO
+    class (`_by_rank`), counters, turning sampled tokens into events, and the blocks
+    a sequence takes and gives back (with the prefix cache: `_admit`, `_release`).
+    A policy plans steps (`_plan`), and decides when finished sequences' responses
+    complete (`_finish`) and what a cancelled running sequence leaves (`_drop`)."""
 
-    def __init__(self, pool: BlockPool, config: BatchingConfig, eos_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        config: BatchingConfig,
+        eos_ids: frozenset[int],
+        class_max_wait_s: float = CLASS_MAX_WAIT_S,
+    ) -> None:
+        if not class_max_wait_s >= 0:  # NaN too
+            raise ValueError(f"the classes' max wait must be >= 0, got {class_max_wait_s}")
         self.pool = pool
         self._config = config
         self.eos_ids = eos_ids
+        self.class_max_wait_s = class_max_wait_s
         self.waiting: deque[Sequence] = deque()
         # Waiting requests' deadlines, earliest first, so that a step need not scan the
         # whole queue. Entries whose request was scheduled or ended since stay until
@@ -293,6 +305,19 @@ class QueueScheduler(ABC):
         seq.finish()
         return Output(seq, error)
 
+    # ---- the order of service by class ---------------------------------------
+
+    def _by_rank(self, seqs: Iterable[Sequence], now: float) -> list[Sequence]:
+        """`seqs` highest `class_rank` first. The sort is stable: within a rank they keep
+        the order given (the queue's, the running list's). With one class among them
+        nothing moves (its age only lifts it over other classes), so a server without
+        classes schedules exactly as it did before them, and pays no sort."""
+        seqs = list(seqs)
+        if len({seq.priority for seq in seqs}) <= 1:
+            return seqs
+        wait = self.class_max_wait_s
+        return sorted(seqs, key=lambda seq: -class_rank(seq, now, wait))
+
     # ---- blocks and the prefix cache -------------------------------------------
 
     def _admit(self, seq: Sequence, num_tokens: int) -> bool:
@@ -371,6 +396,16 @@ class QueueScheduler(ABC):
     def _release_running(self) -> list[Sequence]:
         """Abort: free every running sequence (finished members of a batch too) and
         forget it; returns them."""
+
+
+def class_rank(seq: Sequence, now: float, max_wait_s: float) -> float:
+    """How early `seq` is served, and how late it is preempted: its class's priority
+    (higher first), or above every class once it arrived `max_wait_s` ago. The age is
+    what bounds a low class's wait: no request that arrived more than `max_wait_s`
+    after it is first scheduled before it (docs/server.md), and once admitted it keeps
+    its KV blocks ahead of younger work (it already waited, and a recompute would
+    throw away the progress it made)."""
+    return math.inf if now - seq.arrival >= max_wait_s else seq.priority
 
 
 def timeout_at(waiting: deque[Sequence], config: BatchingConfig) -> float:

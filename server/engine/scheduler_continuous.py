@@ -3,17 +3,18 @@ each running sequence, and finished sequences leave at once. Prompts are
 prefilled within a per-step token budget (the config's `prefill_token_budget`, live
 like `max_batch_size`; chunked prefill): sequences part-way through their prompt
 continue first, oldest first, then waiting sequences are admitted while running <
-`max_batch_size` and the free KV blocks hold their whole prompt. A prompt longer
-than what is left of the budget computes a chunk of it now and the rest in later
-steps, so one long
-prompt never stalls the running sequences for longer than a budget's worth of
+`max_batch_size` and the free KV blocks hold their whole prompt. With SLO classes
+the budget goes by class rank first (`scheduler.class_rank`), so a waiting higher
+class comes before a lower one's remaining chunks. A prompt longer than what is
+left of the budget computes a chunk of it now and the rest in later steps, so one
+long prompt never stalls the running sequences for longer than a budget's worth of
 tokens; only its last chunk yields a token. When blocks run out mid-decode the
-newest running sequence is preempted: its blocks are freed and it is recomputed
-later from its tokens so far, its prefill starting again from the first token (or,
-with prefix caching, from the end of its blocks the cache still holds). With
-prefix caching, a waiting sequence starts past the prefix the cache holds, and one
-whose next blocks a running sequence is computing (two requests with one system
-prompt arriving together) waits until they are published and shares them.
+newest running sequence of the lowest class rank is preempted: its blocks are freed
+and it is recomputed later from its tokens so far, its prefill starting again from
+the first token (or, with prefix caching, from the end of its blocks the cache still
+holds). With prefix caching, a waiting sequence starts past the prefix the cache
+holds, and one whose next blocks a running sequence is computing (two requests with
+one system prompt arriving together) waits until they are published and shares them.
 `batch_timeout_ms` is how long an idle engine waits for more arrivals before its
 first step. A finished sequence leaves, and its response completes, at once.
 """
@@ -23,14 +24,20 @@ from __future__ import annotations
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine.block_pool import BlockPool
 from batchpilot_server.engine.scheduler import Output, QueueScheduler, timeout_at
-from batchpilot_server.engine.sequence import Sequence
+from batchpilot_server.engine.sequence import Sequence, Status
 from batchpilot_server.engine.step_plan import StepPlan
-from batchpilot_server.engine_api import TokenEvent
+from batchpilot_server.engine_api import CLASS_MAX_WAIT_S, TokenEvent
 
 
 class ContinuousScheduler(QueueScheduler):
-    def __init__(self, pool: BlockPool, config: BatchingConfig, eos_ids: frozenset[int]) -> None:
-        super().__init__(pool, config, eos_ids)
+    def __init__(
+        self,
+        pool: BlockPool,
+        config: BatchingConfig,
+        eos_ids: frozenset[int],
+        class_max_wait_s: float = CLASS_MAX_WAIT_S,
+    ) -> None:
+        super().__init__(pool, config, eos_ids, class_max_wait_s)
         self.running: list[Sequence] = []  # oldest first
 
     @property
@@ -40,28 +47,11 @@ class ContinuousScheduler(QueueScheduler):
     def _plan(self, now: float, flush: bool) -> StepPlan:
         if not self.running and self.waiting and not flush and not self._due(now):
             return StepPlan()
-        preempted = self._make_room_for_decode()
+        preempted = self._make_room_for_decode(now)
         # one uncomputed token is the newest one: a decode computes it, also when it
         # is the last of a prompt whose chunks left exactly that
         decode = [seq for seq in self.running if seq.num_uncomputed == 1]
-        budget = self.config.prefill_token_budget  # live: a PUT applies from this step
-        chunks: list[tuple[Sequence, int]] = []
-        for seq in self.running:
-            if budget and seq.num_uncomputed > 1:
-                chunks.append((seq, min(seq.num_uncomputed, budget)))
-                budget -= chunks[-1][1]
-        while budget and self.waiting and len(self.running) < self.config.max_batch_size:
-            head = self.waiting[0]
-            if self._prefix_in_flight(head):
-                break  # its next blocks are being computed: shared a step or a chunk later
-            # blocks for the whole prompt (and its first token) now: later chunks
-            # never wait for blocks, and the usage ratio counts the prompt at once;
-            # a cached prefix is shared, and its tokens are not computed again
-            if not self._admit(head, head.num_tokens + 1):
-                break
-            self.running.append(self.waiting.popleft())
-            chunks.append((head, min(head.num_uncomputed, budget)))
-            budget -= chunks[-1][1]
+        chunks = self._spend_prefill_budget(now)
         plan = StepPlan(
             prefill=[seq for seq, _ in chunks],
             decode=decode,
@@ -70,6 +60,44 @@ class ContinuousScheduler(QueueScheduler):
         )
         plan.batch_size = plan.size
         return plan
+
+    def _spend_prefill_budget(self, now: float) -> list[tuple[Sequence, int]]:
+        """The prompt chunks this step computes: the budget goes by class rank to running
+        sequences part-way through their prompt and to waiting ones, admitted while
+        running < `max_batch_size`; within a rank running ones first, so that a chunked
+        lower-class prompt never holds the budget ahead of a higher class that arrives."""
+        budget = self.config.prefill_token_budget  # live: a PUT applies from this step
+        prefilling = [seq for seq in self.running if seq.num_uncomputed > 1]
+        if len(self.running) < self.config.max_batch_size:
+            prefilling += self.waiting  # after the running ones: ahead within a rank
+        prefilling = self._by_rank(prefilling, now)
+        chunks: list[tuple[Sequence, int]] = []
+        admitting = True  # until a waiting sequence cannot be: none behind it may pass
+        for seq in prefilling:
+            if not budget:
+                break
+            if seq.status is Status.WAITING:
+                admitting = admitting and self._admit_for_prefill(seq)
+                if not admitting:
+                    continue
+            chunks.append((seq, min(seq.num_uncomputed, budget)))
+            budget -= chunks[-1][1]
+        return chunks
+
+    def _admit_for_prefill(self, seq: Sequence) -> bool:
+        """Admit waiting `seq` into the running batch if it may start now."""
+        if len(self.running) >= self.config.max_batch_size:
+            return False
+        if self._prefix_in_flight(seq):
+            return False  # its next blocks are being computed: shared a step or a chunk later
+        # blocks for the whole prompt (and its first token) now: later chunks
+        # never wait for blocks, and the usage ratio counts the prompt at once;
+        # a cached prefix is shared, and its tokens are not computed again
+        if not self._admit(seq, seq.num_tokens + 1):
+            return False
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        return True
 
     def _prefix_in_flight(self, seq: Sequence) -> bool:
         """Whether a running sequence is computing the next block `seq` could share (both
@@ -93,15 +121,18 @@ class ContinuousScheduler(QueueScheduler):
             or self.waiting[0].first_scheduled is not None
         )
 
-    def _make_room_for_decode(self) -> list[Sequence]:
-        """Grow each running sequence by the token it decodes next, oldest first,
-        preempting the newest while the pool is short."""
+    def _make_room_for_decode(self, now: float) -> list[Sequence]:
+        """Grow each running sequence by the token it decodes next, highest class rank
+        first (oldest first within one), preempting the lowest-ranked (the newest among
+        them) while the pool is short."""
+        keep = self._by_rank(self.running, now)  # victims come off its end
         preempted: list[Sequence] = []
         index = 0
-        while index < len(self.running):
-            seq = self.running[index]
+        while index < len(keep):
+            seq = keep[index]
             while not self.pool.grow(seq.block_table, seq.num_tokens):
-                victim = self.running.pop()
+                victim = keep.pop()
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -112,7 +143,8 @@ class ContinuousScheduler(QueueScheduler):
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
         seq.preempt()
-        self.waiting.appendleft(seq)  # victims go newest first: the oldest ends up in front
+        # victims go lowest rank and newest first: the one to resume first ends up in front
+        self.waiting.appendleft(seq)
 
     def _policy_wake_at(self) -> float | None:
         """When an idle engine stops waiting for more arrivals (None: nothing waits)."""

@@ -1,8 +1,10 @@
 """Dynamic scheduling: a batch fires when `max_batch_size` requests wait or the
 oldest has waited `batch_timeout_ms`, then runs as one unit until its longest
-sequence ends. KV for prompt + max_tokens of every member is reserved when the
-batch fires; a batch that would not fit is cut, and the requests cut off fire as
-the next batch without waiting again. A member that finishes early keeps its
+sequence ends. Members are taken from the waiting queue by class rank
+(`scheduler.class_rank`), FIFO within one. KV for prompt + max_tokens of every
+member is reserved when the batch fires (so none is ever preempted); a batch that
+would not fit is cut, and the requests cut off fire as the next batch without
+waiting again. A member that finishes early keeps its
 final event (and its blocks) until the batch ends: the hostage effect, reported
 as each event's `held_s`. Ragged execution computes nothing more for it; padded
 execution decodes it again each step, its outputs discarded, as a classic
@@ -23,7 +25,7 @@ from batchpilot_server.engine.block_pool import BlockPool
 from batchpilot_server.engine.scheduler import Output, QueueScheduler, timeout_at
 from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine.step_plan import StepPlan
-from batchpilot_server.engine_api import TokenEvent
+from batchpilot_server.engine_api import CLASS_MAX_WAIT_S, TokenEvent
 
 
 class DynamicScheduler(QueueScheduler):
@@ -33,8 +35,9 @@ class DynamicScheduler(QueueScheduler):
         config: BatchingConfig,
         eos_ids: frozenset[int],
         padded: bool = False,
+        class_max_wait_s: float = CLASS_MAX_WAIT_S,
     ) -> None:
-        super().__init__(pool, config, eos_ids)
+        super().__init__(pool, config, eos_ids, class_max_wait_s)
         self.padded = padded
         self.batch: list[Sequence] = []  # the batch in flight, finished members included
         self.held: dict[Sequence, TokenEvent] = {}  # finished members' final events
@@ -54,11 +57,12 @@ class DynamicScheduler(QueueScheduler):
         if not self.waiting or not (flush or self._due(now)):
             return StepPlan()
         batch: list[Sequence] = []
-        while self.waiting and len(batch) < self.config.max_batch_size:
-            head = self.waiting[0]
-            if not self._admit(head, head.max_total_tokens):
+        # the higher class first; a lower one that cannot fit is not passed by a later one
+        for seq in self._by_rank(self.waiting, now)[: self.config.max_batch_size]:
+            if not self._admit(seq, seq.max_total_tokens):
                 break  # cut: the rest waits for the next batch
-            batch.append(self.waiting.popleft())
+            self.waiting.remove(seq)
+            batch.append(seq)
         if not batch:
             raise RuntimeError("the KV pool cannot hold a request that passed the size check")
         self.cut_off = min(len(self.waiting), self.config.max_batch_size - len(batch))
@@ -132,10 +136,11 @@ class StaticScheduler(DynamicScheduler):
         eos_ids: frozenset[int],
         padded: bool = False,
         max_wait_s: float | None = None,
+        class_max_wait_s: float = CLASS_MAX_WAIT_S,
     ) -> None:
         if max_wait_s is not None and max_wait_s < 0:
             raise ValueError(f"the static batch's max wait must be >= 0, got {max_wait_s}")
-        super().__init__(pool, config, eos_ids, padded)
+        super().__init__(pool, config, eos_ids, padded, class_max_wait_s)
         self.max_wait_s = max_wait_s
 
     def _fire_at(self) -> float | None:

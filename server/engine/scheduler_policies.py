@@ -11,12 +11,15 @@ from batchpilot_server.engine.block_pool import BlockPool
 from batchpilot_server.engine.scheduler import QueueScheduler
 from batchpilot_server.engine.scheduler_continuous import ContinuousScheduler
 from batchpilot_server.engine.scheduler_dynamic import DynamicScheduler, StaticScheduler
+from batchpilot_server.engine_api import CLASS_MAX_WAIT_S
 
 
 @dataclass(frozen=True)
 class PolicyOptions:
     padded: bool = False  # static and dynamic: padded execution instead of ragged
     max_wait_s: float | None = None  # static: the safety valve (None: off)
+    # every mode: a request this old ranks above every SLO class (scheduler.class_rank)
+    class_max_wait_s: float = CLASS_MAX_WAIT_S
 
 
 def new_scheduler(
@@ -26,10 +29,11 @@ def new_scheduler(
     eos_ids: frozenset[int],
     options: PolicyOptions = PolicyOptions(),
 ) -> QueueScheduler:
+    wait = options.class_max_wait_s
     if mode == "static":
-        return StaticScheduler(pool, config, eos_ids, options.padded, options.max_wait_s)
+        return StaticScheduler(pool, config, eos_ids, options.padded, options.max_wait_s, wait)
     if mode == "dynamic":
-        return DynamicScheduler(pool, config, eos_ids, options.padded)
+        return DynamicScheduler(pool, config, eos_ids, options.padded, wait)
     if mode == "continuous":
-        return ContinuousScheduler(pool, config, eos_ids)
+        return ContinuousScheduler(pool, config, eos_ids, wait)
     raise ValueError(f"mode must be one of static, dynamic, continuous; got {mode!r}")
