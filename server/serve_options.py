@@ -122,9 +122,8 @@ def parser() -> argparse.ArgumentParser:
         "--class-max-wait-s",
         type=float,
         default=CLASS_MAX_WAIT_S,
-        help="SLO classes: a request that arrived this long ago is served, and kept from "
-        "preemption, as if in the highest class, so no class starves "
-        f"(default: {CLASS_MAX_WAIT_S:g})",
+        help="SLO classes: a request that arrived this long ago is served as if in the "
+        f"highest class, so no class starves (default: {CLASS_MAX_WAIT_S:g})",
     )
     p.add_argument(
         "--max-batch-size",

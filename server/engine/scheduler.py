@@ -307,15 +307,18 @@ class QueueScheduler(ABC):
 
     # ---- the order of service by class ---------------------------------------
 
-    def _by_rank(self, seqs: Iterable[Sequence], now: float) -> list[Sequence]:
-        """`seqs` highest `class_rank` first. The sort is stable: within a rank they keep
-        the order given (the queue's, the running list's). With one class among them
-        nothing moves (its age only lifts it over other classes), so a server without
-        classes schedules exactly as it did before them, and pays no sort."""
+    def _by_rank(
+        self, seqs: Iterable[Sequence], now: float, *, aged_first: bool = True
+    ) -> list[Sequence]:
+        """`seqs` highest `class_rank` first (`aged_first` False: by class priority alone,
+        as preemption ranks them). The sort is stable: within a rank they keep the order
+        given (the queue's, the running list's). With one class among them nothing
+        moves (its age only lifts it over other classes), so a server without classes
+        schedules exactly as it did before them, and pays no sort."""
         seqs = list(seqs)
         if len({seq.priority for seq in seqs}) <= 1:
             return seqs
-        wait = self.class_max_wait_s
+        wait = self.class_max_wait_s if aged_first else math.inf
         return sorted(seqs, key=lambda seq: -class_rank(seq, now, wait))
 
     # ---- blocks and the prefix cache -------------------------------------------
@@ -399,12 +402,12 @@ class QueueScheduler(ABC):
 
 
 def class_rank(seq: Sequence, now: float, max_wait_s: float) -> float:
-    """How early `seq` is served, and how late it is preempted: its class's priority
-    (higher first), or above every class once it arrived `max_wait_s` ago. The age is
-    what bounds a low class's wait: no request that arrived more than `max_wait_s`
-    after it is first scheduled before it (docs/server.md), and once admitted it keeps
-    its KV blocks ahead of younger work (it already waited, and a recompute would
-    throw away the progress it made)."""
+    """How early `seq` is served: its class's priority (higher first), or above every
+    class once it arrived `max_wait_s` ago. The age is what bounds a low class's wait:
+    no request that arrived more than `max_wait_s` after it is first scheduled before
+    it (docs/server.md). Preemption ranks by priority alone (`max_wait_s` infinite):
+    the higher class keeps its KV blocks however old the lower class's requests are,
+    which in a class with end-to-end targets of minutes most running ones would be."""
     return math.inf if now - seq.arrival >= max_wait_s else seq.priority
 
 

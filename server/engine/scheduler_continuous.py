@@ -9,7 +9,7 @@ class comes before a lower one's remaining chunks. A prompt longer than what is
 left of the budget computes a chunk of it now and the rest in later steps, so one
 long prompt never stalls the running sequences for longer than a budget's worth of
 tokens; only its last chunk yields a token. When blocks run out mid-decode the
-newest running sequence of the lowest class rank is preempted: its blocks are freed
+newest running sequence of the lowest class is preempted: its blocks are freed
 and it is recomputed later from its tokens so far, its prefill starting again from
 the first token (or, with prefix caching, from the end of its blocks the cache still
 holds). With prefix caching, a waiting sequence starts past the prefix the cache
@@ -122,10 +122,11 @@ class ContinuousScheduler(QueueScheduler):
         )
 
     def _make_room_for_decode(self, now: float) -> list[Sequence]:
-        """Grow each running sequence by the token it decodes next, highest class rank
-        first (oldest first within one), preempting the lowest-ranked (the newest among
-        them) while the pool is short."""
-        keep = self._by_rank(self.running, now)  # victims come off its end
+        """Grow each running sequence by the token it decodes next, highest class first
+        (oldest first within one), preempting the lowest class's newest while the pool
+        is short. A preempted request that has aged goes back to the front of the queue
+        (`class_rank`): its blocks the prefix cache kept spare it most of the recompute."""
+        keep = self._by_rank(self.running, now, aged_first=False)  # victims come off its end
         preempted: list[Sequence] = []
         index = 0
         while index < len(keep):
@@ -143,7 +144,7 @@ class ContinuousScheduler(QueueScheduler):
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)
         seq.preempt()
-        # victims go lowest rank and newest first: the one to resume first ends up in front
+        # victims go lowest class and newest first: the one to resume first ends up in front
         self.waiting.appendleft(seq)
 
     def _policy_wake_at(self) -> float | None:

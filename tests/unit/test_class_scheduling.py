@@ -122,7 +122,9 @@ def test_under_kv_pressure_the_lowest_class_is_preempted_first(case: str) -> Non
     assert [seq.num_output for seq in seqs] == [8] * 4 and sched.pool.num_used == 0
 
 
-def test_an_aged_running_sequence_is_kept_ahead_of_a_younger_higher_class() -> None:
+def test_an_aged_low_sequence_is_still_preempted_first_and_resumes_first() -> None:
+    """Preemption ranks by class alone: the higher class keeps its blocks however old the
+    lower one is. The aged victim then goes back in front of the higher class's victim."""
     sched = scheduler("continuous", batch=4, blocks=4, max_wait_s=10)
     old = request("old", LOW, 0, prompt=15, max_tokens=8)  # aged from t=10
     seqs = [old, *(request(f"h{n}", HIGH, 9.5, prompt=15, max_tokens=8) for n in range(3))]
@@ -131,7 +133,13 @@ def test_an_aged_running_sequence_is_kept_ahead_of_a_younger_higher_class() -> N
     run(sched, 10)
     run(sched, 10.01)
     plan, _ = run(sched, 10.02)
-    assert names(plan.preempted) == ["h2", "h1"] and old in plan.decode
+    assert names(plan.preempted) == ["old", "h2"]
+    resumed: list[str] = []
+    for step in range(3, 60):
+        resumed += names(run(sched, 10 + 0.01 * step)[0].prefill)
+        if sched.idle:
+            break
+    assert resumed == ["old", "h2"] and [seq.num_output for seq in seqs] == [8] * 4
 
 
 def test_the_prefill_budget_goes_to_a_higher_class_ahead_of_a_chunked_lower_one() -> None:
