@@ -472,8 +472,6 @@ class StatusRecorder:
     async def record(self, step: TuneStep) -> None:
         history = list((self.policy.get("status") or {}).get("history") or [])
         fields = status_fields(step, history, now_iso(), self.spec.slo)
-        if not self.spec.slo.classes:  # nulls: a spec that dropped its classes drops theirs
-            fields["slo"].update(classes=None, bindingClass=None)
         found = conditions(step.signals, self.spec.goal.slo, step.decision)
         autoscaling = autoscaling_condition(self.spec, self.scaler.external, step.scale)
         await write_status(

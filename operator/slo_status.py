@@ -117,13 +117,13 @@ def slo_fields(signals: Signals, slo: Slo) -> dict[str, Any]:
 
 
 def class_fields(signals: Signals, slo: Slo) -> dict[str, Any]:
-    """status.slo's per-class part where the spec states classes ({} where it does not:
-    the single SLO's status is unchanged): each class (the top-level targets as
-    `default`, then spec.slo.classes in order) as the window saw it, and the binding
-    class (`binding_class`). A value the window could not measure is left out of its
-    class's entry."""
+    """status.slo's per-class part where the spec states classes: each class (the
+    top-level targets as `default`, then spec.slo.classes in order) as the window saw
+    it, and the binding class (`binding_class`). A value the window could not measure is
+    left out of its class's entry. Without classes both are null: the single SLO's status
+    is as it was, and a spec that dropped its classes drops theirs (a merge patch)."""
     if not slo.classes:
-        return {}
+        return {"classes": None, "bindingClass": None}
     stated = [SloClass(DEFAULT_CLASS, 0, slo.ttft_s, slo.tpot_s, slo.e2e_s, slo.attainment),
               *slo.classes]  # fmt: skip
     entries = [_class_entry(c, signals.classes.get(c.name)) for c in stated]
