@@ -53,6 +53,14 @@ class SloExporter:
         for target in missed:
             self.judged.labels("missed", target, slo_class).inc()
 
+    def declare_class(self, slo_class: str) -> None:
+        """The class's series at zero, as after its first request: Prometheus' `increase`
+        counts from a series' first sample, so a window must open after it."""
+        for histogram in (self.duration, self.ttft, self.tpot):
+            histogram.labels(slo_class)
+        for result in ("met", "missed"):
+            self.judged.labels(result, names.SLO_ALL, slo_class)
+
     def engine_step(self, seconds: float, rows: int, prefill: int, kv: int) -> None:
         self.step.observe(seconds)
         self.decode_rows.inc(rows)
