@@ -16,11 +16,16 @@ import threading
 from wsgiref.simple_server import WSGIServer
 
 from batchpilot_operator.slo import Slo
+from batchpilot_server.batching_config import DEFAULT_CLASS
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 SLO_P99_LATENCY = "batchpilot_slo_p99_latency_seconds"
 SLO_OBJECTIVE = "batchpilot_slo_objective_seconds"
 SLO_ATTAINMENT_OBJECTIVE = "batchpilot_slo_attainment_objective_ratio"
+# The same per SLO class (label class: `default` for the top-level targets, and each of
+# spec.slo.classes): the per-class burn-rate alerts' threshold.
+SLO_CLASS_ATTAINMENT_OBJECTIVE = "batchpilot_slo_class_attainment_objective_ratio"
+CLASS_LABEL = "class"
 KV_HIGH_WATERMARK = "batchpilot_kv_high_watermark_ratio"
 LABELS = ("namespace", "policy")
 TARGET_LABEL = "target"
@@ -53,6 +58,14 @@ class PolicyMetrics:
             LABELS,
             registry=self.registry,
         )
+        self._class_attainment = Gauge(
+            SLO_CLASS_ATTAINMENT_OBJECTIVE,
+            "share of a class's requests that must meet every target it states (class: "
+            "default for the top-level targets)",
+            (*LABELS, CLASS_LABEL),
+            registry=self.registry,
+        )
+        self._classes: dict[tuple[str, str], set[str]] = {}  # the classes published
         self._watermark = Gauge(
             KV_HIGH_WATERMARK,
             "KV cache usage above which the tuner cuts the batch",
@@ -75,6 +88,12 @@ class PolicyMetrics:
             _remove(self._slo, namespace, policy)
         self._attainment.labels(namespace, policy).set(slo.attainment)
         self._watermark.labels(namespace, policy).set(slo.kv_high_watermark)
+        classes = {DEFAULT_CLASS: slo.attainment, **{c.name: c.attainment for c in slo.classes}}
+        for gone in self._classes.get((namespace, policy), set()) - set(classes):
+            _remove(self._class_attainment, namespace, policy, gone)
+        for name, attainment in classes.items():
+            self._class_attainment.labels(namespace, policy, name).set(attainment)
+        self._classes[(namespace, policy)] = set(classes)
 
     def publish(
         self, namespace: str, policy: str, *, slo_p99_ms: float, kv_high_watermark: float
@@ -90,6 +109,8 @@ class PolicyMetrics:
             _remove(gauge, namespace, policy)
         for target in TARGETS:
             _remove(self._objective, namespace, policy, target)
+        for name in self._classes.pop((namespace, policy), set()):
+            _remove(self._class_attainment, namespace, policy, name)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> tuple[WSGIServer, threading.Thread]:
         """Expose the gauges at http://addr:port/metrics (port 0 picks a free one)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from batchpilot_operator.signals import (
     LENGTH_QUANTILES,
     MIN_REQUESTS_PER_WINDOW,
+    ClassSignals,
     Signals,
     histogram_quantile,
     status_detail,
@@ -66,6 +67,14 @@ ARRIVALS = names.REQUESTS_ARRIVED_TOTAL
 # pods: the pods exporting the config they run, one series each.
 POD_SERIES = names.CONFIG_MAX_BATCH_SIZE
 
+# ClassSignals field -> histogram: its p99 per SLO class, by the `class` label.
+CLASS_QUANTILES: dict[str, str] = {
+    "ttft_p99_s": names.TIME_TO_FIRST_TOKEN,
+    "tpot_p99_s": names.REQUEST_TIME_PER_OUTPUT_TOKEN,
+    "p99_latency_s": names.REQUEST_DURATION,
+}
+CLASS_HISTOGRAMS = tuple(CLASS_QUANTILES.values())
+
 # The series each kind of source reads.
 HISTOGRAMS = tuple(dict.fromkeys(
     [h for h, _ in QUANTILES.values()] + list(MEANS.values()) + list(SUMS.values())
@@ -92,6 +101,12 @@ class WindowTotals:
     arrival_rate: float | None = None  # ARRIVALS per second over the newer half
     pods: int = 0
     budget_attainment: float | None = None  # met / judged over the SLO's budget window
+    # By SLO class (the `class` label; series without one are in the totals only):
+    # class -> histogram -> le -> increase, for CLASS_HISTOGRAMS
+    class_buckets: dict[str, dict[str, dict[float, float]]] = field(default_factory=dict)
+    class_slo: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)
+    # class -> met / judged over the budget window
+    class_budget_attainment: dict[str, float] = field(default_factory=dict)
 
 
 def signals_from(
@@ -134,7 +149,32 @@ def signals_from(
         slo_missed={target: n for (result, target), n in totals.slo.items() if result == "missed"},
         budget_attainment=totals.budget_attainment,
         detail="; ".join(remark for remark in remarks if remark),
+        classes=class_signals(totals),
     )
+
+
+def class_signals(totals: WindowTotals) -> dict[str, ClassSignals]:
+    """Each SLO class the window's series name: its judgement and p99s, by name."""
+    names_seen = sorted(
+        set(totals.class_slo) | set(totals.class_buckets) | set(totals.class_budget_attainment)
+    )
+    classes = {}
+    for name in names_seen:
+        slo = totals.class_slo.get(name, {})
+        judged, met = _judged(slo)
+        buckets = totals.class_buckets.get(name, {})
+        classes[name] = ClassSignals(
+            name=name,
+            slo_judged=judged,
+            slo_met=met,
+            slo_missed={target: n for (result, target), n in slo.items() if result == "missed"},
+            **{
+                field_name: bucket_quantile(0.99, buckets.get(histogram, {}))
+                for field_name, histogram in CLASS_QUANTILES.items()
+            },
+            budget_attainment=totals.class_budget_attainment.get(name),
+        )
+    return classes
 
 
 def slo_attainment(slo: Mapping[tuple[str, str], float]) -> float | None:

@@ -23,6 +23,29 @@ LENGTH_QUANTILES = (0.1, 0.5, 0.9, 0.99)
 
 
 @dataclass(frozen=True)
+class ClassSignals:
+    """One SLO class's view of the window, read from the series' `class` label: its
+    requests judged and met, misses per target, and its p99s (seconds; None where the
+    class observed nothing). Beside the totals, which the tuner reads unchanged."""
+
+    name: str
+    slo_judged: float | None = None
+    slo_met: float | None = None
+    slo_missed: dict[str, float] = field(default_factory=dict)
+    ttft_p99_s: float | None = None
+    tpot_p99_s: float | None = None
+    p99_latency_s: float | None = None
+    budget_attainment: float | None = None  # over the SLO's budget window
+
+    @property
+    def attainment(self) -> float | None:
+        """The share of the class's judged requests that met every target."""
+        if not self.slo_judged or self.slo_met is None:
+            return None
+        return self.slo_met / self.slo_judged
+
+
+@dataclass(frozen=True)
 class Signals:
     """What the servers of one policy did during the last window.
 
@@ -82,6 +105,10 @@ class Signals:
     step_prefill_tokens: float | None = None
     step_kv_tokens: float | None = None
     detail: str = ""  # why the status is not ok, for humans
+    # Each SLO class's own view (the `class` label), by name; empty where the pods export
+    # no class label (an older server) or the source reads none. Status only: the tuner
+    # reads the totals above.
+    classes: dict[str, ClassSignals] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

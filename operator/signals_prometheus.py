@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 from batchpilot_operator.signal_fields import (
     ARRIVALS,
+    CLASS_HISTOGRAMS,
     COUNTERS,
     GAUGES,
     HISTOGRAMS,
@@ -73,6 +74,7 @@ def queries(
 
     every = f'target="{names.SLO_ALL}"'  # each judged request once
     met = f'{every},result="met"'
+    by_class = names.CLASS_LABEL
     return {
         **{f"buckets:{h}": f"sum by (le) (increase({h}_bucket{sel}[{w}]))" for h in HISTOGRAMS},
         **{f"sum:{h}": f"sum(increase({h}_sum{sel}[{w}]))" for h in HISTOGRAMS},
@@ -84,6 +86,15 @@ def queries(
         "arrival_rate": f"sum(rate({ARRIVALS}{sel}[{half}]))",
         "pods": f"count({POD_SERIES}{sel})",  # every pod exports the config it runs
         "budget_attainment": f"{judged(met)} / {judged(every)}",
+        # By SLO class: the same series split by their `class` label.
+        **{
+            f"class_buckets:{h}": f"sum by ({by_class}, le) (increase({h}_bucket{sel}[{w}]))"
+            for h in CLASS_HISTOGRAMS
+        },
+        "class_slo": f"sum by ({by_class}, result, target) "
+        f"(increase({names.REQUESTS_SLO_TOTAL}{sel}[{w}]))",
+        "class_budget": f"sum by ({by_class}, result) "
+        f"(increase({names.REQUESTS_SLO_TOTAL}{{{selector},{every}}}[{budget}]))",
     }
 
 
@@ -187,12 +198,46 @@ def _window_totals(answers: Mapping[str, list[Sample]], window_s: float) -> Wind
         counts=present("count:"),
         now=present("now:"),
         peaks=present("peak:"),
-        slo={(labels.get("result", ""), labels.get("target", "")): n
-             for labels, n in answers["slo"]},
+        slo={
+            (labels.get("result", ""), labels.get("target", "")): n for labels, n in answers["slo"]
+        },
         arrival_rate=value("arrival_rate"),
         pods=round(value("pods") or 0),
         budget_attainment=value("budget_attainment"),
+        **_class_totals(answers),
     )
+
+
+def _class_totals(answers: Mapping[str, list[Sample]]) -> dict[str, Any]:
+    """WindowTotals' per-class fields from the `class_*` answers; a series without a
+    class label (an older server) is left to the totals."""
+    label = names.CLASS_LABEL
+    class_buckets: dict[str, dict[str, dict[float, float]]] = {}
+    for key, samples in answers.items():
+        if key.startswith("class_buckets:"):
+            histogram = key.removeprefix("class_buckets:")
+            for labels, n in samples:
+                if labels.get(label):
+                    per = class_buckets.setdefault(labels[label], {}).setdefault(histogram, {})
+                    per[_le(labels, key)] = n
+    class_slo: dict[str, dict[tuple[str, str], float]] = {}
+    for labels, n in answers.get("class_slo", []):
+        if labels.get(label):
+            key = (labels.get("result", ""), labels.get("target", ""))
+            class_slo.setdefault(labels[label], {})[key] = n
+    budget: dict[str, dict[str, float]] = {}
+    for labels, n in answers.get("class_budget", []):
+        if labels.get(label):
+            budget.setdefault(labels[label], {})[labels.get("result", "")] = n
+    return {
+        "class_buckets": class_buckets,
+        "class_slo": class_slo,
+        "class_budget_attainment": {
+            name: by_result.get("met", 0.0) / judged
+            for name, by_result in budget.items()
+            if (judged := sum(by_result.values())) > 0
+        },
+    }
 
 
 def _one_value(samples: list[Sample], promql: str) -> float:

@@ -25,6 +25,7 @@ from typing import TypeVar
 import aiohttp
 from batchpilot_operator.signal_fields import (
     ARRIVALS,
+    CLASS_HISTOGRAMS,
     COUNTERS,
     GAUGES,
     HISTOGRAMS,
@@ -45,6 +46,8 @@ SCHEDULING_SLACK_S = 0.25
 SCHEDULING_SLACK_SHARE = 0.05
 # The budget window is kept as this many snapshots, evenly spaced, at most.
 BUDGET_MARKS = 60
+
+
 @dataclass
 class Totals:
     """One server's cumulative values at one scrape."""
@@ -54,6 +57,9 @@ class Totals:
     sums: dict[str, float] = field(default_factory=dict)  # histogram _sum
     gauges: dict[str, float] = field(default_factory=dict)
     slo: dict[tuple[str, str], float] = field(default_factory=dict)  # (result, target) -> n
+    # By SLO class (the `class` label): class -> histogram -> le -> n, for CLASS_HISTOGRAMS
+    class_buckets: dict[str, dict[str, dict[float, float]]] = field(default_factory=dict)
+    class_slo: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)
 
     def minus(self, earlier: Totals) -> Totals:
         """Increase since `earlier`; a value that went down restarted from zero."""
@@ -66,6 +72,18 @@ class Totals:
             sums=_increases(self.sums, earlier.sums),
             gauges=dict(self.gauges),
             slo=_increases(self.slo, earlier.slo),
+            class_buckets={
+                name: {
+                    histogram: _increases(per, before.get(histogram, {}))
+                    for histogram, per in by_histogram.items()
+                }
+                for name, by_histogram in self.class_buckets.items()
+                for before in [earlier.class_buckets.get(name, {})]
+            },
+            class_slo={
+                name: _increases(per, earlier.class_slo.get(name, {}))
+                for name, per in self.class_slo.items()
+            },
         )
 
 
@@ -85,11 +103,15 @@ def parse_metrics(text: str) -> Totals:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, value = sample.name, float(sample.value)
+            slo_class = sample.labels.get(names.CLASS_LABEL)
             if name.endswith("_bucket") and name.removesuffix("_bucket") in HISTOGRAMS:
                 base = name.removesuffix("_bucket")
                 le = float(sample.labels["le"])
                 per = totals.buckets.setdefault(base, {})
                 per[le] = per.get(le, 0.0) + value
+                if slo_class and base in CLASS_HISTOGRAMS:
+                    by_class = totals.class_buckets.setdefault(slo_class, {})
+                    _add(by_class.setdefault(base, {}), le, value)
             elif name.endswith("_count") and name.removesuffix("_count") in HISTOGRAMS:
                 _add(totals.counts, name.removesuffix("_count"), value)
             elif name.endswith("_sum") and name.removesuffix("_sum") in HISTOGRAMS:
@@ -101,10 +123,12 @@ def parse_metrics(text: str) -> Totals:
             elif name == names.REQUESTS_SLO_TOTAL:
                 key = (sample.labels.get("result", ""), sample.labels.get("target", ""))
                 totals.slo[key] = totals.slo.get(key, 0.0) + value
+                if slo_class:
+                    _add(totals.class_slo.setdefault(slo_class, {}), key, value)
     return totals
 
 
-def _add(into: dict[str, float], key: str, value: float) -> None:
+def _add(into: dict[K, float], key: K, value: float) -> None:
     into[key] = into.get(key, 0.0) + value
 
 
@@ -207,17 +231,22 @@ class ScrapeSource:
                       for g in GAUGES}  # fmt: skip
         totals.peaks = self._peaks(baseline.at)
         totals.arrival_rate = self._arrival_rate(baseline, now)
-        totals.budget_attainment = self._budget_attainment(now)
+        totals.budget_attainment, totals.class_budget_attainment = self._budget_attainment(now)
         return signals_from(
             totals, min_requests=self.min_requests, detail="; ".join(self.errors.values())
         )
 
-    def _budget_attainment(self, now: Snapshot) -> float | None:
-        """Met / judged since the budget window's baseline (the first scrape, early on)."""
+    def _budget_attainment(self, now: Snapshot) -> tuple[float | None, dict[str, float]]:
+        """Met / judged since the budget window's baseline (the first scrape, early on),
+        in all and by SLO class."""
         baseline = self.budget_marks[0] if self.budget_marks else None
         if baseline is None or baseline is now:
-            return None
-        return slo_attainment(_window_totals(_deltas(now, baseline), 0.0).slo)
+            return None, {}
+        totals = _window_totals(_deltas(now, baseline), 0.0)
+        by_class = {name: slo_attainment(slo) for name, slo in totals.class_slo.items()}
+        return slo_attainment(totals.slo), {
+            name: share for name, share in by_class.items() if share is not None
+        }
 
     def _arrival_rate(self, baseline: Snapshot, now: Snapshot) -> float | None:
         """Arrivals per second since the newest snapshot in the newer half of the window
@@ -262,4 +291,14 @@ def _window_totals(deltas: Sequence[Totals], window_s: float) -> WindowTotals:
                 into[name] = into.get(name, 0.0) + value
         for key, n in delta.slo.items():
             totals.slo[key] = totals.slo.get(key, 0.0) + n
+        for name, by_histogram in delta.class_buckets.items():
+            merged_class = totals.class_buckets.setdefault(name, {})
+            for histogram, per in by_histogram.items():
+                into_histogram = merged_class.setdefault(histogram, {})
+                for le, n in per.items():
+                    _add(into_histogram, le, n)
+        for name, per in delta.class_slo.items():
+            into_slo = totals.class_slo.setdefault(name, {})
+            for key, n in per.items():
+                _add(into_slo, key, n)
     return totals

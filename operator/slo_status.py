@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from batchpilot_operator.signals import Signals
-from batchpilot_operator.slo import Slo
+from batchpilot_operator.signals import ClassSignals, Signals
+from batchpilot_operator.slo import Slo, SloClass
+from batchpilot_server.batching_config import DEFAULT_CLASS
 from batchpilot_server.metric_names import SLO_STATED
 
 ERROR_BUDGET_FLOOR = -1.0
@@ -55,7 +56,7 @@ def slo_condition(signals: Signals, slo: Slo) -> dict[str, str]:
     }
 
 
-def objective(slo: Slo) -> str:
+def objective(slo: Slo | SloClass) -> str:
     """The stated targets and attainment in one line: 'ttft<=200ms tpot<=50ms @99%'."""
     targets = " ".join(f"{name}<={value * 1000:g}ms" for name, value in slo.stated.items())
     return f"{targets} @{slo.attainment * 100:g}%"
@@ -69,7 +70,13 @@ def missed_words(missed: Mapping[str, float]) -> str:
 def error_budget_remaining(budget_attainment: float, slo: Slo) -> float:
     """The share of the allowed misses not yet spent: 1 untouched, 0 spent, negative
     overspent, floored at -1 (spent twice over; budgetAttainment tells the rest)."""
-    spent = (1.0 - budget_attainment) / slo.allowed_miss_share
+    return budget_left(budget_attainment, slo.attainment)
+
+
+def budget_left(attainment: float, target: float) -> float:
+    """1 - (1 - attainment) / (1 - target), floored at -1: the share of the allowed misses
+    (1 - target) that `attainment` leaves unspent."""
+    spent = (1.0 - attainment) / (1.0 - target)
     return max(ERROR_BUDGET_FLOOR, 1.0 - spent)
 
 
@@ -105,7 +112,59 @@ def slo_fields(signals: Signals, slo: Slo) -> dict[str, Any]:
         "errorBudgetRemaining": (
             None if budget is None else share(error_budget_remaining(budget, slo))
         ),
+        **class_fields(signals, slo),
     }
+
+
+def class_fields(signals: Signals, slo: Slo) -> dict[str, Any]:
+    """status.slo's per-class part where the spec states classes: each class (the
+    top-level targets as `default`, then spec.slo.classes in order) as the window saw
+    it, and the binding class (`binding_class`). A value the window could not measure is
+    left out of its class's entry. Without classes both are null: the single SLO's status
+    is as it was, and a spec that dropped its classes drops theirs (a merge patch)."""
+    if not slo.classes:
+        return {"classes": None, "bindingClass": None}
+    stated = [SloClass(DEFAULT_CLASS, 0, slo.ttft_s, slo.tpot_s, slo.e2e_s, slo.attainment),
+              *slo.classes]  # fmt: skip
+    entries = [_class_entry(c, signals.classes.get(c.name)) for c in stated]
+    return {"classes": entries, "bindingClass": binding_class(stated, signals)}
+
+
+def binding_class(stated: list[SloClass], signals: Signals) -> str | None:
+    """The class with the least headroom in the window: the lowest
+    (attainment - target) / (1 - target), its window's attainment against its own allowed
+    misses (0: exactly at target, below 0: below it, -1: missing twice what it may).
+    Ties go to the higher priority, then to the earlier class. Classes without a judged
+    request in the window do not bind; None when no class has one."""
+    scored = []
+    for order, slo_class in enumerate(stated):
+        seen = signals.classes.get(slo_class.name)
+        attainment = None if seen is None else seen.attainment
+        if attainment is not None:
+            headroom = (attainment - slo_class.attainment) / (1.0 - slo_class.attainment)
+            scored.append((headroom, -slo_class.priority, order, slo_class.name))
+    return min(scored)[-1] if scored else None
+
+
+def _class_entry(slo_class: SloClass, seen: ClassSignals | None) -> dict[str, Any]:
+    seen = seen or ClassSignals(slo_class.name)
+    attainment, budget = seen.attainment, seen.budget_attainment
+    values = {
+        "name": slo_class.name,
+        "priority": slo_class.priority,
+        "objective": objective(slo_class),
+        "attainmentTarget": slo_class.attainment,
+        "judged": seen.slo_judged,
+        "attainment": None if attainment is None else round(attainment, 5),
+        "p99TtftMs": _ms(seen.ttft_p99_s),
+        "p99TpotMs": _ms(seen.tpot_p99_s),
+        "p99E2eMs": _ms(seen.p99_latency_s),
+        "budgetAttainment": None if budget is None else round(budget, 5),
+        "errorBudgetRemaining": (
+            None if budget is None else round(budget_left(budget, slo_class.attainment), 5)
+        ),
+    }
+    return {key: value for key, value in values.items() if value is not None}
 
 
 def _ms(value: float | None) -> float | None:

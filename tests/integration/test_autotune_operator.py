@@ -377,3 +377,80 @@ async def test_a_ttft_tpot_policy_hands_its_targets_to_the_pods_and_shows_attain
     assert slo["p99TtftMs"] > 0 and slo["p99TpotMs"] > 0
     met = condition(current, "SLOMet")
     assert met is not None and met["reason"] in ("WithinSLO", "BelowAttainment"), met
+
+
+def two_class_policy(namespace: str) -> dict[str, Any]:
+    """Two classes beside the top-level targets: `interactive`, whose 1 ms TTFT no request
+    meets (so it binds), and `batch`, whose minute end to end every request meets."""
+    obj = llm_policy(namespace)
+    obj["spec"]["slo"]["classes"] = [
+        {"name": "interactive", "priority": 10, "ttftMs": 1, "attainment": 0.99},
+        {"name": "batch", "priority": 0, "e2eMs": 60000, "attainment": 0.9},
+    ]
+    return obj
+
+
+async def class_load(url: str, slo_class: str, max_tokens: int) -> None:
+    """Closed-loop streamed completions naming `slo_class` by the gateway's header, until
+    cancelled; a 400 (the pod does not know the class until the operator pushes it) or a
+    dropped connection is retried."""
+    headers = {"x-gateway-inference-objective": slo_class}
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": max_tokens,
+            "stream": True, "ignore_eos": True}  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                async with session.post(
+                    f"{url}/v1/completions", json=body, headers=headers
+                ) as response:
+                    await response.read()
+                    if response.status != 200:
+                        await asyncio.sleep(0.2)
+            except aiohttp.ClientError:
+                await asyncio.sleep(0.2)
+
+
+async def test_a_two_class_policy_shows_each_class_and_the_binding_one(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Real traffic for both classes (the x-gateway-inference-objective header) on a real
+    pod; the operator's rounds write status.slo.classes[] and name the binding class."""
+    ns = "classes"
+    async with server_pod(cluster, tmp_path, ns) as server:
+        loads = [
+            asyncio.create_task(class_load(server.url, slo_class, tokens))
+            for slo_class, tokens in (("interactive", 8), ("interactive", 8),
+                                      ("batch", 32), ("batch", 32))
+        ]  # fmt: skip
+        try:
+            with run_operator(cluster):
+                await cluster.create(kube.POLICIES, two_class_policy(ns))
+
+                def both_judged(obj: dict[str, Any]) -> bool:
+                    slo = (obj.get("status") or {}).get("slo") or {}
+                    judged = {c["name"]: c.get("judged") for c in slo.get("classes") or []}
+                    return bool(judged.get("interactive")) and bool(judged.get("batch"))
+
+                current = await cluster.wait_for(
+                    kube.POLICIES, ns, "llm", both_judged,
+                    "status.slo.classes with both classes judged", 2 * TUNE_DEADLINE_S,
+                )  # fmt: skip
+        finally:
+            for task in loads:
+                task.cancel()
+            await asyncio.gather(*loads, return_exceptions=True)
+    slo = current["status"]["slo"]
+    classes = {c["name"]: c for c in slo["classes"]}
+    assert [c["name"] for c in slo["classes"]] == ["default", "interactive", "batch"]
+    interactive, batch = classes["interactive"], classes["batch"]
+    assert (interactive["priority"], interactive["attainmentTarget"]) == (10, 0.99)
+    assert interactive["objective"] == "ttft<=1ms @99%"
+    assert interactive["attainment"] == 0  # no first token within 1 ms
+    assert batch["attainment"] == 1  # every answer within a minute
+    assert 1 < interactive["p99TtftMs"] < 60000 and interactive["p99E2eMs"] > 0
+    assert batch["p99E2eMs"] > 0 and batch["p99TpotMs"] > 0
+    assert interactive["errorBudgetRemaining"] == -1 and batch["errorBudgetRemaining"] == 1
+    assert slo["bindingClass"] == "interactive"
+    assert not classes["default"].get("judged")  # no request named no class
+    # the single SLO's fields count every class's requests
+    assert slo["judged"] >= interactive["judged"] + batch["judged"] - 1e-9

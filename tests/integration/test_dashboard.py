@@ -20,10 +20,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import yaml
 from batchpilot_operator.policy_metrics import PolicyMetrics
-from batchpilot_operator.slo import Slo
+from batchpilot_operator.slo import Slo, SloClass
 from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
 
 from tests.support import ROOT
@@ -41,8 +42,11 @@ POLICIES = {"cont": "continuous", "dyn": "dynamic"}
 RATE_INTERVAL = "20s"
 LOAD_S = 14.0
 # every target stated, so that each target-vs-p99 panel has both lines; the pods judge
-# requests against the targets the operator hands them
-SLO = Slo(ttft_s=0.5, tpot_s=0.05, e2e_s=0.5)
+# requests against the targets the operator hands them. A class beside the default one,
+# which some requests name by the gateway's header, for the per-class panels.
+CHAT = "chat"
+SLO = Slo(ttft_s=0.5, tpot_s=0.05, e2e_s=0.5,
+          classes=(SloClass(CHAT, 10, ttft_s=0.5, attainment=0.95),))  # fmt: skip
 
 
 def load_dashboard() -> dict[str, Any]:
@@ -180,6 +184,20 @@ def put_batching(server: ServerProcess, changes: dict[str, Any]) -> dict[str, An
         return dict(json.loads(response.read()))
 
 
+async def class_requests(url: str, slo_class: str, duration_s: float) -> int:
+    """Completions naming `slo_class` by the gateway's header, one after another for
+    `duration_s`; returns how many were answered."""
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "stream": True}
+    headers = {"x-gateway-inference-objective": slo_class}
+    answered, stop = 0, time.monotonic() + duration_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < stop:
+            async with session.post(f"{url}/v1/completions", json=body, headers=headers) as r:
+                await r.read()
+                answered += r.status == 200
+    return answered
+
+
 def finite_values(result: list[dict[str, Any]]) -> list[float]:
     return [float(s["value"][1]) for s in result if math.isfinite(float(s["value"][1]))]
 
@@ -206,6 +224,7 @@ async def test_every_query_returns_data(
             output_len=LengthDist("uniform", 4, 24),
         )
         load = asyncio.create_task(run_load(spec))
+        chat = asyncio.create_task(class_requests(servers["cont"].url, CHAT, LOAD_S))
         await asyncio.sleep(LOAD_S / 2)  # the tuner's move lands mid-load, as in production
         applied = await asyncio.to_thread(
             put_batching, servers["cont"], {"max_batch_size": 4, "batch_timeout_ms": 5}
@@ -213,6 +232,7 @@ async def test_every_query_returns_data(
         assert applied["max_batch_size"] == 4
         report = await load
         assert report.ok > 0, report
+        assert await chat > 0
         # Every panel is read as of the load's end: the loop of queries below takes seconds
         # on a busy machine, and a rate window read later would cover only the load's tail.
         ended = time.time()
@@ -236,6 +256,21 @@ async def test_every_query_returns_data(
             values = finite_values(await asyncio.to_thread(prom.query, substitute(target["expr"]),
                                                            ended))  # fmt: skip
             assert values and all(bounds[0] <= v <= bounds[1] for v in values), (target, values)
+
+        # the per-class panels tell the classes apart: the chat class's requests on `cont`,
+        # the load's (no class named) in default, each against its own objective
+        by_class = next(
+            p for p in load_dashboard()["panels"] if p["title"] == "SLO attainment by class"
+        )
+        seen = {}
+        for target in by_class["targets"]:
+            result = await asyncio.to_thread(prom.query, substitute(target["expr"]), ended)
+            seen[target["refId"]] = {
+                (s["metric"]["policy"], s["metric"]["class"]): float(s["value"][1]) for s in result
+            }
+        assert {("cont", "default"), ("cont", CHAT), ("dyn", "default")} <= set(seen["A"])
+        assert all(0.0 <= v <= 1.0 for v in seen["A"].values()), seen
+        assert seen["B"][("cont", CHAT)] == 0.95 and seen["B"][("cont", "default")] == 0.99
 
         # one server per policy here: the Replicas panel counts the pods serving each
         replicas = next(p for p in load_dashboard()["panels"] if p["title"] == "Replicas")

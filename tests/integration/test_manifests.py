@@ -37,8 +37,12 @@ def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
 
 def test_every_object_parses_with_identity(rendered: list[dict[str, Any]]) -> None:
     assert {d["kind"] for d in rendered} >= {
-        "Namespace", "CustomResourceDefinition", "ServiceAccount", "ClusterRole",
-        "ClusterRoleBinding", "Deployment",
+        "Namespace",
+        "CustomResourceDefinition",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
     }
     cluster_scoped = {"Namespace", "CustomResourceDefinition", "ClusterRole", "ClusterRoleBinding"}
     namespace = one(rendered, "Namespace")["metadata"]["name"]
@@ -118,9 +122,7 @@ def test_a_changed_image_entry_reaches_the_operator_and_the_crd_default(tmp_path
     base.write_text(yaml.safe_dump(kustomization))
     for directory in (tmp_path / "manifests", tmp_path / "manifests" / "kube-prometheus-stack"):
         docs = render(directory)
-        (container,) = operator_object(docs, "Deployment")["spec"]["template"]["spec"][
-            "containers"
-        ]
+        (container,) = operator_object(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
         assert container["image"] == "registry.example/bp:9.9"
         assert server_image_default(docs) == "registry.example/bp:9.9"
 
@@ -264,3 +266,34 @@ def test_a_real_model_example_brings_the_claim_its_policy_reads(directory: Path)
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["TARGET"] == f"{mount['mountPath']}/{reference.path}"
     assert reference.sub_path is None  # the Job fills the volume's root
+
+
+GATEWAY_DIR = ROOT / "manifests" / "examples" / "inference-gateway"
+
+
+def test_the_gateway_objectives_are_the_classes_of_the_policy_the_pool_selects() -> None:
+    """An InferenceObjective per class of the policy behind the InferencePool, named as the
+    class (the x-gateway-inference-objective header the pods read), with its priority."""
+    pool = one(list(yaml.safe_load_all((GATEWAY_DIR / "inferencepool.yaml").read_text())),
+               "InferencePool")  # fmt: skip
+    policy = yaml.safe_load((ROOT / "manifests" / "examples" / "cpu-policy.yaml").read_text())
+    assert refusals(policy) == []
+    assert (
+        pool["spec"]["selector"]["matchLabels"]["batchpilot.io/policy"]
+        == (policy["metadata"]["name"])
+    )
+    objectives = list(yaml.safe_load_all((GATEWAY_DIR / "inferenceobjectives.yaml").read_text()))
+    assert {o["kind"] for o in objectives} == {"InferenceObjective"}
+    assert {o["apiVersion"] for o in objectives} == {"inference.networking.x-k8s.io/v1alpha2"}
+    classes = parse_spec(with_defaults(SCHEMA, policy)["spec"]).slo.classes
+    assert len(classes) == 2
+    assert {o["metadata"]["name"]: o["spec"]["priority"] for o in objectives} == {
+        c.name: c.priority for c in classes
+    }
+    for objective in objectives:
+        assert objective["metadata"]["namespace"] == pool["metadata"]["namespace"]
+        assert objective["spec"]["poolRef"] == {
+            "group": pool["apiVersion"].split("/")[0],
+            "kind": "InferencePool",
+            "name": pool["metadata"]["name"],
+        }

@@ -144,7 +144,7 @@ async def test_both_sources_read_the_same_slo_attainment_budget_and_step_totals(
                 for _ in range(5):
                     exporter.engine_step(0.02, rows=6, prefill=256, kv=3000)
                 scraped = await scrape.read(time.monotonic() - started + 1.0)
-                judged = f"sum({names.REQUESTS_SLO_TOTAL}{{{selector},target=\"all\"}})"
+                judged = f'sum({names.REQUESTS_SLO_TOTAL}{{{selector},target="all"}})'
                 await asyncio.to_thread(prom.wait_for_value, judged, 40, SETTLE_DEADLINE_S)
                 # one scrape more, so that `increase` has samples after the change
                 await asyncio.to_thread(prom.wait_for_scrapes_after, time.time())
@@ -165,3 +165,51 @@ async def test_both_sources_read_the_same_slo_attainment_budget_and_step_totals(
         assert read.steps and read.step_decode_rows == pytest.approx(6 * read.steps, rel=0.01)
         assert read.step_kv_tokens == pytest.approx(3000 * read.steps, rel=0.01)
         assert read.prompt_tokens_p50 is not None and 64 < read.prompt_tokens_p50 <= 256
+
+
+@requires_prometheus
+async def test_both_sources_read_each_class_beside_the_same_totals(tmp_path: Path) -> None:
+    """Two classes' requests on one exporter: each source reads each class's judgement and
+    p99s from the `class` label, and the totals over both, as a single-class window's."""
+    with serve_slo_exporter() as exporter:
+        selector = selector_for_instances([exporter.url])
+        with run_prometheus(tmp_path, [exporter.url.removeprefix("http://")]) as prom:
+            await asyncio.to_thread(prom.wait_for_targets_up)
+            async with aiohttp.ClientSession() as session:
+                for slo_class in ("interactive", "batch"):
+                    exporter.declare_class(slo_class)
+                scrape = ScrapeSource([exporter.url], session, min_requests=1)
+                await scrape.scrape()
+                started = time.monotonic()
+                await asyncio.to_thread(prom.wait_for_scrapes_after, time.time())
+                for index in range(20):  # interactive: fast, 4 of 20 miss their ttft
+                    missed = ("ttft",) if index % 5 == 0 else ()
+                    exporter.request(ttft_s=0.05, tpot_s=0.01, e2e_s=0.3, prompt=100,
+                                     missed=missed, slo_class="interactive")  # fmt: skip
+                for _ in range(10):  # batch: slow, every one met
+                    exporter.request(ttft_s=2.0, tpot_s=0.1, e2e_s=30.0, prompt=3000,
+                                     missed=(), slo_class="batch")  # fmt: skip
+                scraped = await scrape.read(time.monotonic() - started + 1.0)
+                judged = f'sum({names.REQUESTS_SLO_TOTAL}{{{selector},target="all"}})'
+                await asyncio.to_thread(prom.wait_for_value, judged, 30, SETTLE_DEADLINE_S)
+                await asyncio.to_thread(prom.wait_for_scrapes_after, time.time())
+                source = PrometheusSource(
+                    prom.url, selector, session, min_requests=1, budget_window_s=600
+                )
+                signals = await source.read(time.monotonic() - started + 5.0)
+    assert (scraped.slo_judged, scraped.slo_met) == (30, 26)
+    assert signals.attainment == pytest.approx(26 / 30, rel=0.01)
+    for read in (scraped, signals):
+        interactive, batch = read.classes["interactive"], read.classes["batch"]
+        assert interactive.attainment == pytest.approx(16 / 20, rel=0.01), read.classes
+        assert batch.attainment == 1.0
+        assert set(interactive.slo_missed) == {"all", "ttft"} and not any(batch.slo_missed.values())
+        assert interactive.budget_attainment == pytest.approx(16 / 20, rel=0.01)
+        assert bucket_of(interactive.ttft_p99_s or 0) == bucket_of(0.05)
+        assert bucket_of(batch.ttft_p99_s or 0) == bucket_of(2.0)
+        assert bucket_of(batch.p99_latency_s or 0) == bucket_of(30.0)
+        assert bucket_of(interactive.tpot_p99_s or 0) == bucket_of(0.01)
+        assert read.classes["default"].slo_judged == 0  # its series exist, at zero
+    assert (scraped.classes["interactive"].slo_judged, scraped.classes["batch"].slo_judged) == (
+        20, 10,
+    )  # fmt: skip

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from batchpilot_operator.signals import Signals
-from batchpilot_operator.slo import Slo
+from batchpilot_operator.signals import ClassSignals, Signals
+from batchpilot_operator.slo import Slo, SloClass
 from batchpilot_operator.slo_status import (
     error_budget_remaining,
     slo_condition,
@@ -47,6 +47,7 @@ def test_status_slo_shows_targets_observed_p99s_attainment_and_budget() -> None:
         "p99TtftMs": 310.0, "p99TpotMs": 40.0, "p99E2eMs": 4200.0,
         "budgetAttainment": 0.97,
         "errorBudgetRemaining": 0.4,  # 3% of the allowed 5% spent
+        "classes": None, "bindingClass": None,  # no classes: nothing per class
     }  # fmt: skip
     status = {"slo": merged(fields)}
     assert refusals({**policy_object("p", "ml", {"slo": {"ttftMs": 200, "tpotMs": 50}}),
@@ -100,3 +101,75 @@ def test_the_stated_part_is_what_reconcile_writes_before_any_round() -> None:
         "attainmentTarget": 0.99, "budgetWindow": "1h",
     }  # fmt: skip
     assert target_fields(Slo(tpot_s=0.08, budget_window_s=90))["budgetWindow"] == "90s"
+
+
+TWO_CLASSES = Slo(
+    ttft_s=2.0,
+    attainment=0.95,
+    classes=(
+        SloClass("interactive", priority=10, ttft_s=0.5, tpot_s=0.05, attainment=0.99),
+        SloClass("batch", priority=0, e2e_s=300.0, attainment=0.9),
+    ),
+)
+
+
+def test_the_single_slo_status_has_no_class_fields() -> None:
+    fields = slo_fields(judged(slo_judged=10, slo_met=10), LLM)
+    # nulls: absent from the status, and removed where a spec dropped its classes
+    assert fields["classes"] is None and fields["bindingClass"] is None
+    assert "classes" not in merged(fields) and "bindingClass" not in merged(fields)
+
+
+def test_each_class_shows_its_attainment_p99s_and_error_budget() -> None:
+    signals = judged(
+        slo_judged=300, slo_met=285,
+        classes={
+            "interactive": ClassSignals("interactive", slo_judged=200, slo_met=196,
+                                        ttft_p99_s=0.45, tpot_p99_s=0.03, p99_latency_s=2.5,
+                                        budget_attainment=0.995),
+            "batch": ClassSignals("batch", slo_judged=100, slo_met=89, p99_latency_s=250.0,
+                                  budget_attainment=0.95),
+        },
+    )  # fmt: skip
+    fields = slo_fields(signals, TWO_CLASSES)
+    assert fields["classes"] == [
+        {"name": "default", "priority": 0, "objective": "ttft<=2000ms @95%",
+         "attainmentTarget": 0.95},
+        {"name": "interactive", "priority": 10, "objective": "ttft<=500ms tpot<=50ms @99%",
+         "attainmentTarget": 0.99, "judged": 200, "attainment": 0.98,
+         "p99TtftMs": 450.0, "p99TpotMs": 30.0, "p99E2eMs": 2500.0,
+         "budgetAttainment": 0.995, "errorBudgetRemaining": 0.5},
+        {"name": "batch", "priority": 0, "objective": "e2e<=300000ms @90%",
+         "attainmentTarget": 0.9, "judged": 100, "attainment": 0.89, "p99E2eMs": 250000.0,
+         "budgetAttainment": 0.95, "errorBudgetRemaining": 0.5},
+    ]  # fmt: skip
+    # interactive misses 2% of its allowed 1% (headroom -1); batch 11% of 10% (-0.1)
+    assert fields["bindingClass"] == "interactive"
+    # the single SLO's fields are as before, over all the classes' requests
+    assert fields["attainment"] == 0.95 and fields["objective"] == "ttft<=2000ms @95%"
+    status = {"slo": merged(fields)}
+    spec = {"slo": {"ttftMs": 2000, "attainment": 0.95,
+                    "classes": [{"name": "interactive", "priority": 10, "ttftMs": 500,
+                                 "tpotMs": 50}, {"name": "batch", "e2eMs": 300000,
+                                                 "attainment": 0.9}]}}  # fmt: skip
+    assert refusals({**policy_object("p", "ml", spec), "status": status}) == []
+
+
+@pytest.mark.parametrize(
+    ("interactive", "batch", "binding"),
+    [
+        ((100, 100), (100, 80), "batch"),  # interactive at 100%: batch binds
+        ((100, 99), (100, 90), "interactive"),  # both exactly at target: the higher priority
+        ((100, 98), None, "interactive"),  # batch judged nothing: it cannot bind
+        (None, None, None),  # nothing judged: none binds
+    ],
+)
+def test_the_binding_class_has_the_least_headroom_against_its_allowed_misses(
+    interactive: tuple[int, int] | None, batch: tuple[int, int] | None, binding: str | None
+) -> None:
+    classes = {
+        name: ClassSignals(name, slo_judged=seen[0], slo_met=seen[1])
+        for name, seen in (("interactive", interactive), ("batch", batch))
+        if seen is not None
+    }
+    assert slo_fields(judged(classes=classes), TWO_CLASSES)["bindingClass"] == binding

@@ -7,10 +7,11 @@ import math
 import aiohttp
 import numpy as np
 import pytest
-from batchpilot_operator.signal_fields import bucket_quantile
+from batchpilot_operator.signal_fields import bucket_quantile, signals_from
 from batchpilot_operator.signals import histogram_quantile, status_detail, traffic_status
+from batchpilot_operator.signals_prometheus import _window_totals as prometheus_totals
 from batchpilot_operator.signals_prometheus import queries
-from batchpilot_operator.signals_scrape import ScrapeSource, Totals, parse_metrics
+from batchpilot_operator.signals_scrape import ScrapeSource, Totals, _window_totals, parse_metrics
 from batchpilot_server import metric_names as names
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine_api import EngineStats
@@ -59,9 +60,18 @@ def test_quantile_of_nothing_is_none_and_bad_input_is_refused() -> None:
 
 @pytest.mark.parametrize(
     ("requests", "waiting", "status"),
-    [(0, 0, "no_traffic"), (0, 3, "too_little_traffic"), (49, 0, "too_little_traffic"),
-     (50, 0, "ok"), (12, 50, "ok"), (12, 38, "ok"), (12, 5, "too_little_traffic"),
-     (10, 10, "ok"), (10, 9, "too_little_traffic"), (0, 300, "too_little_traffic")],
+    [
+        (0, 0, "no_traffic"),
+        (0, 3, "too_little_traffic"),
+        (49, 0, "too_little_traffic"),
+        (50, 0, "ok"),
+        (12, 50, "ok"),
+        (12, 38, "ok"),
+        (12, 5, "too_little_traffic"),
+        (10, 10, "ok"),
+        (10, 9, "too_little_traffic"),
+        (0, 300, "too_little_traffic"),
+    ],
 )
 def test_traffic_classes(requests: float, waiting: float, status: str) -> None:
     assert traffic_status(requests, waiting, 0.0, min_requests=50) == status
@@ -222,8 +232,75 @@ def test_the_scrape_sums_every_class_into_the_window_totals() -> None:
 
 
 def test_the_prometheus_queries_sum_over_the_class_label() -> None:
-    # every query aggregates with sum or `sum by` of labels other than class: a class
-    # label adds series, never a result per class
-    for query in queries('policy="p"', 60.0).values():
-        assert names.CLASS_LABEL not in query
+    # every totals query aggregates with sum or `sum by` of labels other than class: a
+    # class label adds series, never a result per class; the class_ queries split by it
+    for key, query in queries('policy="p"', 60.0).items():
         assert query.startswith(("sum", "count(", "max(")) or " / " in query
+        if key.startswith("class_"):
+            assert query.startswith(f"sum by ({names.CLASS_LABEL}, "), key
+        else:
+            assert names.CLASS_LABEL not in query, key
+
+
+def two_class_page(metrics: ServerMetrics, chat: int, batch: int) -> str:
+    """`chat` chat requests (fast, all met) and `batch` batch requests (slow, one in four
+    missing e2e) more on the page."""
+    for _ in range(chat):
+        metrics.ttft.observe(0.1, "chat")
+        metrics.request_duration.observe(0.5, "chat")
+        metrics.count_slo({"ttft": True, names.SLO_ALL: True}, "chat")
+    for i in range(batch):
+        metrics.ttft.observe(3.0, "batch")
+        metrics.request_duration.observe(40.0, "batch")
+        met = i % 4 != 0
+        metrics.count_slo({"e2e": met, names.SLO_ALL: met}, "batch")
+    return metrics.exposition(EngineStats(0, 0, 10, 0)).decode()
+
+
+def test_the_scrape_reads_each_class_beside_the_totals() -> None:
+    metrics = ServerMetrics(model="tiny", mode="continuous")
+    before = parse_metrics(two_class_page(metrics, 5, 4))
+    after = parse_metrics(two_class_page(metrics, 20, 40))
+    totals = _window_totals([after.minus(before)], 60.0)
+    signals = signals_from(totals, min_requests=1)
+    assert (signals.slo_judged, signals.slo_met) == (60, 50)  # the totals: every class
+    assert set(signals.classes) == {"chat", "batch", "default"}
+    chat, batch = signals.classes["chat"], signals.classes["batch"]
+    assert (chat.slo_judged, chat.attainment) == (20, 1.0)
+    assert (batch.slo_judged, batch.slo_met, batch.slo_missed["e2e"]) == (40, 30, 10)
+    assert chat.ttft_p99_s is not None and bucket_of(chat.ttft_p99_s) == bucket_of(0.1)
+    assert batch.ttft_p99_s is not None and bucket_of(batch.ttft_p99_s) == bucket_of(3.0)
+    assert batch.p99_latency_s is not None and bucket_of(batch.p99_latency_s) == bucket_of(40.0)
+    assert chat.tpot_p99_s is None  # nothing observed
+    assert signals.classes["default"].slo_judged == 0
+
+
+def test_prometheus_answers_by_class_become_each_class_signals() -> None:
+    label = names.CLASS_LABEL
+    answers: dict[str, list[tuple[dict[str, str], float]]] = {
+        key: [] for key in queries('policy="p"', 60.0)
+    }
+    answers[f"buckets:{names.REQUEST_DURATION}"] = [({"le": "1"}, 10.0), ({"le": "+Inf"}, 12.0)]
+    answers[f"count:{names.REQUEST_DURATION}"] = [({}, 12.0)]
+    answers[f"class_buckets:{names.TIME_TO_FIRST_TOKEN}"] = [
+        ({label: "chat", "le": "0.25"}, 10.0), ({label: "chat", "le": "+Inf"}, 10.0),
+        ({label: "batch", "le": "0.25"}, 0.0), ({label: "batch", "le": "+Inf"}, 2.0),
+        ({"le": "+Inf"}, 5.0),  # an older server's series, without the label: totals only
+    ]  # fmt: skip
+    answers["class_slo"] = [
+        ({label: "chat", "result": "met", "target": "all"}, 10.0),
+        ({label: "batch", "result": "met", "target": "all"}, 1.0),
+        ({label: "batch", "result": "missed", "target": "all"}, 1.0),
+        ({label: "batch", "result": "missed", "target": "e2e"}, 1.0),
+    ]
+    answers["class_budget"] = [
+        ({label: "chat", "result": "met"}, 99.0), ({label: "chat", "result": "missed"}, 1.0),
+        ({label: "batch", "result": "missed"}, 4.0),
+    ]  # fmt: skip
+    signals = signals_from(prometheus_totals(answers, 60.0), min_requests=1)
+    chat, batch = signals.classes["chat"], signals.classes["batch"]
+    assert (chat.attainment, batch.attainment, batch.slo_missed) == (1.0, 0.5, {"all": 1, "e2e": 1})
+    assert (chat.budget_attainment, batch.budget_attainment) == (0.99, 0.0)
+    assert chat.ttft_p99_s is not None and chat.ttft_p99_s <= 0.25
+    assert batch.ttft_p99_s == 0.25  # the +Inf bucket answers the last finite bound
+    assert set(signals.classes) == {"chat", "batch"}
