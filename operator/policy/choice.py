@@ -47,7 +47,7 @@ from batchpilot_server.batching_config import BatchingConfig
 # The fit is a plane through the operating points seen: a batch past this many times the
 # batch in force (or the most decode rows a step held) is beyond what it describes (a
 # flat fit would call batch 64 as cheap as batch 8), so the choice reaches that far a
-# round at most, as AIMD grows by a factor.
+# round at most, as the fallback grows the batch by a factor.
 REACH = 2.0
 
 
@@ -117,9 +117,7 @@ def choose(window: Window, model: StepModel, current: BatchingConfig, goal: Goal
         for batch, timeout, budget in knobs:
             candidate = Candidate(batch, timeout, budget, pods)
             scored = attainment_of(window, model, candidate)
-            if scored is None:
-                return Sizing(current, "hold", "no prompt or output lengths to predict by",
-                              None)  # fmt: skip
+            assert scored is not None  # the round's gate: the window has lengths
             attainment, rho, rows = scored
             kv = kv_use(window, candidate, rows)
             feasible = (kv is None or kv <= slo.kv_high_watermark) and not (

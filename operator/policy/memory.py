@@ -4,8 +4,6 @@ restarted operator only seeds the replica part from the policy's status).
 
 - `since_change`: rounds since the knobs, the fleet or the mode last moved (or the
   fleet was still settling); the next window never reaches back past it;
-- `ceiling`: the batch that last ran too slow or filled the KV cache, which caps the
-  AIMD fallback's growth for `CEILING_TTL` rounds;
 - `points`: the step model's operating points; `errors`: the fit's recent relative
   prediction errors on the config in force (`FitErrors`: those of the fit's form alone);
 - `replicas` and `mode`: the replica count's and the mode choice's own memories.
@@ -22,7 +20,6 @@ from batchpilot_operator.policy.types import ReplicaState
 
 SINCE_CHANGE_CAP = 1000
 ERROR_HISTORY = 3  # a fit's last errors kept: the median of three rides out one outlier
-CEILING_TTL = 20  # rounds a ceiling caps the AIMD growth
 
 
 @dataclass(frozen=True)
@@ -51,8 +48,6 @@ class FitErrors:
 class PolicyMemory:
     # A fresh rule has made no change, so its first window is a full one.
     since_change: int = SINCE_CHANGE_CAP
-    ceiling: int | None = None
-    ceiling_age: int = 0
     points: tuple[StepPoint, ...] = ()
     errors: FitErrors = field(default_factory=FitErrors)
     replicas: ReplicaState = field(default_factory=ReplicaState)

@@ -263,7 +263,7 @@ class TpotTail:
 
 
 def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
-    lengths = _lengths(window.signals)
+    lengths = lengths_of(window.signals)
     if lengths is None:
         return None
     prompts, outputs = lengths
@@ -326,7 +326,7 @@ def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
     )  # fmt: skip
 
 
-def _lengths(signals: Signals) -> tuple[Lengths, Lengths] | None:
+def lengths_of(signals: Signals) -> tuple[Lengths, Lengths] | None:
     """Prompt and output lengths over the window's quantile slices; prompts fall back to
     the window's mean prompt tokens computed per request, outputs to its mean tokens per
     request."""
@@ -366,7 +366,7 @@ def attainment_of(
 
 def kv_use(window: Window, c: Candidate, rows: float) -> float | None:
     capacity = kv_capacity_tokens(window.signals)
-    lengths = _lengths(window.signals)
+    lengths = lengths_of(window.signals)
     if capacity is None or lengths is None:
         return None
     prompts, outputs = lengths

@@ -1,19 +1,19 @@
 """The replica count: the sizing step's pods needed, held to the stabilization rules.
 
-Pure. The round's sizing step (the chosen candidate, or the AIMD fallback) says how
+Pure. The round's sizing step (the chosen candidate, or the fallback table) says how
 many pods the window needs and why (`Need`); this part only decides *when* the fleet
 moves there, with the rules an HPA user expects:
 
 1. a count outside `minReplicas..maxReplicas` is brought inside at once;
 2. hold while the fleet is not what was asked for (pods starting or stopping) or the
    window does not cover every pod yet (`settling`: the loop restarts the window, so
-   the next one shows the settled fleet alone);
-3. more pods needed: scale out at once, unless at maxReplicas or within the scale-up
-   stabilization since the last change;
-4. fewer: each round's count is a recommendation; scale in to the highest one of the
-   scale-down stabilization window, and never before the fleet has been watched that
-   long since the last change (or since the rule's first round: a restarted operator
-   waits a window too).
+   the next one shows the settled fleet alone); a window without judgement holds;
+3. otherwise every round's count (within the bounds) is a recommendation, and the
+   fleet moves to: more pods at once, unless within the scale-up stabilization since
+   the last change; fewer, the highest recommendation of the scale-down stabilization
+   window. The fleet's count of record is a recommendation from the moment it is
+   watched (the last change, or the rule's first round: a restarted operator waits a
+   window too), so no scale-in comes sooner than a window after it.
 """
 
 from __future__ import annotations
@@ -76,42 +76,59 @@ def stabilize(
             f"{desired} replicas is outside autoscale's {bounds.min_replicas}.."
             f"{bounds.max_replicas}",
         )  # fmt: skip
-    if fleet.ready < desired:
-        return _hold(state, desired, f"{fleet.ready} of {desired} pods ready: waiting for them",
-                     settling=True)  # fmt: skip
-    if signals.pods and signals.pods < desired:
-        return _hold(
-            state, desired, f"the window covers {signals.pods} of {desired} pods: waiting for "
-            "one that shows them all", settling=True,
-        )  # fmt: skip
+    settling = _settling(signals, fleet)
+    if settling is not None:
+        return _hold(state, desired, settling, settling=True)
     if need is None:
         why = signals.status.replace("_", " ")
         return _hold(state, desired, f"no judgement on this window ({why})")
     wanted = bounds.clamp(need.pods)
-    if need.pods > desired:
-        if desired >= bounds.max_replicas:
-            return _hold(state, desired, f"{need.reason}; at maxReplicas {desired}")
-        change = state.last_change
-        if change is not None and now - change.at < bounds.scale_up_stabilization_s:
-            return _hold(state, desired, f"{need.reason}; scale-up stabilization")
-        return _change(state, desired, wanted, now, need.reason)
     state = _recommend(state, now, wanted, bounds)
-    if wanted >= desired:
-        return _hold(state, desired, need.reason)
     window = bounds.scale_down_stabilization_s
     watched = now - (state.since if state.since is not None else now)
-    if watched < window:
-        return _hold(
-            state, desired, f"{need.reason}; but this fleet has been watched for "
-            f"{watched:.0f} s of the {window:.0f} s scale-down stabilization",
-        )  # fmt: skip
-    highest = max(n for at, n in state.recommendations if at >= now - window)
-    if highest >= desired:
-        return _hold(
-            state, desired, f"{need.reason}; but {highest} were needed within the last "
-            f"{window:.0f} s",
-        )  # fmt: skip
-    return _change(state, desired, highest, now, f"{need.reason} for {window:.0f} s")
+    # The fleet of record counts as needed until it has been watched a whole window.
+    highest = max(
+        [n for at, n in state.recommendations if at >= now - window]
+        + ([desired] if watched < window else [])
+    )
+    change = state.last_change
+    up_allowed = change is None or now - change.at >= bounds.scale_up_stabilization_s
+    target = wanted if wanted > desired and up_allowed else min(desired, highest)
+    if target == desired:
+        return _hold(state, desired, _held(need, wanted, desired, highest, watched, bounds))
+    why = need.reason if target > desired else f"{need.reason} for {window:.0f} s"
+    return _change(state, desired, target, now, why)
+
+
+def _settling(signals: Signals, fleet: Fleet) -> str | None:
+    """Why the fleet is still moving, or None."""
+    if fleet.ready < fleet.desired:
+        return f"{fleet.ready} of {fleet.desired} pods ready: waiting for them"
+    if signals.pods and signals.pods < fleet.desired:
+        return (
+            f"the window covers {signals.pods} of {fleet.desired} pods: waiting for one that "
+            "shows them all"
+        )
+    return None
+
+
+def _held(
+    need: Need, wanted: int, desired: int, highest: int, watched: float, bounds: ReplicaBounds
+) -> str:
+    """The reason of a hold: what kept the fleet from the count needed (wording only)."""
+    window = bounds.scale_down_stabilization_s
+    if need.pods > desired >= bounds.max_replicas:
+        return f"{need.reason}; at maxReplicas {desired}"
+    if wanted > desired:
+        return f"{need.reason}; scale-up stabilization"
+    if wanted < desired and watched < window:
+        return (
+            f"{need.reason}; but this fleet has been watched for {watched:.0f} s of the "
+            f"{window:.0f} s scale-down stabilization"
+        )
+    if wanted < desired:
+        return f"{need.reason}; but {highest} were needed within the last {window:.0f} s"
+    return need.reason
 
 
 def _recommend(

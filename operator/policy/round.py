@@ -4,21 +4,21 @@ Pure and deterministic: the same (signals, config in force, goal, memory, fleet,
 mode) always gives the same decision; `tuning_loop.TuningLoop` is its one caller.
 
 1. The memory takes the window in: its step point (step_model.py), its arrivals and a
-   scale-out's start-up (replicas.py); the AIMD ceiling ages.
+   scale-out's start-up (replicas.py).
 2. The window's derived quantities are computed once (window.py).
 3. One sizing step gives both the knobs and the pods needed:
    - a config outside the bounds is clamped into them (the pods wait a round);
-   - a window without evidence holds (signals.py `traffic_status`), unless the pods
-     judged more misses in it than the objective's share allows by chance
-     (`misses_are_evidence`): a thin window can still show the SLO missed;
-   - where the step fit for this fleet size is trusted and its recent error on the
-     config in force is small (the median of its last errors, those of its own form:
+   - a window without evidence holds (`Window.has_evidence`: too little traffic, and
+     no more misses judged than chance allows);
+   - where the step fit for this fleet size is trusted, its recent error on the config
+     in force is small (the median of its last errors, those of its own form:
      memory.py `FitErrors`; a refit through other terms or points is judged on its own
      errors from the first window that judges it; the error is the prediction at the
-     arrivals the window saw, not at the forecast), the choice (choice.py) picks the
-     cheapest candidate the predictor (predictor.py) says meets the SLO with the margin;
-   - otherwise the AIMD fallback (aimd.py) steps, and the reason says why the fit was
-     not used.
+     arrivals the window saw, not at the forecast) and the window has lengths to
+     predict by, the choice (choice.py) picks the cheapest candidate the predictor
+     (predictor.py) says meets the SLO with the margin;
+   - otherwise the fallback table (fallback.py) steps, and the reason says why the fit
+     was not used.
 4. The pods needed go through the stabilization rules (replicas.py) where the round
    owns the replica count; the mode choice (mode.py) runs where the policy's mode is
    auto.
@@ -31,18 +31,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from batchpilot_operator.policy import aimd
+from batchpilot_operator.policy import fallback
 from batchpilot_operator.policy.choice import choose
-from batchpilot_operator.policy.memory import CEILING_TTL, SINCE_CHANGE_CAP, FitErrors, PolicyMemory
+from batchpilot_operator.policy.memory import SINCE_CHANGE_CAP, FitErrors, PolicyMemory
 from batchpilot_operator.policy.mode import ModeChoice, ModeState, choose_mode
-from batchpilot_operator.policy.predictor import Candidate, Prediction, predict
+from batchpilot_operator.policy.predictor import Candidate, Prediction, lengths_of, predict
 from batchpilot_operator.policy.reasons import knob_change
 from batchpilot_operator.policy.replicas import Need, observe, stabilize
 from batchpilot_operator.policy.sizing import Sizing
 from batchpilot_operator.policy.step_model import StepModel, fit_for, point_of, remember
 from batchpilot_operator.policy.types import Action, Cadence, Fleet, Goal, ScaleDecision
 from batchpilot_operator.policy.window import Forecast, Window
-from batchpilot_operator.signals import Signals, misses_are_evidence
+from batchpilot_operator.signals import Signals
 from batchpilot_server.batching_config import BatchingConfig, Mode
 
 
@@ -96,14 +96,9 @@ def decide(
             and (scale.replicas != fleet.desired or scale.settling))
         or (choice is not None and choice.switched)
     )  # fmt: skip
-    ceiling, age = memory.ceiling, memory.ceiling_age
-    if sizing.ceiling is not None:
-        ceiling, age = sizing.ceiling, 0
     memory = replace(
         memory,
         since_change=0 if moved else min(memory.since_change + 1, SINCE_CHANGE_CAP),
-        ceiling=ceiling,
-        ceiling_age=age,
         errors=errors,
         replicas=scale.state if scale is not None else memory.replicas,
         mode=choice.state if choice is not None else ModeState(),
@@ -117,15 +112,9 @@ def decide(
 def _taken_in(
     signals: Signals, memory: PolicyMemory, fleet: Fleet | None, now: float
 ) -> PolicyMemory:
-    ceiling, age = memory.ceiling, memory.ceiling_age + 1
-    if ceiling is None or age >= CEILING_TTL:
-        ceiling, age = None, 0
     # A thin window's mean step is an operating point all the same (no quantile in it).
     points = remember(memory.points, point_of(signals))
-    return replace(
-        memory, points=points, ceiling=ceiling, ceiling_age=age,
-        replicas=observe(memory.replicas, signals, fleet, now),
-    )  # fmt: skip
+    return replace(memory, points=points, replicas=observe(memory.replicas, signals, fleet, now))
 
 
 def _size(
@@ -140,13 +129,13 @@ def _size(
             clamped, "clamp", f"config outside the bounds: {knob_change(current, clamped)}",
             Need(desired, "the knobs were outside their bounds: clamped first"),
         ), errors  # fmt: skip
-    if not signals.ok and not _missed_for_sure(signals, goal):
+    if not window.has_evidence:
         status = signals.status.replace("_", " ")
         return Sizing(current, "hold", f"{status}: {signals.detail or status}", None), errors
     model = fit_for(memory.points, window.pods)
     if model is not None and model.trusted:
         errors = errors.of(model.form, _error(window, model, current))
-    why = _untrusted(model, errors, goal)
+    why = _untrusted(model, errors, goal, signals)
     if model is not None and why is None:
         chosen = choose(window, model, current, goal)
         median = errors.median()
@@ -154,17 +143,8 @@ def _size(
         return replace(chosen, reason=f"predicted ({model.describe()}{err}): {chosen.reason}"), (
             errors
         )
-    fallback = aimd.step(window, current, goal, memory)
-    return replace(fallback, reason=f"AIMD ({why}): {fallback.reason}"), errors
-
-
-def _missed_for_sure(signals: Signals, goal: Goal) -> bool:
-    """A window too thin for p99s whose pods judged more misses than chance allows (a slow
-    model finishes few requests a window, and each may miss)."""
-    missed = signals.slo_missed.get("all")
-    return signals.status == "too_little_traffic" and misses_are_evidence(
-        signals.slo_judged, missed, goal.slo.allowed_miss_share
-    )
+    stepped = fallback.step(window, current, goal)
+    return replace(stepped, reason=f"fallback ({why}): {stepped.reason}"), errors
 
 
 def _error(window: Window, model: StepModel, current: BatchingConfig) -> float | None:
@@ -197,8 +177,12 @@ def _error(window: Window, model: StepModel, current: BatchingConfig) -> float |
     return max(off(name, seen) for name, seen in observed.items())
 
 
-def _untrusted(model: StepModel | None, errors: FitErrors, goal: Goal) -> str | None:
+def _untrusted(
+    model: StepModel | None, errors: FitErrors, goal: Goal, signals: Signals
+) -> str | None:
     """Why the fit is not used this round; None when it is."""
+    if lengths_of(signals) is None:
+        return "no prompt or output lengths to predict by"
     if model is None:
         return "no step fit yet: the window has no step counters or too few points"
     if not model.trusted:

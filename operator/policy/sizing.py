@@ -1,5 +1,5 @@
-"""The sizing step's answer, the same whichever way it was reached (choice.py or aimd.py):
-the knobs, the pods needed, and why."""
+"""The sizing step's answer, the same whichever way it was reached (choice.py or
+fallback.py): the knobs, the pods needed, and why."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ from batchpilot_server.batching_config import BatchingConfig
 @dataclass(frozen=True)
 class Sizing:
     config: BatchingConfig
-    action: str  # one of tuner.Action
+    action: str  # one of types.Action
     reason: str
     need: Need | None  # None: the window holds no judgement on the pod count
-    ceiling: int | None = None  # a batch learnt too slow or too full this round
     prediction: Prediction | None = None  # the chosen candidate's (choice.py only)

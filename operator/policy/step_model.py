@@ -21,7 +21,7 @@ out; the reason names the terms the fit used.
 Points are kept per fleet size, like the old capacity line: where pods share hosts a
 pod's speed depends on how many run. The fit is *trusted* once it goes through
 `TRUSTED_POINTS` windows whose decode rows span `MIN_SPREAD`x: fewer, or one load
-level, is a guess, and the rule steps by AIMD (aimd.py) meanwhile.
+level, is a guess, and the rule steps by the fallback table (fallback.py) meanwhile.
 """
 
 from __future__ import annotations

@@ -81,17 +81,13 @@ class PolicyParams:
     # The choice: a candidate is eligible when its predicted misses are at most this
     # share of the misses the attainment allows (the stated margin).
     margin_share: float = 0.5
-    # The fit's median relative error on the config in force above this: AIMD steps.
+    # The fit's median relative error on the config in force above this: the fallback steps.
     max_error: float = 0.5
-    # The AIMD fallback's steps.
-    additive_step: int = 4  # batch growth with headroom while requests queue
-    capacity_factor: float = 1.5  # batch growth when queueing breaks a target
-    backoff_factor: float = 0.7  # batch cut when running alone breaks a target
+    # The fallback table's steps (fallback.py): each knob moves by a factor.
+    capacity_factor: float = 1.5  # batch growth where queueing misses a target
+    backoff_factor: float = 0.7  # batch cut where running alone misses a target
     kv_cut_factor: float = 0.75  # batch cut at the KV watermark or on preemptions
-    timeout_cut_factor: float = 0.5
-    timeout_explains: float = 2.0  # queue wait <= this x timeout: the timeout causes it
-    full_batch_share: float = 0.8  # mean batch >= share x max counts as "full"
-    queueing_share: float = 0.05  # queue wait p99 >= share x target: requests queue
+    budget_cut: float = 0.25  # prefill budget cut: a long prompt's chunk is most of a step
 
 
 @dataclass(frozen=True)
@@ -119,7 +115,6 @@ class Cadence:
                 f"the window ({self.window_s:g} s) must be at least the interval "
                 f"({self.interval_s:g} s): each decision needs a full interval of data"
             )
-
 
 
 ScaleAction = Literal["hold", "scale_out", "scale_in"]

@@ -19,8 +19,7 @@ Pure. From the window's `Signals`, the goal and the rule's memory:
 - `queue_grows`: more than a request a pod waits at the window's end and clearly
   fewer finished than arrived: evidence, whatever the window's count of finished
   requests;
-- `fleet_can_grow`: the goal has replica bounds, the scaler owns the count and it is
-  below the maximum.
+- `has_evidence`: enough traffic to judge, or more misses judged than chance allows.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from batchpilot_operator.policy.types import ARRIVAL_HISTORY, Fleet, ReplicaBounds, ReplicaState
-from batchpilot_operator.signals import Signals
+from batchpilot_operator.signals import Signals, misses_are_evidence
 from batchpilot_operator.slo import Slo
 
 QUEUE_SHARE = 0.5  # queue wait >= this share of a p99: queueing is half the story
@@ -98,13 +97,6 @@ class Window:
         s = self.signals
         return s.waiting > self.pods and s.finished_rate < (1 - GROWTH_SHARE) * s.demand_rate
 
-    @property
-    def fleet_can_grow(self) -> bool:
-        return (
-            self.replicas is not None and self.fleet is not None
-            and self.fleet.desired < self.replicas.max_replicas
-        )  # fmt: skip
-
     def measured_per_pod_rps(self) -> float | None:
         """What each pod finished over the share of the window it was busy."""
         s = self.signals
@@ -130,6 +122,20 @@ class Window:
         ttft = s.ttft_p99_s if "ttft" in self.slo.stated else None
         p99 = (ttft if ttft is not None else s.p99_latency_s) or 0.0
         return self.queue_grows or (s.queue_wait_p99_s or 0.0) >= QUEUE_SHARE * p99 > 0
+
+    def misses_are_evidence(self) -> bool:
+        """A window too thin for p99s whose pods judged more misses than chance allows (a
+        slow model finishes few requests a window, and each may miss)."""
+        s = self.signals
+        return s.status == "too_little_traffic" and misses_are_evidence(
+            s.slo_judged, s.slo_missed.get("all"), self.slo.allowed_miss_share
+        )
+
+    @property
+    def has_evidence(self) -> bool:
+        """Enough traffic to judge (signals.py `traffic_status`), or misses that show the
+        SLO missed however thin the window."""
+        return self.signals.ok or self.misses_are_evidence()
 
     def observed(self) -> dict[str, float]:
         """The window's p99 of each stated target (those measured)."""

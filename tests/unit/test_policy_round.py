@@ -1,5 +1,5 @@
 """The round: the predictive choice (fewest pods, KV as a constraint, within the bounds) and
-when it falls back to AIMD, with the reason saying why."""
+when it falls back to the table, with the reason saying why."""
 
 from __future__ import annotations
 
@@ -100,25 +100,25 @@ def test_preemptions_exclude_the_batch_in_force_and_above() -> None:
     assert decision.config.max_batch_size < CURRENT.max_batch_size
 
 
-def test_aimd_steps_until_the_fit_is_trusted_and_says_so() -> None:
+def test_the_fallback_steps_until_the_fit_is_trusted_and_says_so() -> None:
     queueing = window(25.0, p99_latency_s=9.0, queue_wait_p99_s=8.0, ttft_p99_s=8.0,
                       waiting=200.0, requests=600.0)  # fmt: skip
     young = PolicyMemory(points=points()[:2])
     decision = decide(queueing, CURRENT, GOAL, young)
-    assert decision.reason.startswith("AIMD (step fit not trusted yet")
+    assert decision.reason.startswith("fallback (step fit not trusted yet")
     assert decision.action == "grow_batch" and decision.prediction is None
     none_yet = decide(replace(queueing, steps=None), CURRENT, GOAL, PolicyMemory())
-    assert none_yet.reason.startswith("AIMD (no step fit yet")
+    assert none_yet.reason.startswith("fallback (no step fit yet")
 
 
-def test_aimd_takes_over_after_a_large_prediction_error_and_says_so() -> None:
+def test_the_fallback_takes_over_after_a_large_prediction_error_and_says_so() -> None:
     # The pods measure a TTFT twenty times what the fit predicts for the config in force.
     wrong = window(2.0, ttft_p99_s=2.0, tpot_p99_s=0.2)
     memory = trusted()
     for _ in range(2):
         decision = decide(wrong, CURRENT, GOAL, memory)
         memory = decision.memory
-    assert decision.reason.startswith("AIMD (the step fit's recent error")
+    assert decision.reason.startswith("fallback (the step fit's recent error")
     assert len(memory.errors.values) == 2 and min(memory.errors.values) > GOAL.params.max_error
     # A fit that predicts the window well is used.
     good = decide(seen(2.0), CURRENT, GOAL, trusted())

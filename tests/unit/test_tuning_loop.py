@@ -29,9 +29,9 @@ from batchpilot_server.batching_config import BatchingConfig, Mode
 
 GOAL = Goal(Slo(e2e_s=1.0))
 CADENCE = Cadence(interval_s=10.0, window_s=30.0)
-# p99 well under the SLO while requests queue behind full batches: the rule grows the batch
+# p99 past the SLO while requests queue behind full batches: the rule grows the batch
 QUEUEING = Signals(
-    status="ok", requests=500, p99_latency_s=0.2, queue_wait_p99_s=0.1, mean_batch_size=4.0,
+    status="ok", requests=500, p99_latency_s=2.0, queue_wait_p99_s=1.5, mean_batch_size=4.0,
     kv_usage=0.1,
 )  # fmt: skip
 QUIET = Signals(status="no_traffic")
@@ -168,7 +168,7 @@ AUTOSCALED = replace(GOAL, bounds=Bounds(max_batch=8), replicas=ReplicaBounds(1,
 
 async def test_the_replica_rule_runs_after_the_knobs_and_restarts_the_window() -> None:
     w = world(SPENT, QUIET)
-    w.record = BatchingConfig(8)
+    w.record = BatchingConfig(8, batch_timeout_ms=0.0)  # both knobs where queueing puts them
     scaler = FleetOf(desired=1)
     plugs = replace(w.plugs, scaler=scaler)
     loop = TuningLoop(clock=lambda: 100.0)

@@ -1,0 +1,270 @@
+"""The fallback table through the round (no step counters: the fit never forms), as a
+decision table: each row a window (a few numbers) and the row, knobs and pods it must
+give; then the gates before it (no evidence, bounds) and the windows that count as
+evidence however few requests finished."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pytest
+from batchpilot_operator.policy.fallback import TABLE
+from batchpilot_operator.policy.memory import PolicyMemory
+from batchpilot_operator.policy.round import decide
+from batchpilot_operator.policy.types import Bounds, Fleet, Goal, ReplicaBounds, ReplicaState
+from batchpilot_operator.policy.window import Window
+from batchpilot_operator.signals import Signals, misses_are_evidence, status_detail, traffic_status
+from batchpilot_operator.slo import Slo
+from batchpilot_server.batching_config import BatchingConfig
+
+E2E = Slo(e2e_s=1.0)
+TPOT = Slo(tpot_s=0.02)
+WIDE = Bounds(1, 64, 0.0, 200.0, min_prefill_budget=256, max_prefill_budget=4096)
+NARROW = Bounds(8, 8, 0.0, 200.0, min_prefill_budget=256, max_prefill_budget=4096)
+FLEET = ReplicaBounds(1, 4, scale_down_stabilization_s=0.0)
+CURRENT = BatchingConfig(max_batch_size=8, batch_timeout_ms=10.0, prefill_token_budget=2048)
+AT_FLOOR = replace(CURRENT, prefill_token_budget=256)
+
+
+def signals(**values: object) -> Signals:
+    base = dict(status="ok", window_s=30.0, requests=600.0, request_rate=20.0,
+                kv_usage=0.2, mean_batch_size=8.0, pods=1)  # fmt: skip
+    return Signals(**{**base, **values})  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    window: dict[str, object]
+    row: str  # the table row that must match
+    batch: int
+    timeout: float = 10.0
+    budget: int = 2048
+    pods: int = 1  # the pods the row names (the fleet is 1, or `window["pods"]`)
+    slo: Slo = E2E
+    bounds: Bounds = WIDE
+    current: BatchingConfig = CURRENT
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+# Why each row gives what it gives: the batch 8 in force moves by the row's factor
+# (0.75 at the KV watermark: 6; 1.5 when queueing: 12; 0.7 running: 5), the budget by
+# a quarter (2048: 512); where the row's knob is spent, a pod more.
+CASES = [
+    Case("KV at the watermark cuts the batch", {"kv_usage": 0.95, "p99_latency_s": 0.1}, "kv", 6),
+    Case("preemptions cut the batch", {"preemption_rate": 1.0, "p99_latency_s": 0.1}, "kv", 6),
+    Case(
+        "KV full at the batch's minimum: a pod more",
+        {"kv_usage": 0.95, "p99_latency_s": 0.1},
+        "kv",
+        8,
+        pods=2,
+        bounds=NARROW,
+    ),
+    Case(
+        "queueing past the target grows the batch, no timeout",
+        {"p99_latency_s": 3.0, "queue_wait_p99_s": 2.5},
+        "queueing",
+        12,
+        timeout=0.0,
+    ),
+    Case(
+        "queueing at the batch's maximum: a pod more",
+        {"p99_latency_s": 3.0, "queue_wait_p99_s": 2.5},
+        "queueing",
+        8,
+        timeout=0.0,
+        pods=2,
+        bounds=NARROW,
+    ),
+    Case(
+        # 30 req/s arrive and 40 wait where one pod served 20: even at a batch 1.5x
+        # larger, one pod at 80 % busy carries 24, so two
+        "a growing queue is queueing though the wait is short",
+        {"p99_latency_s": 3.0, "queue_wait_p99_s": 0.1, "waiting": 40.0, "arrival_rate": 30.0},
+        "queueing",
+        12,
+        timeout=0.0,
+        pods=2,
+    ),
+    Case(
+        "TPOT missed while requests queue: the knobs hold, a pod more",
+        {"tpot_p99_s": 0.05, "p99_latency_s": 3.0, "queue_wait_p99_s": 2.5},
+        "overloaded",
+        8,
+        pods=2,
+        slo=TPOT,
+    ),
+    Case(
+        "TPOT missed while running cuts the prefill budget first, and adds a pod",
+        {"tpot_p99_s": 0.05, "ttft_p99_s": 0.1},
+        "running",
+        8,
+        budget=512,
+        pods=2,
+        slo=TPOT,
+    ),
+    Case(
+        "TPOT missed at the budget's floor backs the batch off, and adds a pod",
+        {"tpot_p99_s": 0.05, "ttft_p99_s": 0.1},
+        "running",
+        5,
+        budget=256,
+        pods=2,
+        slo=TPOT,
+        current=AT_FLOOR,
+    ),
+    Case(
+        "TPOT missed with both knobs spent: a pod more",
+        {"tpot_p99_s": 0.05, "ttft_p99_s": 0.1},
+        "running",
+        8,
+        budget=256,
+        slo=TPOT,
+        current=AT_FLOOR,
+        bounds=NARROW,
+        pods=2,
+    ),
+    # four pods stepping 2 rows of 8: two pods would run 4, within 60 % of the batch
+    Case(
+        "headroom and steps of few rows: fewer pods",
+        {"p99_latency_s": 0.2, "mean_batch_size": 2.0, "pods": 4},
+        "headroom",
+        8,
+        pods=2,
+    ),
+    # two pods at batch 1 stepping a fifth of the window: 0.4 rows in flight, one pod
+    Case(
+        "headroom with idle pods: fewer pods",
+        {
+            "p99_latency_s": 0.2,
+            "mean_batch_size": 1.0,
+            "pods": 2,
+            "tokens_per_s": 40.0,
+            "busy_s_per_token": 0.01,
+        },  # busy 40 x 0.01 / 2 = 0.2
+        "headroom",
+        1,
+        pods=1,
+        current=replace(CURRENT, max_batch_size=1),
+    ),
+    Case(
+        "headroom with full steps keeps the pods",
+        {"p99_latency_s": 0.2, "mean_batch_size": 8.0, "pods": 2},
+        "headroom",
+        8,
+        pods=2,
+    ),
+    Case(
+        "end to end missed while running cuts the budget, the pods stay",
+        {"p99_latency_s": 3.0},
+        "running",
+        8,
+        budget=512,
+    ),
+    Case(
+        "near the target while requests queue grows the batch ahead of the miss",
+        {"p99_latency_s": 0.9, "queue_wait_p99_s": 0.5},
+        "queueing",
+        12,
+        timeout=0.0,
+    ),
+    Case("inside the band holds", {"p99_latency_s": 0.9}, "hold", 8),
+    Case(
+        "a p99 past its target with the attainment met holds",
+        {"tpot_p99_s": 0.05, "slo_judged": 600.0, "slo_met": 580.0},
+        "hold",
+        8,
+        slo=Slo(tpot_s=0.02, attainment=0.95),
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_the_fallback_table(case: Case) -> None:
+    pods = int(case.window.get("pods", 1))  # type: ignore[call-overload]
+    goal = Goal(case.slo, case.bounds, replicas=FLEET)
+    d = decide(signals(**case.window), case.current, goal, PolicyMemory(),
+               fleet=Fleet(pods, pods), now=1e4)  # fmt: skip
+    assert d.reason.startswith("fallback (") and f"[{case.row}]" in d.reason
+    got = (d.config.max_batch_size, d.config.batch_timeout_ms, d.config.prefill_token_budget)
+    assert got == (case.batch, case.timeout, case.budget), d.reason
+    assert d.scale is not None and f", {case.pods} pod(s)" in d.reason
+    assert d.scale.replicas == case.pods, d.scale.reason
+
+
+def test_the_table_is_small_and_ends_in_a_row_that_always_matches() -> None:
+    assert len(TABLE) <= 6
+    assert [r.name for r in TABLE][-1] == "hold"
+
+
+def test_windows_without_evidence_hold_and_say_why() -> None:
+    thin = Signals(status="too_little_traffic", detail="only 3 requests finished")
+    d = decide(thin, CURRENT, Goal(E2E, WIDE), PolicyMemory())
+    assert d.action == "hold" and "only 3 requests finished" in d.reason
+    assert d.memory.since_change == PolicyMemory().since_change  # capped, not moved
+
+
+def test_a_config_outside_the_bounds_is_clamped_first() -> None:
+    d = decide(signals(p99_latency_s=0.1), BatchingConfig(max_batch_size=500), Goal(E2E, WIDE),
+               PolicyMemory())  # fmt: skip
+    assert d.action == "clamp" and d.config.max_batch_size == 64
+
+
+def test_a_thin_window_whose_pods_judged_many_misses_is_evidence() -> None:
+    goal = Goal(Slo(ttft_s=0.5, attainment=0.95), WIDE)
+    # 40 requests, too few for a p99 by count; 12 missed where 5 % allow 2: no chance
+    thin = signals(status="too_little_traffic", requests=40.0, ttft_p99_s=2.0,
+                   queue_wait_p99_s=1.9, slo_judged=40.0, slo_met=28.0,
+                   slo_missed={"all": 12.0, "ttft": 12.0})  # fmt: skip
+    assert misses_are_evidence(40, 12, goal.slo.allowed_miss_share)
+    assert decide(thin, CURRENT, goal, PolicyMemory()).action == "grow_batch"
+    # 3 of 40 is within chance at 5 %: the thin window holds
+    chance = replace(thin, slo_met=37.0, slo_missed={"all": 3.0, "ttft": 3.0})
+    assert not misses_are_evidence(40, 3, goal.slo.allowed_miss_share)
+    assert decide(chance, CURRENT, goal, PolicyMemory()).action == "hold"
+
+
+def test_a_queue_as_long_as_what_finished_is_evidence_for_a_slow_model() -> None:
+    # SmolLM2 on two cores: 10 requests a window at batch 1, 25 waiting and more coming;
+    # the demo's 30-request minimum no longer holds it
+    assert traffic_status(10.0, 25.0, 0.0, min_requests=30) == "ok"
+    slow = signals(requests=10.0, request_rate=0.33, arrival_rate=1.2, waiting=25.0,
+                   p99_latency_s=20.0, queue_wait_p99_s=15.0, mean_batch_size=1.0)  # fmt: skip
+    d = decide(slow, BatchingConfig(max_batch_size=1), Goal(Slo(e2e_s=10.0), WIDE),
+               PolicyMemory())  # fmt: skip
+    assert d.action == "grow_batch" and d.config.max_batch_size > 1
+
+
+def test_a_full_batch_of_long_answers_is_judged_though_few_finish() -> None:
+    # 64 long answers fill the batch and 5 of them finished in the window: load, not a
+    # thin window (counting only what finished and waits held it)
+    status = traffic_status(5.0, 0.0, 64.0)
+    assert status == "ok"
+    full = signals(status=status, requests=5.0, request_rate=0.17, running=64.0,
+                   mean_batch_size=64.0, tpot_p99_s=0.08, ttft_p99_s=0.3)  # fmt: skip
+    d = decide(full, BatchingConfig(max_batch_size=64), Goal(Slo(tpot_s=0.05), WIDE),
+               PolicyMemory())  # fmt: skip
+    assert d.config.max_batch_size < 64 or d.config.prefill_token_budget < 2048
+    assert "tpot p99 80 ms > target 50 ms while running" in d.reason
+
+
+def test_a_full_batch_with_nothing_finished_holds_and_says_why() -> None:
+    # no request finished: no p99 to read, whatever runs; a hold that says so, not a crash
+    status = traffic_status(0.0, 3.0, 64.0)
+    detail = status_detail(status, 0.0, 3.0, 64.0, min_requests=50)
+    busy = Signals(status=status, window_s=30.0, waiting=3.0, running=64.0, pods=1,
+                   kv_usage=0.5, detail=detail)  # fmt: skip
+    d = decide(busy, BatchingConfig(max_batch_size=64), Goal(E2E, WIDE), PolicyMemory())
+    assert d.action == "hold" and d.config.max_batch_size == 64
+    assert "too little traffic: no request finished in the window while 64 run" in d.reason
+
+
+def test_a_wait_that_is_most_of_the_ttft_is_queueing_though_long_answers_hide_it() -> None:
+    # The wait is nearly all of the TTFT p99 and a quarter of the end-to-end p99 of long
+    # answers; no queue is left at the window's end.
+    s = signals(ttft_p99_s=2.3, queue_wait_p99_s=2.2, p99_latency_s=9.0, tpot_p99_s=0.01)
+    chat = Slo(ttft_s=1.0, tpot_s=0.02)
+    assert Window.of(s, chat, None, None, ReplicaState()).queueing()
+    # an end-to-end SLO reads the wait against its own p99
+    assert not Window.of(s, Slo(e2e_s=10.0), None, None, ReplicaState()).queueing()
