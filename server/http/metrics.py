@@ -185,14 +185,7 @@ class ServerMetrics:
             registry=self.registry,
         )
         self._slo = slo
-        for result in names.SLO_RESULTS:  # the default class's series exist from the start
-            for target in names.SLO_TARGETS:
-                slo.labels(
-                    **self._values,
-                    **{names.CLASS_LABEL: DEFAULT_CLASS},
-                    result=result,
-                    target=target,
-                )
+        self._open_class(DEFAULT_CLASS)  # the default class's series exist from the start
         self._slo_target = Gauge(
             names.SLO_TARGET,
             "The SLO targets in force, in seconds (the stated ones).",
@@ -278,7 +271,21 @@ class ServerMetrics:
                 target=target,
             ).inc()
 
+    def _open_class(self, slo_class: str) -> None:
+        """A class's series from when it is known, at 0: a rate over a window then counts
+        its first requests too (a series born at its first request has no earlier sample
+        for `increase` to start from)."""
+        for result in names.SLO_RESULTS:
+            for target in names.SLO_TARGETS:
+                self._slo.labels(
+                    **self._values, **{names.CLASS_LABEL: slo_class}, result=result, target=target
+                )
+        for latency in (self.request_duration, self.ttft, self.inter_token, self.request_tpot):
+            latency.open(slo_class)
+
     def set_config(self, config: BatchingConfig) -> None:
+        for slo_class in config.slo.classes:
+            self._open_class(slo_class.name)
         self.config_max_batch_size.set(config.max_batch_size)
         self.config_batch_timeout.set(config.batch_timeout_s)
         self.config_prefill_token_budget.set(config.prefill_token_budget)
@@ -304,7 +311,11 @@ class ClassHistogram:
         self._ours = ours
         self._values = values
         self._theirs = theirs
-        self._child(DEFAULT_CLASS)
+        self.open(DEFAULT_CLASS)
+
+    def open(self, slo_class: str) -> None:
+        """The class's series, at 0."""
+        self._child(slo_class)
 
     def _child(self, slo_class: str) -> Histogram:
         return self._ours.labels(**self._values, **{names.CLASS_LABEL: slo_class})
