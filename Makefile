@@ -74,6 +74,7 @@ bench: setup
 	$(BIN)/python bench/serve.py --model smollm2
 	$(BIN)/python bench/tradeoff.py
 	$(BIN)/python bench/tuner.py
+	$(BIN)/python bench/slo_classes.py
 	$(BIN)/python bench/tuner_real_llm.py
 
 demo: setup

@@ -33,6 +33,18 @@ short or the interval ends; those steps are applied together (each sequence's
 tokens and blocks advanced as the scheduler's decode plan and `postprocess`
 would) and the real scheduler plans the next one. A test replays traces with
 and without it and compares every completion.
+
+SLO classes: a workload may name each request's class (`Workload.classes`;
+`merge_workloads` joins one workload per class). A request then carries its class and
+that class's priority in the config's classes (the policy's where the config states
+none), as the server's `x-gateway-inference-objective` header gives them; the real
+schedulers serve it by `class_rank`, with `SimOptions.class_max_wait_s` as the age
+bound (the server's default unless set), and fast-forward asks the scheduler which
+request it would admit first (`first_in_line`) and when aging may change that
+(`rank_changes_at`). Each request is judged against its class's targets; each
+interval keeps every class's part (`Interval.classes`), the signals carry it as the
+pods' `class` label does (`Signals.classes`), and a run sums it per class
+(`SimResult.classes`). A workload naming no class runs exactly as before classes.
 Torch-free.
 """
 
@@ -63,13 +75,14 @@ from batchpilot_operator.tuning_loop import (
     TuningLoop,
 )
 from batchpilot_server import metric_names as names
-from batchpilot_server.batching_config import BatchingConfig, Mode
+from batchpilot_server.batching_config import DEFAULT_CLASS, BatchingConfig, Mode
 from batchpilot_server.engine.block_pool import BlockPool
 from batchpilot_server.engine.scheduler import Output
 from batchpilot_server.engine.scheduler_policies import PolicyOptions, new_scheduler
 from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine.step_plan import StepPlan
 from batchpilot_server.engine_api import (
+    CLASS_MAX_WAIT_S,
     EngineError,
     EngineOptions,
     QueueFullError,
@@ -148,9 +161,9 @@ def _step_s(curve: StepCurve, batch: int) -> float:
 
 def _find_curve(data: Any, path: Path) -> dict[int, float]:
     """The {batch: seconds} mapping in the file, at the top or one level down."""
-    candidates = [data] + [v for v in data.values() if isinstance(v, dict)] if isinstance(
-        data, dict
-    ) else []
+    candidates = (
+        [data] + [v for v in data.values() if isinstance(v, dict)] if isinstance(data, dict) else []
+    )
     for candidate in candidates:
         points = {k: v for k, v in candidate.items() if str(k).isdigit()}
         if len(points) >= 2 and all(isinstance(v, int | float) for v in points.values()):
@@ -206,6 +219,23 @@ class Workload:
     arrivals: np.ndarray  # seconds, ascending
     prompts: np.ndarray  # tokens
     outputs: np.ndarray  # tokens
+    # each request's SLO class (the name its header gives; its priority is the class's in
+    # the policy); empty: every request is in the default class, as before classes
+    classes: tuple[str, ...] = ()
+
+
+def merge_workloads(parts: dict[str, Workload]) -> Workload:
+    """Several classes' workloads as one: every request in arrival order (ties in the
+    order of `parts`), named by the class whose workload it came from."""
+    names = [name for name, work in parts.items() for _ in range(len(work.arrivals))]
+    arrivals = np.concatenate([work.arrivals for work in parts.values()])
+    order = np.argsort(arrivals, kind="stable")
+    return Workload(
+        arrivals=arrivals[order],
+        prompts=np.concatenate([work.prompts for work in parts.values()])[order],
+        outputs=np.concatenate([work.outputs for work in parts.values()])[order],
+        classes=tuple(names[i] for i in order),
+    )
 
 
 def make_workload(scenario: Scenario, seed: int) -> Workload:
@@ -255,9 +285,7 @@ def missed_targets(times: RequestTimes, targets: dict[str, float]) -> list[str]:
 # The predictor's seam: given the signals a round read, the config the round leaves in
 # force, the replicas, the SLO and the rule's step points, what the next interval will
 # measure (the policy's `predict_config`). None: no predictor.
-Predictor = Callable[
-    [Signals, BatchingConfig, int, Slo, tuple[StepPoint, ...]], Prediction | None
-]
+Predictor = Callable[[Signals, BatchingConfig, int, Slo, tuple[StepPoint, ...]], Prediction | None]
 
 
 @dataclass(frozen=True)
@@ -278,6 +306,31 @@ class SimOptions:
     # Asked after each round what the next interval will measure (bench/tuner.py
     # compares it with what it measured); None: nothing is predicted.
     predictor: Predictor | None = None
+    # A waiting request this old ranks above every SLO class (the server's
+    # --class-max-wait-s, scheduler.class_rank); matters only where classes differ.
+    class_max_wait_s: float = CLASS_MAX_WAIT_S
+
+
+@dataclass
+class ClassInterval:
+    """One SLO class's share of an interval (workloads that name classes only): its
+    requests judged against the class's own targets."""
+
+    arrived: int = 0
+    completed: int = 0
+    good: int = 0  # met every target the policy states for the class
+    rejected: int = 0
+    slo_judged: int = 0  # the pods' judgement against the config's class targets
+    slo_met: int = 0
+    slo_missed: dict[str, int] = field(default_factory=dict)
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    tpots: list[float] = field(default_factory=list)
+    queue_waits: list[float] = field(default_factory=list)  # arrival to first scheduled
+
+    @property
+    def attainment(self) -> float | None:
+        return self.slo_met / self.slo_judged if self.slo_judged else None
 
 
 @dataclass
@@ -323,6 +376,8 @@ class Interval:
     scale: ScaleDecision | None = None
     # What a predictor said this interval would measure (`Prediction`), when one is hooked.
     prediction: Prediction | None = None
+    # By SLO class, where the workload names classes (the totals above hold them all)
+    classes: dict[str, ClassInterval] = field(default_factory=dict)
 
     @property
     def attainment(self) -> float | None:
@@ -344,6 +399,24 @@ class Completion:
     step: int  # the engine step whose end completed it
 
 
+@dataclass(frozen=True)
+class ClassTotals:
+    """One SLO class over a whole run: what became of its requests, and the longest any
+    waited to be first scheduled (one never scheduled: until the run's end)."""
+
+    arrived: int
+    completed: int
+    good: int
+    rejected: int  # refused (a full queue, no server) or ended unserved
+    unfinished: int  # still waiting or running at the run's end
+    max_wait_s: float
+
+    @property
+    def lost(self) -> int:
+        """Requests neither answered, refused nor still held: none, unless one vanished."""
+        return self.arrived - self.completed - self.rejected - self.unfinished
+
+
 @dataclass
 class SimResult:
     intervals: list[Interval]
@@ -357,6 +430,7 @@ class SimResult:
     batch_sizes: list[int]  # what each recording step records (`trace` only)
     routes: list[int]  # the server each request went to, -1 for none (`trace` only)
     replica_seconds: float
+    classes: dict[str, ClassTotals] = field(default_factory=dict)  # classed workloads only
 
     @property
     def goodput(self) -> float:
@@ -393,7 +467,8 @@ class SimulatedServer:
         opt = fleet.opt
         self.pool = BlockPool(opt.kv_blocks, opt.block_size)
         # The engine's policy for the mode; no EOS: requests end at max_tokens.
-        policy = PolicyOptions()  # the prefill budget is the config's (live)
+        # the prefill budget is the config's (live)
+        policy = PolicyOptions(class_max_wait_s=opt.class_max_wait_s)
         self.scheduler = new_scheduler(opt.mode, self.pool, fleet.config, frozenset(), policy)
         self.started_s = fleet.now
         self.ready_s = ready_s
@@ -519,6 +594,8 @@ class SimulatedServer:
         iv.step_kv_tokens += _kv_tokens(plan)
         for seq in plan.first_scheduled:
             iv.queue_waits.append((seq.first_scheduled or seq.arrival) - seq.arrival)
+            if self.fleet.classed:
+                self.fleet.class_iv(seq.slo_class).queue_waits.append(iv.queue_waits[-1])
         if plan.batch_size:
             self.fleet.record_batches(plan.batch_size, 1)
         iv.kv_max = max(iv.kv_max, self.pool.usage_ratio)
@@ -574,12 +651,15 @@ class SimulatedServer:
         limit = min(seq.params.max_tokens - seq.num_output for seq in decode) - 1
         until = [self.fleet.current.end_s]
         if self.fleet.opt.mode == "continuous":
-            if self._may_admit():
+            if self._may_admit(now):
                 return 0
             # An arrival would be admitted. Any server's next arrival bounds it: the
             # balancer picks the server only when the request arrives (conservative).
             if not self.scheduler.num_waiting:
                 until.append(self.fleet.arrival_s())
+            # a waiting request of a lower class aging above the others may fit
+            if (reranked := self.scheduler.rank_changes_at(now)) is not None:
+                until.append(reranked)
         for at in until:
             if at < math.inf:  # steps that start before `at`
                 limit = min(limit, _steps_starting_before(at - now, first_s, growth_s))
@@ -587,13 +667,14 @@ class SimulatedServer:
             limit = self._blocks_allow(decode, limit)
         return limit
 
-    def _may_admit(self) -> bool:
-        """Whether the continuous scheduler's next plan admits the head of the queue."""
+    def _may_admit(self, now: float) -> bool:
+        """Whether the continuous scheduler's next plan admits the request it tries first:
+        the queue's head by its own class ranking (arrival order within a class)."""
         scheduler = self.scheduler
         if not scheduler.num_waiting or scheduler.num_running >= scheduler.config.max_batch_size:
             return False
-        head = scheduler.waiting[0]
-        return self.pool.can_hold(head.block_table, head.num_tokens + 1)
+        first = scheduler.first_in_line(now)
+        return first is not None and self.pool.can_hold(first.block_table, first.num_tokens + 1)
 
     def _blocks_allow(self, decode: list[Sequence], steps: int) -> int:
         """The most steps (<= `steps`) the pool has blocks for without a preemption."""
@@ -663,6 +744,14 @@ class SimulatedFleet:
         self.loop = TuningLoop(clock=lambda: self.now)
         self.plugs = PlugPoints(source=self, actuator=self, recorder=self.record, scaler=self)
         self.controller_state = ReplicaState()
+        # SLO classes: kept per class only where the workload names them
+        self.classed = bool(work.classes)
+        unknown = sorted(set(work.classes) - set(self._class_table()))
+        if unknown:  # the server answers 400 naming the known ones
+            raise ValueError(
+                f"the workload names SLO classes the policy lacks: {', '.join(unknown)} "
+                f"(known: {', '.join(self._class_table())})"
+            )
 
     # -- the tuning loop's plug points --------------------------------------------
 
@@ -767,6 +856,11 @@ class SimulatedFleet:
         server = self._pick()
         if self.opt.trace:
             self.routes.append(-1 if server is None else server.index)
+        name, priority = DEFAULT_CLASS, 0
+        if self.classed:  # its class, at the priority the policy gives it now
+            name = self.work.classes[index]
+            priority = self._class_table()[name][0]
+            self.class_iv(name).arrived += 1
         seq = Sequence(
             request_id=str(index),
             prompt_ids=[0] * int(self.work.prompts[index]),
@@ -774,13 +868,15 @@ class SimulatedFleet:
             arrival=at,
             deadline=None,
             generator=None,
+            slo_class=name,
+            priority=priority,
         )
         try:
             if server is None:
                 raise QueueFullError("no server is ready")
             server.scheduler.add(seq)
         except QueueFullError:
-            self._refuse()
+            self._refuse(name)
         else:
             self.sequences[seq] = index
         return [] if server is None else [server]
@@ -816,7 +912,7 @@ class SimulatedFleet:
             index = self.sequences.pop(output.seq)
             first = self.first_token.pop(output.seq, None)
             if isinstance(output.item, EngineError):  # the engine ended it unserved
-                self._refuse()
+                self._refuse(output.seq.slo_class)
                 continue
             seq = output.seq
             latency = at - seq.arrival
@@ -829,8 +925,15 @@ class SimulatedFleet:
             )
             iv = self.current
             iv.completed += 1
-            iv.good += not missed_targets(times, self.opt.goal.slo.stated)
-            self._judge(missed_targets(times, self._pod_targets()))
+            if self.classed:
+                good = not missed_targets(times, self._goal_targets(seq.slo_class))
+                iv.good += good
+                self._class_done(seq.slo_class, times, good)
+                self._judge(missed_targets(times, self._class_table()[seq.slo_class][1]),
+                            seq.slo_class)  # fmt: skip
+            else:
+                iv.good += not missed_targets(times, self.opt.goal.slo.stated)
+                self._judge(missed_targets(times, self._pod_targets()))
             iv.latencies.append(latency)
             iv.ttfts.append(times.ttft_s)
             if times.tpot_s is not None:
@@ -850,18 +953,59 @@ class SimulatedFleet:
             return self.opt.goal.slo.stated
         return {name: ms / 1000.0 for name, ms in stated.items()}
 
-    def _judge(self, missed: list[str]) -> None:
-        iv = self.current
-        iv.slo_judged += 1
-        iv.slo_met += not missed
-        for name in [*missed, "all"] if missed else []:
-            iv.slo_missed[name] = iv.slo_missed.get(name, 0) + 1
+    def _class_table(self) -> dict[str, tuple[int, dict[str, float]]]:
+        """Each class a request may name, as the pods take it: its priority and targets
+        (seconds), from the config's classes (the policy's where the config states none);
+        the default class at priority 0 with `_pod_targets`."""
+        slo = self.config.slo if self.config.slo.classes else self.opt.goal.slo.targets()
+        return {
+            DEFAULT_CLASS: (0, self._pod_targets()),
+            **{
+                c.name: (c.priority, {k: ms / 1000.0 for k, ms in c.stated.items()})
+                for c in slo.classes
+            },
+        }
 
-    def _refuse(self) -> None:
-        """A refused or timed-out request: missed on every stated target."""
+    def _goal_targets(self, name: str) -> dict[str, float]:
+        """What the policy states for class `name` (seconds): what `good` counts."""
+        for c in self.opt.goal.slo.classes:
+            if c.name == name:
+                return c.stated
+        return self.opt.goal.slo.stated
+
+    def class_iv(self, name: str) -> ClassInterval:
+        """The current interval's part for class `name`."""
+        return self.current.classes.setdefault(name, ClassInterval())
+
+    def _class_done(self, name: str, times: RequestTimes, good: bool) -> None:
+        part = self.class_iv(name)
+        part.completed += 1
+        part.good += good
+        part.latencies.append(times.e2e_s)
+        part.ttfts.append(times.ttft_s)
+        if times.tpot_s is not None:
+            part.tpots.append(times.tpot_s)
+
+    def _judge(self, missed: list[str], slo_class: str | None = None) -> None:
+        """The pods' verdict on one request, in the totals and (classed) in its class."""
+        parts: list[Interval | ClassInterval] = [self.current]
+        if slo_class is not None:
+            parts.append(self.class_iv(slo_class))
+        for part in parts:
+            part.slo_judged += 1
+            part.slo_met += not missed
+            for name in [*missed, "all"] if missed else []:
+                part.slo_missed[name] = part.slo_missed.get(name, 0) + 1
+
+    def _refuse(self, slo_class: str = DEFAULT_CLASS) -> None:
+        """A refused or timed-out request: missed on every stated target (its class's)."""
         self.current.rejected += 1
         self.rejected += 1
-        self._judge(list(self._pod_targets()))
+        if not self.classed:
+            self._judge(list(self._pod_targets()))
+            return
+        self.class_iv(slo_class).rejected += 1
+        self._judge(list(self._class_table()[slo_class][1]), slo_class)
 
     def _serving_through(self, iv: Interval) -> int:
         """Servers the balancer could reach for the whole interval."""
@@ -913,7 +1057,7 @@ class SimulatedFleet:
     def replica_seconds(self, end_s: float) -> float:
         """Each server from its start (startup included) to its stop after the drain."""
         return sum(
-            min(end_s, math.inf if s.stopped_s is None else s.stopped_s) - s.started_s
+            max(0.0, min(end_s, math.inf if s.stopped_s is None else s.stopped_s) - s.started_s)
             for s in self.servers
         )
 
@@ -944,8 +1088,11 @@ def _window_totals(window: list[Interval], interval_s: float) -> WindowTotals:
             slo["missed", target] = slo.get(("missed", target), 0.0) + count
     return WindowTotals(
         window_s=window_s,
-        buckets={name: _cumulative_buckets(values, bounds)
-                 for name, (values, bounds) in histograms.items() if values},
+        buckets={
+            name: _cumulative_buckets(values, bounds)
+            for name, (values, bounds) in histograms.items()
+            if values
+        },
         sums={
             names.REQUEST_DURATION: sum(samples("latencies")),
             names.BATCH_SIZE: sum(iv.batch_weighted for iv in window),
@@ -971,7 +1118,36 @@ def _window_totals(window: list[Interval], interval_s: float) -> WindowTotals:
         slo=slo,
         arrival_rate=sum(iv.arrived for iv in newer) / (len(newer) * interval_s),
         pods=min(iv.pods for iv in window),
+        **_class_totals(window),
     )
+
+
+# ClassInterval's samples behind each histogram the signals read by class
+CLASS_SAMPLES = {
+    names.TIME_TO_FIRST_TOKEN: "ttfts",
+    names.REQUEST_TIME_PER_OUTPUT_TOKEN: "tpots",
+    names.REQUEST_DURATION: "latencies",
+}
+
+
+def _class_totals(window: list[Interval]) -> dict[str, Any]:
+    """WindowTotals' per-class fields (the series' `class` label), as the pods export
+    them: each class's latency buckets and its SLO verdicts."""
+    buckets: dict[str, dict[str, dict[float, float]]] = {}
+    slo: dict[str, dict[tuple[str, str], float]] = {}
+    for name in sorted({name for iv in window for name in iv.classes}):
+        parts = [iv.classes[name] for iv in window if name in iv.classes]
+        verdicts = {("met", names.SLO_ALL): float(sum(p.slo_met for p in parts))}
+        for part in parts:
+            for target, count in part.slo_missed.items():
+                verdicts["missed", target] = verdicts.get(("missed", target), 0.0) + count
+        slo[name] = verdicts
+        buckets[name] = {
+            histogram: _cumulative_buckets(values, BUCKET_BOUNDS)
+            for histogram, attr in CLASS_SAMPLES.items()
+            if (values := [x for p in parts for x in getattr(p, attr)])
+        }
+    return {"class_buckets": buckets, "class_slo": slo}
 
 
 def _prefill_tokens(plan: StepPlan) -> int:
@@ -1034,10 +1210,17 @@ def simulate(
 
 
 def simulate_workload(
-    work: Workload, options: SimOptions, curve: StepCurve, run_s: float
+    work: Workload,
+    options: SimOptions,
+    curve: StepCurve,
+    run_s: float,
+    cost_until_s: float | None = None,
 ) -> SimResult:
+    """Play `work` for `run_s`; `cost_until_s`: count replica-seconds only until then (a
+    drain after the load, played to see every request answered, costs nothing)."""
     fleet = SimulatedFleet(work, options, curve)
     asyncio.run(fleet.run(run_s))
+    classes = _run_class_totals(fleet, run_s) if fleet.classed else {}
     # Requests still queued or running at the end count as not good.
     ended = [*fleet.intervals, fleet.current]
     latencies = fleet.all_latencies
@@ -1052,8 +1235,30 @@ def simulate_workload(
         completions=fleet.completions,
         batch_sizes=fleet.batch_sizes,
         routes=fleet.routes,
-        replica_seconds=fleet.replica_seconds(run_s),
+        replica_seconds=fleet.replica_seconds(run_s if cost_until_s is None else cost_until_s),
+        classes=classes,
     )
+
+
+def _run_class_totals(fleet: SimulatedFleet, run_s: float) -> dict[str, ClassTotals]:
+    """Each class over the run (the interval still open at the end included)."""
+    ended = [*fleet.intervals, fleet.current]
+    held = list(fleet.sequences)  # admitted, not ended
+    totals = {}
+    for name in dict.fromkeys(fleet.work.classes):
+        parts = [iv.classes[name] for iv in ended if name in iv.classes]
+        unstarted = [run_s - s.arrival for s in held
+                     if s.slo_class == name and s.first_scheduled is None]  # fmt: skip
+        waits = [w for p in parts for w in p.queue_waits] + unstarted
+        totals[name] = ClassTotals(
+            arrived=sum(p.arrived for p in parts),
+            completed=sum(p.completed for p in parts),
+            good=sum(p.good for p in parts),
+            rejected=sum(p.rejected for p in parts),
+            unfinished=sum(s.slo_class == name for s in held),
+            max_wait_s=max(waits, default=0.0),
+        )
+    return totals
 
 
 def static(options: SimOptions, config: BatchingConfig) -> SimOptions:

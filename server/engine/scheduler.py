@@ -321,6 +321,23 @@ class QueueScheduler(ABC):
         wait = self.class_max_wait_s if aged_first else math.inf
         return sorted(seqs, key=lambda seq: -class_rank(seq, now, wait))
 
+    def first_in_line(self, now: float) -> Sequence | None:
+        """The waiting request a plan at `now` tries to start first: the queue's highest
+        `class_rank`, in queue order within a rank (none behind it starts before it);
+        None when none waits. The simulator's fast-forward asks it."""
+        if not self.waiting:
+            return None
+        return self._by_rank(self.waiting, now)[0]
+
+    def rank_changes_at(self, now: float) -> float | None:
+        """When the waiting queue's order of service may next change without a new event:
+        a waiting request reaching the classes' max wait while more than one class waits
+        (None: not before an event)."""
+        if len({seq.priority for seq in self.waiting}) <= 1:
+            return None
+        ages = [seq.arrival + self.class_max_wait_s for seq in self.waiting]
+        return min((at for at in ages if at > now), default=None)
+
     # ---- blocks and the prefix cache -------------------------------------------
 
     def _admit(self, seq: Sequence, num_tokens: int) -> bool:

@@ -196,3 +196,20 @@ def test_a_negative_or_nan_class_max_wait_s_is_a_usage_error(value: str) -> None
     args = parser().parse_args(["--class-max-wait-s", value])
     with pytest.raises(UsageError, match="--class-max-wait-s must be >= 0"):
         engine_options(args, batching_config(args))
+
+
+@pytest.mark.parametrize("mode", ["continuous", "dynamic"])
+def test_the_first_in_line_and_when_the_order_next_changes(mode: Mode) -> None:
+    """What the simulator's fast-forward asks: the request a plan tries first (its
+    ranking, not the queue's head) and when an age changes the ranking."""
+    s = scheduler(mode, max_wait_s=30.0)
+    assert s.first_in_line(0.0) is None and s.rank_changes_at(0.0) is None
+    for seq in (request("a", LOW, 0.0), request("b", LOW, 1.0)):
+        s.add(seq)
+    assert names([s.first_in_line(2.0)]) == ["a"]  # type: ignore[list-item]
+    assert s.rank_changes_at(2.0) is None  # one class: the order never changes
+    s.add(request("h", HIGH, 2.0))
+    assert names([s.first_in_line(2.0)]) == ["h"]  # type: ignore[list-item]
+    assert s.rank_changes_at(2.0) == 30.0  # when a reaches the max wait
+    assert names([s.first_in_line(30.0)]) == ["a"]  # type: ignore[list-item]
+    assert s.rank_changes_at(30.0) == 31.0
