@@ -1,4 +1,4 @@
-"""SLO classes on shared pods against a pool per class (issue 44's first point, simulated).
+"""SLO classes on shared pods against a pool per class (simulated).
 
 Two classes of traffic to one model (tools/simulator.py: the real schedulers, which
 serve the higher class first with the age bound `--class-max-wait-s`):
@@ -16,7 +16,7 @@ Reported per class: the share of steady windows (after the warm-up) meeting the 
 attainment, and in the burst the interactive class's windows missed; every batch request
 answered or not (refused, still held, lost) after a drain, and the longest a batch
 request waited to start against the age bound; replica-seconds over the load, shared
-against separate (their ratio: separate / shared). Targets (issue 44): each share
+against separate (their ratio: separate / shared). Targets: each share
 >= 0.95, ratio >= 1.3, <= 1 interactive window missed in the burst, no batch request
 lost, none refused.
 
@@ -341,7 +341,7 @@ def markdown(
         "",
         f"Replica-seconds, separate over shared: {v['replica_seconds_ratio']} steady, "
         f"{v['burst_replica_seconds_ratio']} under the burst (target >= {RATIO_TARGET:g}). "
-        f"Targets (issue 44): each class's steady share >= {SHARE_TARGET:g}, <= "
+        f"Targets: each class's steady share >= {SHARE_TARGET:g}, <= "
         f"{BURST_MISSES_TARGET} interactive window missed in the burst, every batch request "
         f"answered, none refused: {'all met' if v['targets_met'] else 'not all met'}"
         f"{'' if v['targets_met'] else ' (failed: ' + ', '.join(v['failed']) + ')'}.",
