@@ -8,9 +8,8 @@ order, first match wins:
 1. kv: KV use at the watermark, or preemptions: the batch x `kv_cut_factor`;
 2. overloaded: TPOT missed while requests queue: no knob helps (a larger batch
    lengthens every step, a smaller one lengthens the queue): pods only;
-3. queueing: a target missed, or its p99 within the band of it, while requests queue:
-   the batch x `capacity_factor`, and the timeout to its lower bound (a queue fills any
-   batch without waiting);
+3. queueing: requests queue (a target missed or not): the batch x `capacity_factor`,
+   and the timeout to its lower bound (a queue fills any batch without waiting);
 4. running: a target missed with nothing queueing: the prefill budget x `budget_cut`
    (smaller chunks of the long prompts beside each decode step), then the batch x
    `backoff_factor`; a TPOT missed adds a pod beside the cut;
@@ -47,7 +46,6 @@ class Symptoms:
 
     kv: str | None  # why the KV pool is full (watermark or preemptions); None: it is not
     missed: str | None  # the stated target missed, as the reason words it; None: none
-    near: str | None  # missed, or its p99 within the band of its target; None: neither
     tpot_missed: bool  # the target missed is TPOT: a larger batch only lengthens the steps
     queueing: bool
     headroom: bool  # every stated p99 under (1 - band) x its target, and no growing queue
@@ -68,15 +66,11 @@ class Symptoms:
         elif pressure is None and window.misses_are_evidence():
             judged, missed_n = s.slo_judged, s.slo_missed.get("all", 0)
             missed = f"{missed_n:.0f} of {judged:.0f} judged requests missed"
-        near = missed
-        if near is None and pressure is not None and pressure[1] >= 1 - goal.params.band:
-            name = pressure[0]
-            near = f"{name} p99 {ms(window.observed()[name])} near target {ms(slo.stated[name])}"
         headroom = (
             pressure is not None and pressure[1] < 1 - goal.params.band and not window.queue_grows
         )
         tpot_missed = missed is not None and pressure is not None and pressure[0] == "tpot"
-        return cls(kv, missed, near, tpot_missed, window.queueing(), headroom)
+        return cls(kv, missed, tpot_missed, window.queueing(), headroom)
 
 
 @dataclass(frozen=True)
@@ -197,9 +191,9 @@ TABLE: tuple[Row, ...] = (
     ),
     Row(
         "queueing",
-        lambda y: y.near is not None and y.queueing,
+        lambda y: y.queueing,
         _queueing,
-        lambda y: f"{y.near}, requests queue: a larger batch, no wait to fill it",
+        lambda y: f"{y.missed or 'within the SLO'}, requests queue: a larger batch, no wait",
         "the batch is spent or cannot carry the load alone",
     ),
     Row(

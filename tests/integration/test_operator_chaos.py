@@ -31,7 +31,7 @@ from tests.support.policies import policy_object
 
 TOKEN = "chaos-token"
 INTERVAL_S = 5  # the CRD's minimum
-MAX_BATCH = 5  # one grow step (1 -> 5) reaches it: then the tuner holds
+MAX_BATCH = 2  # one grow step (1 -> 2) reaches it: then the tuner holds
 SLO_MS = 1000.0
 # The one PUT a pod takes: the decision's knobs, with the budget and the SLO targets it
 # judges requests by.

@@ -163,8 +163,15 @@ CASES = [
         budget=512,
     ),
     Case(
-        "near the target while requests queue grows the batch ahead of the miss",
+        "requests queue near the target: a larger batch ahead of the miss",
         {"p99_latency_s": 0.9, "queue_wait_p99_s": 0.5},
+        "queueing",
+        12,
+        timeout=0.0,
+    ),
+    Case(
+        "requests queue with headroom: a larger batch serves them sooner",
+        {"p99_latency_s": 0.2, "queue_wait_p99_s": 0.15},
         "queueing",
         12,
         timeout=0.0,
