@@ -42,7 +42,7 @@ import tuner_llm as llm
 from batchpilot_operator.policy.types import Cadence
 from batchpilot_operator.slo import Slo, SloClass
 from batchpilot_server.batching_config import DEFAULT_CLASS
-from batchpilot_server.engine_api import CLASS_MAX_WAIT_S
+from batchpilot_server.engine_api import CLASS_MAX_WAIT_S, LOWER_CLASS_PREFILL_TOKENS
 from batchpilot_tools.simulator import (
     Scenario,
     SimOptions,
@@ -299,7 +299,9 @@ def markdown(
         f"{BATCH_LENGTHS.output[0]}-{BATCH_LENGTHS.output[1]}; e2e {b.e2e_s:g} s; "
         f"{BATCH_RPS:g} req/s, {BURST:g}x for {BURST_S:g} s a third in under the burst), "
         f"both at attainment {i.attainment:g} per window. Age bound (`--class-max-wait-s`): "
-        f"{max_wait_s:g} s. Shared: one pool, the policy states both classes, its "
+        f"{max_wait_s:g} s; a step that decodes interactive requests computes at most "
+        f"{LOWER_CLASS_PREFILL_TOKENS} batch prompt tokens (`--lower-class-prefill-tokens`). "
+        "Shared: one pool, the policy states both classes, its "
         "top-level targets are the interactive one's. Separate: a pool per class with its "
         "targets alone (the interactive pool's traffic is the same under both loads: one "
         f"run). Every pool tuned by the tuning loop (knobs and 1..{llm.MAX_REPLICAS} "
@@ -313,10 +315,10 @@ def markdown(
         "the class. Misses by target: the class's requests that missed each target in "
         "those windows. Every pool keeps at least one pod (the tuner's lower bound), so "
         "sharing saves at most the batch pool's pods, less what the batch work adds to the "
-        "shared pool; and a batch prompt's chunks share the steps of the interactive "
-        "requests running beside it (the prefill budget goes to the higher class first "
-        "among the prompts still to compute, not instead of a step's decode rows), which "
-        "an interactive class's TPOT pays.",
+        "shared pool; and a batch prompt's chunks still share the steps of the "
+        "interactive requests running beside it (small ones, the flag's), as do the "
+        "batch requests' decode rows with their long contexts, which an interactive "
+        "class's TPOT pays.",
         "",
         "| load | pool | class | windows met | share | misses by target | goodput req/s "
         "| answered | refused | unfinished | lost | max wait to start s | pool replica-s |",

@@ -144,6 +144,11 @@ class PromptLogprob:
 # The scheduler's starvation bound by default: well past an interactive class's TTFT
 # target (seconds), well within a batch class's end-to-end target (minutes).
 CLASS_MAX_WAIT_S = 30.0
+# Continuous mode: the prompt tokens lower classes compute together in a step that
+# decodes a higher class's requests. Small against a 2048-token budget, so that such a
+# step costs the higher class's TPOT little; more than none, so a lower class's prompt
+# still progresses every step (and the age bound keeps holding).
+LOWER_CLASS_PREFILL_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,9 @@ class EngineOptions:
     # SLO classes: a request that arrived this long ago ranks above every class
     # (scheduler.class_rank), so no class starves
     class_max_wait_s: float = CLASS_MAX_WAIT_S
+    # SLO classes, continuous: the lower classes' prompt tokens in a step that decodes
+    # a higher class (scheduler_continuous)
+    lower_class_prefill_tokens: int = LOWER_CLASS_PREFILL_TOKENS
 
     @property
     def served_name(self) -> str:

@@ -25,6 +25,7 @@ from batchpilot_server.engine_api import (
     CLASS_MAX_WAIT_S,
     DTYPES,
     EXECUTIONS,
+    LOWER_CLASS_PREFILL_TOKENS,
     QUANTIZATIONS,
     EngineOptions,
 )
@@ -124,6 +125,15 @@ def parser() -> argparse.ArgumentParser:
         default=CLASS_MAX_WAIT_S,
         help="SLO classes: a request that arrived this long ago is served as if in the "
         f"highest class, so no class starves (default: {CLASS_MAX_WAIT_S:g})",
+    )
+    p.add_argument(
+        "--lower-class-prefill-tokens",
+        type=int,
+        default=LOWER_CLASS_PREFILL_TOKENS,
+        help="SLO classes, continuous mode: the most prompt tokens lower classes compute "
+        "in a step that decodes a higher class's requests (an aged request is not held "
+        "to it), so their prompts cost the higher class's TPOT little "
+        f"(default: {LOWER_CLASS_PREFILL_TOKENS})",
     )
     p.add_argument(
         "--max-batch-size",
@@ -387,6 +397,9 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
         raise UsageError(f"--max-wait-ms must be >= 0, got {args.max_wait_ms:g}")
     if not args.class_max_wait_s >= 0:
         raise UsageError(f"--class-max-wait-s must be >= 0, got {args.class_max_wait_s:g}")
+    if (tokens := args.lower_class_prefill_tokens) < 1:
+        # none would stop a lower class's prompt while a higher class decodes
+        raise UsageError(f"--lower-class-prefill-tokens must be at least 1, got {tokens}")
     check_model_reference(args.model)
     return EngineOptions(
         mode=args.mode,
@@ -407,6 +420,7 @@ def engine_options(args: argparse.Namespace, config: BatchingConfig) -> EngineOp
         max_wait_ms=args.max_wait_ms,
         prefix_caching=args.prefix_caching,
         class_max_wait_s=args.class_max_wait_s,
+        lower_class_prefill_tokens=args.lower_class_prefill_tokens,
     )
 
 

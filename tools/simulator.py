@@ -83,6 +83,7 @@ from batchpilot_server.engine.sequence import Sequence
 from batchpilot_server.engine.step_plan import StepPlan
 from batchpilot_server.engine_api import (
     CLASS_MAX_WAIT_S,
+    LOWER_CLASS_PREFILL_TOKENS,
     EngineError,
     EngineOptions,
     QueueFullError,
@@ -309,6 +310,9 @@ class SimOptions:
     # A waiting request this old ranks above every SLO class (the server's
     # --class-max-wait-s, scheduler.class_rank); matters only where classes differ.
     class_max_wait_s: float = CLASS_MAX_WAIT_S
+    # Continuous: the lower classes' prompt tokens in a step that decodes a higher class
+    # (the server's --lower-class-prefill-tokens).
+    lower_class_prefill_tokens: int = LOWER_CLASS_PREFILL_TOKENS
 
 
 @dataclass
@@ -468,7 +472,10 @@ class SimulatedServer:
         self.pool = BlockPool(opt.kv_blocks, opt.block_size)
         # The engine's policy for the mode; no EOS: requests end at max_tokens.
         # the prefill budget is the config's (live)
-        policy = PolicyOptions(class_max_wait_s=opt.class_max_wait_s)
+        policy = PolicyOptions(
+            class_max_wait_s=opt.class_max_wait_s,
+            lower_class_prefill_tokens=opt.lower_class_prefill_tokens,
+        )
         self.scheduler = new_scheduler(opt.mode, self.pool, fleet.config, frozenset(), policy)
         self.started_s = fleet.now
         self.ready_s = ready_s

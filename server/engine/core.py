@@ -215,6 +215,7 @@ class Engine:
             padded=options.dynamic_execution == "padded",
             max_wait_s=None if options.max_wait_ms is None else options.max_wait_ms / 1000.0,
             class_max_wait_s=options.class_max_wait_s,
+            lower_class_prefill_tokens=options.lower_class_prefill_tokens,
         )
         return new_scheduler(options.mode, pool, options.config, self.tokenizer.eos_ids, policy)
 

@@ -21,12 +21,14 @@ first step. A finished sequence leaves, and its response completes, at once.
 
 from __future__ import annotations
 
+import math
+
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine.block_pool import BlockPool
-from batchpilot_server.engine.scheduler import Output, QueueScheduler, timeout_at
+from batchpilot_server.engine.scheduler import Output, QueueScheduler, class_rank, timeout_at
 from batchpilot_server.engine.sequence import Sequence, Status
 from batchpilot_server.engine.step_plan import StepPlan
-from batchpilot_server.engine_api import CLASS_MAX_WAIT_S, TokenEvent
+from batchpilot_server.engine_api import CLASS_MAX_WAIT_S, LOWER_CLASS_PREFILL_TOKENS, TokenEvent
 
 
 class ContinuousScheduler(QueueScheduler):
@@ -36,8 +38,14 @@ class ContinuousScheduler(QueueScheduler):
         config: BatchingConfig,
         eos_ids: frozenset[int],
         class_max_wait_s: float = CLASS_MAX_WAIT_S,
+        lower_class_prefill_tokens: int = LOWER_CLASS_PREFILL_TOKENS,
     ) -> None:
         super().__init__(pool, config, eos_ids, class_max_wait_s)
+        if lower_class_prefill_tokens < 1:  # none would stall a lower class's prompt
+            raise ValueError(
+                f"lower_class_prefill_tokens must be >= 1, got {lower_class_prefill_tokens}"
+            )
+        self.lower_class_prefill_tokens = lower_class_prefill_tokens
         self.running: list[Sequence] = []  # oldest first
 
     @property
@@ -51,7 +59,7 @@ class ContinuousScheduler(QueueScheduler):
         # one uncomputed token is the newest one: a decode computes it, also when it
         # is the last of a prompt whose chunks left exactly that
         decode = [seq for seq in self.running if seq.num_uncomputed == 1]
-        chunks = self._spend_prefill_budget(now)
+        chunks = self._spend_prefill_budget(now, decode)
         plan = StepPlan(
             prefill=[seq for seq, _ in chunks],
             decode=decode,
@@ -61,27 +69,41 @@ class ContinuousScheduler(QueueScheduler):
         plan.batch_size = plan.size
         return plan
 
-    def _spend_prefill_budget(self, now: float) -> list[tuple[Sequence, int]]:
+    def _spend_prefill_budget(
+        self, now: float, decode: list[Sequence]
+    ) -> list[tuple[Sequence, int]]:
         """The prompt chunks this step computes: the budget goes by class rank to running
         sequences part-way through their prompt and to waiting ones, admitted while
         running < `max_batch_size`; within a rank running ones first, so that a chunked
-        lower-class prompt never holds the budget ahead of a higher class that arrives."""
+        lower-class prompt never holds the budget ahead of a higher class that arrives.
+        Prompts ranking below the highest class among `decode` share at most
+        `lower_class_prefill_tokens`: a step's time grows with its prompt tokens, and
+        that class's every decode row waits for the step (its TPOT), whereas a lower
+        class's long prompt has minutes. An aged request ranks above every class (the
+        age bound) and is not held to it; with one class nothing is."""
         budget = self.config.prefill_token_budget  # live: a PUT applies from this step
         prefilling = [seq for seq in self.running if seq.num_uncomputed > 1]
         if len(self.running) < self.config.max_batch_size:
             prefilling += self.waiting  # after the running ones: ahead within a rank
         prefilling = self._by_rank(prefilling, now)
+        top = max((seq.priority for seq in decode), default=-math.inf)
+        lower = self.lower_class_prefill_tokens  # what lower classes may still compute
         chunks: list[tuple[Sequence, int]] = []
         admitting = True  # until a waiting sequence cannot be: none behind it may pass
         for seq in prefilling:
             if not budget:
                 break
+            held = class_rank(seq, now, self.class_max_wait_s) < top
+            if held and not lower:
+                continue  # no tokens for it this step: not admitted for none
             if seq.status is Status.WAITING:
                 admitting = admitting and self._admit_for_prefill(seq)
                 if not admitting:
                     continue
-            chunks.append((seq, min(seq.num_uncomputed, budget)))
-            budget -= chunks[-1][1]
+            size = min(seq.num_uncomputed, budget, lower if held else budget)
+            chunks.append((seq, size))
+            budget -= size
+            lower -= size if held else 0
         return chunks
 
     def _admit_for_prefill(self, seq: Sequence) -> bool:

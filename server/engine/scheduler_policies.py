@@ -11,7 +11,7 @@ from batchpilot_server.engine.block_pool import BlockPool
 from batchpilot_server.engine.scheduler import QueueScheduler
 from batchpilot_server.engine.scheduler_continuous import ContinuousScheduler
 from batchpilot_server.engine.scheduler_dynamic import DynamicScheduler, StaticScheduler
-from batchpilot_server.engine_api import CLASS_MAX_WAIT_S
+from batchpilot_server.engine_api import CLASS_MAX_WAIT_S, LOWER_CLASS_PREFILL_TOKENS
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,8 @@ class PolicyOptions:
     max_wait_s: float | None = None  # static: the safety valve (None: off)
     # every mode: a request this old ranks above every SLO class (scheduler.class_rank)
     class_max_wait_s: float = CLASS_MAX_WAIT_S
+    # continuous: the lower classes' prompt tokens in a step that decodes a higher class
+    lower_class_prefill_tokens: int = LOWER_CLASS_PREFILL_TOKENS
 
 
 def new_scheduler(
@@ -35,5 +37,5 @@ def new_scheduler(
     if mode == "dynamic":
         return DynamicScheduler(pool, config, eos_ids, options.padded, wait)
     if mode == "continuous":
-        return ContinuousScheduler(pool, config, eos_ids, wait)
+        return ContinuousScheduler(pool, config, eos_ids, wait, options.lower_class_prefill_tokens)
     raise ValueError(f"mode must be one of static, dynamic, continuous; got {mode!r}")
