@@ -9,7 +9,8 @@ order, first match wins:
 2. overloaded: TPOT missed while requests queue: no knob helps (a larger batch
    lengthens every step, a smaller one lengthens the queue): pods only;
 3. queueing: requests queue (a target missed or not): the batch x `capacity_factor`,
-   and the timeout to its lower bound (a queue fills any batch without waiting);
+   and the timeout to its lower bound (a queue fills any batch without waiting); the
+   pods that carry the load where a target is missed (within the SLO the knobs go first);
 4. running: a target missed with nothing queueing: the prefill budget x `budget_cut`
    (smaller chunks of the long prompts beside each decode step), then the batch x
    `backoff_factor`; a TPOT missed adds a pod beside the cut;
@@ -19,7 +20,7 @@ order, first match wins:
 6. hold: anything else (inside the band).
 
 A knob moves by a factor (at least one step, within its bounds); where the row's knob is
-spent, a pod more takes its part of the load instead. Queueing and overloaded also size
+spent, a pod more takes its part of the load instead. Queueing (a target missed) and overloaded size
 the fleet at once: the pods that carry the forecast and drain the backlog within a window at
 `SCALE_OUT_UTILISATION` busy, each at the throughput a pod showed times the batch's
 growth (the most a larger batch can add). The replica stabilization
@@ -111,7 +112,8 @@ def _queueing(
         c, max_batch_size=_grow(c.max_batch_size, p.capacity_factor, b.max_batch),
         batch_timeout_ms=b.min_timeout_ms,
     )  # fmt: skip
-    return moved, _carrying(window, moved, c, goal)
+    # Within the SLO the knobs go first: a queue behind full batches is the batch's to take.
+    return moved, _carrying(window, moved, c, goal) if y.missed else _desired(window)
 
 
 def _overloaded(
