@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import pytest
-from batchpilot_operator.policy.fallback import TABLE
+from batchpilot_operator.policy.fallback import HOLD, TABLE, Symptoms
 from batchpilot_operator.policy.memory import PolicyMemory
 from batchpilot_operator.policy.round import decide
 from batchpilot_operator.policy.types import Bounds, Fleet, Goal, ReplicaBounds, ReplicaState
@@ -163,20 +163,27 @@ CASES = [
         budget=512,
     ),
     Case(
-        "requests queue near the target: a larger batch ahead of the miss",
+        "requests queue near the target: a larger batch ahead of the miss, the pods stay",
         {"p99_latency_s": 0.9, "queue_wait_p99_s": 0.5},
-        "queueing",
+        "filling",
         12,
         timeout=0.0,
     ),
     Case(
         "requests queue with headroom: a larger batch serves them sooner",
         {"p99_latency_s": 0.2, "queue_wait_p99_s": 0.15},
-        "queueing",
+        "filling",
         12,
         timeout=0.0,
     ),
     Case("inside the band holds", {"p99_latency_s": 0.9}, "hold", 8),
+    Case(
+        "headroom without rows to size by holds the pods",
+        {"p99_latency_s": 0.2, "mean_batch_size": None, "pods": 2},
+        "hold",
+        8,
+        pods=2,
+    ),
     Case(
         "a p99 past its target with the attainment met holds",
         {"tpot_p99_s": 0.05, "slo_judged": 600.0, "slo_met": 580.0},
@@ -200,9 +207,10 @@ def test_the_fallback_table(case: Case) -> None:
     assert d.scale.replicas == case.pods, d.scale.reason
 
 
-def test_the_table_is_small_and_ends_in_a_row_that_always_matches() -> None:
+def test_the_table_is_small_and_hold_is_what_no_row_matches() -> None:
     assert len(TABLE) <= 6
-    assert [r.name for r in TABLE][-1] == "hold"
+    nothing = Symptoms(kv=None, missed=None, tpot_missed=False, queueing=False, headroom=False)
+    assert not any(r.when(nothing) for r in TABLE) and HOLD.when(nothing)
 
 
 def test_windows_without_evidence_hold_and_say_why() -> None:
