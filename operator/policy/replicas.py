@@ -76,12 +76,10 @@ def stabilize(
             f"{desired} replicas is outside autoscale's {bounds.min_replicas}.."
             f"{bounds.max_replicas}",
         )  # fmt: skip
-    settling = _settling(signals, fleet)
-    if settling is not None:
-        return _hold(state, desired, settling, settling=True)
-    if need is None:
-        why = signals.status.replace("_", " ")
-        return _hold(state, desired, f"no judgement on this window ({why})")
+    waiting = _waiting(need, signals, fleet)
+    if waiting is not None:
+        return _hold(state, desired, waiting, settling=_moving(signals, fleet))
+    assert need is not None  # _waiting: a window without judgement waits
     wanted = bounds.clamp(need.pods)
     state = _recommend(state, now, wanted, bounds)
     window = bounds.scale_down_stabilization_s
@@ -95,40 +93,42 @@ def stabilize(
     up_allowed = change is None or now - change.at >= bounds.scale_up_stabilization_s
     target = wanted if wanted > desired and up_allowed else min(desired, highest)
     if target == desired:
-        return _hold(state, desired, _held(need, wanted, desired, highest, watched, bounds))
+        held = _held(need, desired, highest, watched, bounds)
+        return _hold(state, desired, need.reason if need.pods == desired else held)
     why = need.reason if target > desired else f"{need.reason} for {window:.0f} s"
     return _change(state, desired, target, now, why)
 
 
-def _settling(signals: Signals, fleet: Fleet) -> str | None:
-    """Why the fleet is still moving, or None."""
-    if fleet.ready < fleet.desired:
-        return f"{fleet.ready} of {fleet.desired} pods ready: waiting for them"
-    if signals.pods and signals.pods < fleet.desired:
+def _moving(signals: Signals, fleet: Fleet) -> bool:
+    """Pods starting or stopping, or a window that does not cover them all yet."""
+    return fleet.ready < fleet.desired or 0 < signals.pods < fleet.desired
+
+
+def _waiting(need: Need | None, signals: Signals, fleet: Fleet) -> str | None:
+    """Why the round cannot size the fleet yet (wording only), or None."""
+    covered = signals.pods or fleet.desired
+    if _moving(signals, fleet):
         return (
-            f"the window covers {signals.pods} of {fleet.desired} pods: waiting for one that "
-            "shows them all"
+            f"{fleet.ready} of {fleet.desired} pods ready and the window covers {covered} of "
+            f"{fleet.desired} pods: waiting for a window that shows them all"
         )
+    if need is None:
+        return f"no judgement on this window ({signals.status.replace('_', ' ')})"
     return None
 
 
-def _held(
-    need: Need, wanted: int, desired: int, highest: int, watched: float, bounds: ReplicaBounds
-) -> str:
-    """The reason of a hold: what kept the fleet from the count needed (wording only)."""
+def _held(need: Need, desired: int, highest: int, watched: float, bounds: ReplicaBounds) -> str:
+    """What kept the fleet from the pods needed (wording only): a scale-out's bounds, or a
+    scale-in's stabilization window."""
     window = bounds.scale_down_stabilization_s
-    if need.pods > desired >= bounds.max_replicas:
-        return f"{need.reason}; at maxReplicas {desired}"
-    if wanted > desired:
-        return f"{need.reason}; scale-up stabilization"
-    if wanted < desired and watched < window:
-        return (
-            f"{need.reason}; but this fleet has been watched for {watched:.0f} s of the "
-            f"{window:.0f} s scale-down stabilization"
-        )
-    if wanted < desired:
-        return f"{need.reason}; but {highest} were needed within the last {window:.0f} s"
-    return need.reason
+    why = (
+        f"maxReplicas {bounds.max_replicas}, scale-up stabilization "
+        f"{bounds.scale_up_stabilization_s:.0f} s"
+        if need.pods > desired
+        else f"{highest} were needed within the last {window:.0f} s, this fleet watched for "
+        f"{watched:.0f} s"
+    )
+    return f"{need.reason}; held at {desired} ({why})"
 
 
 def _recommend(

@@ -203,7 +203,7 @@ async def test_scales_out_once_the_batch_is_spent_resumes_after_a_restart_and_sc
             for round_ in range(2):
                 seen = await next_round(cluster, ns, seen, f"round {round_ + 1} after the restart")
                 assert seen["spec"]["replicas"] == 2
-                assert "1 of 2 pods ready: waiting" in autoscaling(seen)["message"], seen
+                assert "1 of 2 pods ready" in autoscaling(seen)["message"], seen
             assert status_of(seen)["replicaState"]["lastChange"] == resumed_from["lastChange"]
             assert status_of(seen)["replicaState"]["since"] == resumed_from["since"]
             assert len(await scaled_events(cluster, ns)) == 1

@@ -23,7 +23,7 @@ def test_a_count_outside_the_bounds_is_brought_inside_at_once() -> None:
 def test_a_fleet_still_moving_holds_and_settles() -> None:
     starting = stabilize(Need(4, "x"), OK, Fleet(3, 2), BOUNDS, WATCHED, 10.0)
     assert starting.action == "hold" and starting.settling
-    assert "2 of 3 pods ready: waiting" in starting.reason
+    assert "2 of 3 pods ready" in starting.reason
     partial = stabilize(Need(4, "x"), OK, Fleet(3, 3), BOUNDS, WATCHED, 10.0)
     assert partial.settling and "covers 2 of 3 pods" in partial.reason
 
@@ -37,7 +37,7 @@ def test_more_pods_scale_out_at_once_unless_stabilizing_or_at_the_maximum() -> N
     held = stabilize(Need(5, "needs 5"), OK, Fleet(2, 2), patient, out.state, 30.0)
     assert held.action == "hold" and "scale-up stabilization" in held.reason
     at_max = stabilize(Need(9, "needs 9"), replace(OK, pods=5), Fleet(5, 5), BOUNDS, WATCHED, 10.0)
-    assert at_max.action == "hold" and "at maxReplicas 5" in at_max.reason
+    assert at_max.action == "hold" and "held at 5 (maxReplicas 5" in at_max.reason
 
 
 def test_scale_in_waits_the_window_and_takes_its_highest_recommendation() -> None:
@@ -48,8 +48,8 @@ def test_scale_in_waits_the_window_and_takes_its_highest_recommendation() -> Non
         state = d.state
         reasons.append(d.reason)
         assert d.action == "hold"
-    assert "watched for 200 s of the 300 s" in reasons[1]
-    assert "but 4 were needed within the last 300 s" in reasons[2]
+    assert "this fleet watched for 200 s" in reasons[1]
+    assert "held at 4 (4 were needed within the last 300 s" in reasons[2]
     d = stabilize(Need(1, "with headroom"), four, Fleet(4, 4), BOUNDS, state, 450.0)
     assert (d.action, d.replicas) == ("scale_in", 2)  # 2 was needed at 200 s, inside 300 s
     assert d.state.recommendations == ()  # they described another fleet
