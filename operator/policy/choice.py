@@ -146,19 +146,7 @@ def choose(window: Window, model: StepModel, current: BatchingConfig, goal: Goal
     reason = (
         f"{knob_change(current, config)} on {chosen.replicas} pod(s): predicted {seen}; {verdict}"
     )
-    return Sizing(config, action_of(current, config), reason, _need(window, chosen, reason),
-                  prediction=prediction)  # fmt: skip
+    owns_pods = window.fleet is not None and window.replicas is not None
+    need = Need(chosen.replicas, reason) if owns_pods else None
+    return Sizing(config, action_of(current, config), reason, need, prediction=prediction)
 
-
-def _need(window: Window, chosen: Candidate, reason: str) -> Need | None:
-    fleet = window.fleet
-    if fleet is None or window.replicas is None:
-        return None
-    if chosen.replicas > fleet.desired:
-        return Need(
-            chosen.replicas,
-            f"no config on {fleet.desired} pod(s) meets the SLO, the batch is spent: {reason}",
-        )
-    if chosen.replicas < fleet.desired:
-        return Need(chosen.replicas, f"with headroom: {reason}")
-    return Need(chosen.replicas, f"{chosen.replicas} pod(s) needed: {reason}")

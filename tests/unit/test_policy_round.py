@@ -36,7 +36,7 @@ def test_one_pod_is_chosen_where_one_suffices() -> None:
     assert decision.prediction.candidate.replicas == 1
     assert decision.reason.startswith("predicted (step fit")
     assert decision.scale is not None and decision.scale.replicas == 1
-    assert decision.scale.action == "scale_in" and "with headroom" in decision.scale.reason
+    assert decision.scale.action == "scale_in" and "on 1 pod(s): predicted" in decision.scale.reason
 
 
 def test_more_pods_are_chosen_where_one_cannot_carry_the_load() -> None:
@@ -46,7 +46,7 @@ def test_more_pods_are_chosen_where_one_cannot_carry_the_load() -> None:
     assert decision.prediction is not None and decision.prediction.candidate.replicas > 1
     assert decision.prediction.attainment >= 1 - 0.5 * SLO.allowed_miss_share
     assert decision.scale is not None and decision.scale.action == "scale_out"
-    assert "the batch is spent" in decision.scale.reason
+    assert "on 4 pod(s): predicted" in decision.scale.reason
 
 
 def test_the_kv_watermark_excludes_candidates() -> None:
