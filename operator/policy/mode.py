@@ -124,36 +124,35 @@ class Workload:
 
 
 def favoured(workload: Workload, current: Mode, slo: Slo, params: ModeParams) -> tuple[Mode, str]:
-    """The mode the map names for this workload, and why."""
+    """The mode the map names for this workload, and why: dynamic where every condition of
+    its region holds, else continuous, naming the first that does not."""
     in_dynamic = current == "dynamic"
     spread_limit = params.leave_spread if in_dynamic else params.enter_spread
     occupancy_limit = params.leave_occupancy if in_dynamic else params.enter_occupancy
     # Dynamic's own p99 is measured once it runs; before, continuous's is scaled by its cost.
     cost = 1.0 if in_dynamic else params.p99_cost
-    if workload.spread > spread_limit:
-        return "continuous", (
-            f"output lengths vary (p90/p50 {workload.spread:.2f} > {spread_limit:g}): "
-            "dynamic batches would hold finished requests hostage"
-        )
-    if workload.occupancy > occupancy_limit:
-        return "continuous", (
-            f"load too high for dynamic (occupancy {workload.occupancy:.2f} > "
-            f"{occupancy_limit:g}): continuous has the lower p50 and p99 there"
-        )
-    for name, seen in workload.p99s.items():
-        target = slo.stated.get(name)
-        room = None if target is None else (1 - params.band) * target
-        if room is not None and seen * cost > room:
-            return "continuous", (
-                f"dynamic's {name} p99 (~{seen * cost * 1000:.0f} ms) would leave no room "
-                f"under the SLO ({room * 1000:.0f} ms with the band)"
-            )
-    dynamic_p99 = workload.p99_s * cost
-    return "dynamic", (
+    rooms = {name: (1 - params.band) * slo.stated[name] for name in workload.p99s
+             if name in slo.stated}  # fmt: skip
+    # (holds, why continuous where it does not): the region's conditions, in order
+    conditions = [
+        (workload.spread <= spread_limit,
+         f"output lengths vary (p90/p50 {workload.spread:.2f} > {spread_limit:g}): "
+         "dynamic batches would hold finished requests hostage"),
+        (workload.occupancy <= occupancy_limit,
+         f"load too high for dynamic (occupancy {workload.occupancy:.2f} > "
+         f"{occupancy_limit:g}): continuous has the lower p50 and p99 there"),
+        *((workload.p99s[name] * cost <= room,
+           f"dynamic's {name} p99 (~{workload.p99s[name] * cost * 1000:.0f} ms) would leave "
+           f"no room under the SLO ({room * 1000:.0f} ms with the band)")
+          for name, room in rooms.items()),
+    ]  # fmt: skip
+    unmet = [why for holds, why in conditions if not holds]
+    dynamic_why = (
         f"equal output lengths at low load (p90/p50 {workload.spread:.2f}, occupancy "
         f"{workload.occupancy:.2f}): a dynamic batch prefills once, for a lower p50, and its "
-        f"p99 (~{dynamic_p99 * 1000:.0f} ms) leaves room under every target"
+        f"p99 (~{workload.p99_s * cost * 1000:.0f} ms) leaves room under every target"
     )
+    return ("continuous", unmet[0]) if unmet else ("dynamic", dynamic_why)
 
 
 def choose_mode(
@@ -178,21 +177,13 @@ def choose_mode(
         )
     streak = aged.streak + 1 if aged.candidate == target else 1
     evidence = replace(aged, candidate=target, streak=streak)
-    if streak < params.evidence_rounds:
+    if streak < params.evidence_rounds or aged.since_switch < params.dwell_rounds:
         return ModeChoice(
             current,
             (
                 f"holding {current}, {target} favoured for {streak} of {params.evidence_rounds} "
-                f"rounds: {why} ({seen})"
-            ),
-            evidence,
-        )
-    if aged.since_switch < params.dwell_rounds:
-        return ModeChoice(
-            current,
-            (
-                f"holding {current}, {target} favoured but the last switch was "
-                f"{aged.since_switch} round(s) ago (dwell {params.dwell_rounds}): {why} ({seen})"
+                f"rounds, the last switch {aged.since_switch} round(s) ago (dwell "
+                f"{params.dwell_rounds}): {why} ({seen})"
             ),
             evidence,
         )
