@@ -6,8 +6,8 @@ mode) always gives the same decision; `tuning_loop.TuningLoop` is its one caller
 1. The memory takes the window in: its step point (step_model.py), its arrivals and a
    scale-out's start-up (replicas.py).
 2. The window's derived quantities are computed once (window.py).
-3. One sizing step gives both the knobs and the pods needed:
-   - a config outside the bounds is clamped into them (the pods wait a round);
+3. One sizing step gives both the knobs and the pods needed, from the config in force
+   clamped into the bounds (a constraint of every answer; the reason says where it moved):
    - a window without evidence holds (`Window.has_evidence`: too little traffic, and
      no more misses judged than chance allows);
    - where the step fit for this fleet size is trusted, its recent error on the config
@@ -37,7 +37,7 @@ from batchpilot_operator.policy.memory import SINCE_CHANGE_CAP, FitErrors, Polic
 from batchpilot_operator.policy.mode import ModeChoice, ModeState, choose_mode
 from batchpilot_operator.policy.predictor import Candidate, Prediction, lengths_of, predict
 from batchpilot_operator.policy.reasons import knob_change
-from batchpilot_operator.policy.replicas import Need, observe, stabilize
+from batchpilot_operator.policy.replicas import observe, stabilize
 from batchpilot_operator.policy.sizing import Sizing
 from batchpilot_operator.policy.step_model import StepModel, fit_for, point_of, remember
 from batchpilot_operator.policy.types import Action, Cadence, Fleet, Goal, ScaleDecision
@@ -83,7 +83,13 @@ def decide(
     own the replica count; `mode` None: the policy's mode is not auto."""
     memory = _taken_in(signals, memory, fleet, now)
     window = Window.of(signals, goal.slo, fleet, goal.replicas, memory.replicas)
-    sizing, errors = _size(window, current, goal, memory)
+    # The bounds are a constraint of every answer: a config outside them (the policy's
+    # bounds changed) is sized from its clamp, and the reason says so.
+    clamped = goal.bounds.clamp(current)
+    sizing, errors = _size(window, clamped, goal, memory)
+    if clamped != current:
+        outside = f"config outside the bounds: {knob_change(current, clamped)}"
+        sizing = replace(sizing, action="clamp", reason=f"{outside}; {sizing.reason}")
     scale = None
     if fleet is not None and goal.replicas is not None:
         scale = stabilize(sizing.need, signals, fleet, goal.replicas, memory.replicas, now)
@@ -121,14 +127,7 @@ def _size(
     window: Window, current: BatchingConfig, goal: Goal, memory: PolicyMemory
 ) -> tuple[Sizing, FitErrors]:
     """The sizing step (see the module docstring), and the fit's recent errors."""
-    signals, bounds, errors = window.signals, goal.bounds, memory.errors
-    desired = window.fleet.desired if window.fleet is not None else window.pods
-    if not bounds.contains(current):
-        clamped = bounds.clamp(current)
-        return Sizing(
-            clamped, "clamp", f"config outside the bounds: {knob_change(current, clamped)}",
-            Need(desired, "the knobs were outside their bounds: clamped first"),
-        ), errors  # fmt: skip
+    signals, errors = window.signals, memory.errors
     if not window.has_evidence:
         status = signals.status.replace("_", " ")
         return Sizing(current, "hold", f"{status}: {signals.detail or status}", None), errors
