@@ -4,12 +4,17 @@ direction and size on hand-made windows, and the same answer for the same seed."
 from __future__ import annotations
 
 from batchpilot_operator.policy.predictor import Candidate, Prediction
+from batchpilot_operator.policy.step_model import fit
 from batchpilot_operator.policy.twin import simulate
 from batchpilot_operator.policy.types import ReplicaState
 from batchpilot_operator.policy.window import Window
+from batchpilot_operator.slo import Slo
 
-from tests.support.policy import step_s, window
-from tests.unit.test_predictor import MODEL, SLO
+from tests.support.policy import points, step_s, window
+
+SLO = Slo(ttft_s=0.5, tpot_s=0.05)
+MODEL = fit(points())
+assert MODEL is not None
 
 # a short run keeps the file under a few seconds; the window's lengths are chat-like
 # (prompts up to 2,000 tokens, answers up to 400)
