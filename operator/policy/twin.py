@@ -3,18 +3,21 @@ under the fitted step time.
 
 Pure and deterministic (a fixed seed). Where the predictor (predictor.py) approximates
 the queue, the twin runs it: for a candidate (batch B, timeout T, budget G, N pods) each
-pod is played on its own for the window's length with the engine's own
-`ContinuousScheduler` over a `BlockPool`, and each step it plans takes what the fitted
-plane says (`StepModel.step_s(decode rows, prompt tokens, KV tokens attended)`), so
-chunked prefill, admission, preemption and the batch ceiling are the server's code, not
-a formula. Each pod's demand:
+pod runs the engine's own `ContinuousScheduler` over a `BlockPool` for the window's
+length on one virtual clock, and each step it plans takes what the fitted plane says
+(`StepModel.step_s(decode rows, prompt tokens, KV tokens attended)`), so chunked
+prefill, admission, preemption and the batch ceiling are the server's code, not a
+formula. The demand:
 
-- arrivals: Poisson at the window's forecast over N pods (an even split: the balancer's
-  least-outstanding spreads better than that, so the twin leans pessimistic);
+- arrivals: Poisson at the window's forecast, each sent to the pod with the fewest
+  outstanding requests (ties in turn), as the fleet's balancer does: an even random
+  split instead put two long prompts on one pod often enough to read a p99 TTFT 1.5x
+  the measured one at half load;
 - lengths: drawn from the window's measured prompt and output distributions
   (`lengths_of`: eight quantile slices), through the quantile function the slices'
   midpoints give;
-- the state at t=0: the window's backlog and running sequences over N pods. The
+- the state at t=0: the window's backlog and running sequences split evenly over the
+  N pods. The
   backlog waits in arrival order (FIFO: the waiting requests are the latest arrivals,
   so the i-th from the tail arrived i / the measured arrival rate ago, and that wait
   counts in its TTFT); the running ones decode part-way through their answer and are
@@ -65,27 +68,27 @@ QUANTILE = 99.0
 
 
 @dataclass(frozen=True)
-class PodDemand:
-    """What one pod of the candidate's fleet meets over the window."""
+class Demand:
+    """What the candidate's fleet meets over the window."""
 
-    arrival_rps: float  # the forecast over the candidate's pods
-    queued_rps: float  # the measured arrivals over them: the backlog's ages
-    backlog: int
-    running: int
+    arrival_rps: float  # the window's forecast, all pods
+    queued_rps: float  # the measured arrivals per pod: the backlog's ages
+    backlog: int  # per pod
+    running: int  # per pod
     prompts: Lengths
     outputs: Lengths
-    kv_blocks: int | None  # None: the window cannot tell the pool's size
+    kv_blocks: int | None  # per pod; None: the window cannot tell the pool's size
 
     @classmethod
-    def of(cls, window: Window, candidate: Candidate) -> PodDemand | None:
-        """The window's demand split evenly over the candidate's pods; None without lengths."""
+    def of(cls, window: Window, candidate: Candidate) -> Demand | None:
+        """The window's demand on the candidate's pods; None without lengths."""
         lengths = lengths_of(window.signals)
         if lengths is None:
             return None
         pods = max(1, candidate.replicas)
         capacity = kv_capacity_tokens(window.signals)
         return cls(
-            arrival_rps=window.forecast_rps / pods,
+            arrival_rps=window.forecast_rps,
             queued_rps=window.arrival_rps / pods,
             backlog=round(window.backlog / pods),
             running=round(window.signals.running / pods),
@@ -97,7 +100,7 @@ class PodDemand:
 
 @dataclass
 class Tally:
-    """The judged requests of one or more pods' runs."""
+    """The judged requests of a run."""
 
     ttfts: list[float] = field(default_factory=list)
     tpots: list[float] = field(default_factory=list)  # answers of two tokens or more
@@ -126,17 +129,6 @@ class Tally:
     def refuse(self) -> None:
         self.judged += 1  # a full queue: every target missed
 
-    def merge(self, other: Tally) -> None:
-        self.ttfts += other.ttfts
-        self.tpots += other.tpots
-        self.e2es += other.e2es
-        self.judged += other.judged
-        self.met += other.met
-        self.offered += other.offered
-        self.steps += other.steps
-        self.step_seconds += other.step_seconds
-        self.kv_peak = max(self.kv_peak, other.kv_peak)
-
     @property
     def attainment(self) -> float:
         """Judged requests meeting every target; none judged: 1 if none came, else 0 (none
@@ -159,19 +151,18 @@ def simulate(
     duration_s: float | None = None,
     seed: int = SEED,
 ) -> Prediction | None:
-    """The candidate's prediction from a run of each of its pods for `duration_s` (None:
-    the window's length); None where the window has no lengths (as `predict`)."""
+    """The candidate's prediction from a run of its pods for `duration_s` (None: the
+    window's length); None where the window has no lengths (as `predict`)."""
     base = predict(window, model, candidate)
-    demand = PodDemand.of(window, candidate)
+    demand = Demand.of(window, candidate)
     if base is None or demand is None:
         return None
     length_s = duration_s or window.signals.window_s or Cadence().window_s
     config = candidate.config(BatchingConfig())
-    tally = Tally()
-    for pod in range(max(1, candidate.replicas)):
-        rng = np.random.default_rng([seed, pod])
-        tally.merge(_Pod(config, model, demand, rng, length_s).play(window.slo))
-    capacity_known = demand.kv_blocks is not None
+    rng = np.random.default_rng(seed)
+    tally = _Fleet(config, model, demand, max(1, candidate.replicas), rng).play(
+        window.slo, length_s
+    )
     return replace(
         base,
         ttft_p99_s=tally.p99(tally.ttfts),
@@ -179,7 +170,7 @@ def simulate(
         e2e_p99_s=tally.p99(tally.e2es),
         attainment=tally.attainment,
         step_s=tally.step_seconds / tally.steps if tally.steps else base.step_s,
-        kv_use=tally.kv_peak if capacity_known else base.kv_use,
+        kv_use=tally.kv_peak if demand.kv_blocks is not None else base.kv_use,
     )
 
 
@@ -216,97 +207,108 @@ def _kv_tokens(plan: StepPlan) -> int:
     )
 
 
-class _Pod:
-    """One pod's run: the real scheduler, the fitted step time, a virtual clock."""
+class _Fleet:
+    """The candidate's pods on one virtual clock behind a least-outstanding balancer."""
 
     def __init__(
         self,
         config: BatchingConfig,
         model: StepModel,
-        demand: PodDemand,
+        demand: Demand,
+        pods: int,
         rng: np.random.Generator,
-        duration_s: float,
     ) -> None:
-        self.model = model
-        self.demand = demand
-        self.rng = rng
-        self.duration_s = duration_s
-        self.arrivals = self._arrivals()
-        self.pool = BlockPool(self._pool_blocks(), BLOCK_SIZE)
-        self.scheduler = ContinuousScheduler(self.pool, config, frozenset())
-        self.judged: set[Sequence] = set()  # the backlog and the arrivals, not the running
-        self.first_token: dict[Sequence, float] = {}
+        self.config, self.model, self.demand, self.rng = config, model, demand, rng
+        self.size = pods
         self.tally = Tally()
 
-    def _pool_blocks(self) -> int:
+    def play(self, slo: Slo, duration_s: float) -> Tally:
         d = self.demand
-        if d.kv_blocks is not None:
-            return max(1, d.kv_blocks)
-        # unknown size: room for every request of the run at the longest lengths
-        longest = max(t for _, t in d.prompts) + max(t for _, t in d.outputs)
-        held = d.backlog + d.running + len(self.arrivals)
-        return (held + 1) * (int(longest) // BLOCK_SIZE + 2)
-
-    def play(self, slo: Slo) -> Tally:
-        arrivals, duration_s = self.arrivals, self.duration_s
-        self._seed_running()
-        self._seed_backlog(slo)
-        self.tally.offered = self.demand.backlog + len(arrivals)
-        prompts = draw_lengths(self.demand.prompts, self.rng, len(arrivals))
-        outputs = draw_lengths(self.demand.outputs, self.rng, len(arrivals))
-        now, next_index = 0.0, 0
-        while now < duration_s:
-            # requests that arrived while the last step computed join now, as `submit`'s do
-            while next_index < len(arrivals) and arrivals[next_index] <= now:
-                at = float(arrivals[next_index])
-                self._add(_sequence(next_index, prompts[next_index], outputs[next_index], at))
+        arrivals = self._arrivals(duration_s)
+        blocks = d.kv_blocks
+        if blocks is None:  # unknown size: room for every request of the run at its longest
+            longest = max(t for _, t in d.prompts) + max(t for _, t in d.outputs)
+            blocks = (d.backlog + d.running + len(arrivals) + 1) * (int(longest) // BLOCK_SIZE + 2)
+        pods = [_Pod(self.config, self.model, max(1, blocks), self.tally) for _ in range(self.size)]
+        for pod in pods:
+            pod.seed_running(self._lengths(d.running, least=2), self.rng)
+            pod.seed_backlog(self._lengths(d.backlog), d.queued_rps)
+        self.tally.offered = d.backlog * self.size + len(arrivals)
+        prompts, outputs = self._lengths(len(arrivals))
+        # each pod plans at `due[i]`: its step's end, its wake-up, or an arrival routed to it
+        due = [0.0] * self.size
+        turn = next_index = 0
+        while True:
+            arrival = float(arrivals[next_index]) if next_index < len(arrivals) else math.inf
+            first = min(range(self.size), key=lambda i: due[i])
+            if arrival <= min(due[first], duration_s):  # arrivals first at one instant
+                order = [(turn + k) % self.size for k in range(self.size)]
+                chosen = min(order, key=lambda i: pods[i].outstanding)
+                turn += 1
+                seq = _sequence(next_index, prompts[next_index], outputs[next_index], arrival)
+                pods[chosen].add(seq)
+                if not pods[chosen].busy:
+                    due[chosen] = min(due[chosen], arrival)
                 next_index += 1
-            next_arrival = float(arrivals[next_index]) if next_index < len(arrivals) else math.inf
-            plan = self.scheduler.schedule(now)
-            if not plan.size:
-                wake = self.scheduler.wake_at()
-                later = min(next_arrival, math.inf if wake is None else wake)
-                if later <= now:  # nothing can run and nothing will change: a stuck pool
-                    break
-                now = later
                 continue
-            now = self._step(plan, now, slo, duration_s, next_arrival)
-        return self.tally
+            if due[first] >= duration_s:
+                return self.tally
+            due[first] = pods[first].act(due[first], slo, duration_s, arrival)
 
-    def _arrivals(self) -> np.ndarray:
+    def _arrivals(self, duration_s: float) -> np.ndarray:
         """Poisson arrival times over the run."""
         rate = self.demand.arrival_rps
         if rate <= 0:
             return np.array([])
-        expected = rate * self.duration_s
+        expected = rate * duration_s
         gaps = self.rng.exponential(1 / rate, int(expected + 6 * math.sqrt(expected) + 10))
         times = np.cumsum(gaps)
-        return times[times < self.duration_s]
+        return times[times < duration_s]
 
-    def _seed_running(self) -> None:
-        """The sequences in flight at t=0, each part-way through its answer (uniformly)."""
-        n = self.demand.running
+    def _lengths(self, n: int, least: int = 1) -> tuple[np.ndarray, np.ndarray]:
         prompts = draw_lengths(self.demand.prompts, self.rng, n)
-        outputs = np.maximum(2, draw_lengths(self.demand.outputs, self.rng, n))
-        for i, (prompt, output) in enumerate(zip(prompts, outputs, strict=True)):
+        return prompts, np.maximum(least, draw_lengths(self.demand.outputs, self.rng, n))
+
+
+class _Pod:
+    """One pod: the real scheduler and its pool, stepping by the fitted step time."""
+
+    def __init__(self, config: BatchingConfig, model: StepModel, blocks: int, tally: Tally) -> None:
+        self.model = model
+        self.pool = BlockPool(blocks, BLOCK_SIZE)
+        self.scheduler = ContinuousScheduler(self.pool, config, frozenset())
+        self.tally = tally
+        self.busy = False  # computing a step (or fast-forwarded steps) until its `due`
+        self.judged: set[Sequence] = set()  # the backlog and the arrivals, not the running
+        self.first_token: dict[Sequence, float] = {}
+
+    @property
+    def outstanding(self) -> int:
+        """What least-outstanding routing counts: waiting plus running."""
+        return self.scheduler.num_waiting + self.scheduler.num_running
+
+    def seed_running(
+        self, lengths: tuple[np.ndarray, np.ndarray], rng: np.random.Generator
+    ) -> None:
+        """The sequences in flight at t=0, each part-way through its answer (uniformly)."""
+        for i, (prompt, output) in enumerate(zip(*lengths, strict=True)):
             seq = _sequence(-1 - i, prompt, output, 0.0)
-            seq.advance(0, [SAMPLED] * int(self.rng.integers(1, output)))
+            seq.advance(0, [SAMPLED] * int(rng.integers(1, output)))
             if not self.pool.grow(seq.block_table, seq.num_tokens):
-                break  # the pool holds no more: the rest had been preempted
+                return  # the pool holds no more: the rest had been preempted
             seq.admit(seq.num_tokens - 1)  # decoding: only its newest token uncomputed
             self.scheduler.running.append(seq)
 
-    def _seed_backlog(self, slo: Slo) -> None:
+    def seed_backlog(self, lengths: tuple[np.ndarray, np.ndarray], rate: float) -> None:
         """The waiting requests at t=0, oldest first; the i-th from the tail arrived
         i / the measured arrival rate ago (module docstring)."""
-        n, rate = self.demand.backlog, self.demand.queued_rps
-        prompts = draw_lengths(self.demand.prompts, self.rng, n)
-        outputs = draw_lengths(self.demand.outputs, self.rng, n)
+        prompts, outputs = lengths
+        n = len(prompts)
         for i in range(n):
             age = (n - i) / rate if rate > 0 else 0.0
-            self._add(_sequence(-1 - self.demand.running - i, prompts[i], outputs[i], -age))
+            self.add(_sequence(-1 - i, prompts[i], outputs[i], -age))
 
-    def _add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence) -> None:
         try:
             self.scheduler.add(seq)
         except QueueFullError:
@@ -314,8 +316,18 @@ class _Pod:
         else:
             self.judged.add(seq)
 
+    def act(self, now: float, slo: Slo, duration_s: float, arrival_s: float) -> float:
+        """Plan at `now` and run the step; when it plans next (inf: at an arrival)."""
+        plan = self.scheduler.schedule(now)
+        if not plan.size:
+            self.busy = False
+            wake = self.scheduler.wake_at()
+            return wake if wake is not None and wake > now else math.inf
+        self.busy = True
+        return self._step(plan, now, slo, duration_s, arrival_s)
+
     def _step(
-        self, plan: StepPlan, now: float, slo: Slo, duration_s: float, next_arrival: float
+        self, plan: StepPlan, now: float, slo: Slo, duration_s: float, arrival_s: float
     ) -> float:
         """Run `plan` and the decode steps that repeat it; when the pod is free again."""
         seconds = self.model.step_s(len(plan.decode), _prefill_tokens(plan), _kv_tokens(plan))
@@ -324,13 +336,15 @@ class _Pod:
         rows = plan.sampling()
         for seq in rows:  # a recomputed (preempted) sequence's first token came earlier
             self.first_token.setdefault(seq, end)
+        # applied now rather than at `end`: nothing reads this pod's sequences meanwhile
+        # but the balancer's count, which a finishing request leaves a step early
         outputs = self.scheduler.postprocess(plan, [SAMPLED] * len(rows), [0.0] * len(rows), end)
         for output in outputs:
             if output.final and output.seq in self.judged and end <= duration_s:
                 seq = output.seq
                 self.tally.finish(slo, seq.arrival, self.first_token[seq], end, seq.num_output)
         going_on = [seq for seq in rows if seq.finish_reason is None]
-        return end + self._fast_forward(going_on, end, min(duration_s, next_arrival), duration_s)
+        return end + self._fast_forward(going_on, end, min(duration_s, arrival_s), duration_s)
 
     def _count(self, steps: int, seconds: float) -> None:
         self.tally.steps += steps
@@ -345,7 +359,8 @@ class _Pod:
         scheduler = self.scheduler
         if not decode or len(decode) != scheduler.num_running or self._may_admit(now):
             return 0.0
-        # an arrival matters only where it could be admitted: no queue ahead of it, room
+        # an arrival matters only where it could be admitted: no queue ahead of it, room;
+        # any arrival bounds it, as the balancer picks its pod only when it comes
         until = arrival_s if not scheduler.num_waiting else duration_s
         if len(decode) >= scheduler.config.max_batch_size:
             until = duration_s
