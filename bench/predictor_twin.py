@@ -1,9 +1,13 @@
 """The predictor against the digital twin: which one foresees the next window (issue 40).
 
-Over the LLM scenarios of bench/tuner_llm.py (the tuner in the loop, the simulator's real
-schedulers under the step-time curve), after every round both predict the next interval
-for the config and pods the round left in force, from the same window and the same
-fitted step model (`fit_for` over the rule's points, as `predict_config` does):
+Over the LLM scenarios of bench/tuner_llm.py (the simulator's real schedulers under the
+step-time curve), each played with the tuner in the loop and with the default config
+fixed on one pod (the peaks overload it: the windows near saturation and with a backlog
+that the tuner avoids), after every round both predict the next interval for the config
+and pods in force, from the same window and the same step model: the rule's fit
+(`fit_for` over the rule's points, as `predict_config` does), and again the reference
+plane through the simulator's own step costs (`reference_plane`), which leaves the
+predictor's error without the fit's:
 
 - the queueing approximation (`policy/predictor.py` `predict`);
 - the twin (`policy/twin.py` `simulate`), played for one interval: what is measured;
@@ -36,7 +40,7 @@ import numpy as np
 import tuner_llm as llm
 from batchpilot_operator.policy.choice import knob_candidates, pod_counts
 from batchpilot_operator.policy.predictor import Candidate, Prediction, predict
-from batchpilot_operator.policy.step_model import StepModel, StepPoint, fit_for
+from batchpilot_operator.policy.step_model import StepModel, StepPoint, fit, fit_for
 from batchpilot_operator.policy.twin import simulate as play_twin
 from batchpilot_operator.policy.types import Cadence, Fleet, Goal, ReplicaState
 from batchpilot_operator.policy.window import Window
@@ -151,13 +155,18 @@ def combined(r: Round) -> Prediction:
 
 
 def play(
-    setup: llm.LlmSetup, scenario: Scenario, curve: StepCurve, model: StepModel | None = None
+    setup: llm.LlmSetup,
+    scenario: Scenario,
+    curve: StepCurve,
+    model: StepModel | None = None,
+    tuned: bool = True,
 ) -> dict[str, Any]:
     """One scenario, its intervals paired with each prediction: the tuner in the loop, or
-    (`model` given) the default config fixed on one pod, predicted with `model`."""
+    the default config fixed on one pod; predicted with `model` (None: the rule's fit).
+    The predictions do not steer the tuner: a replay with another model is the same run."""
     intervals_n = round(scenario.duration_s / CADENCE.interval_s)
-    tuned = model is None
-    recorder = Recorder(llm.goal(setup), intervals_n // 2 if tuned else math.inf, model)
+    timed = tuned and model is None  # one full round timed per scenario, on the rule's fit
+    recorder = Recorder(llm.goal(setup), intervals_n // 2 if timed else math.inf, model)
     options = replace(llm.tuner_options(setup, CADENCE), predictor=recorder)
     if not tuned:
         options = static(options, BatchingConfig())
@@ -219,11 +228,36 @@ def _cell(e: dict[str, float] | None) -> str:
 
 
 GROUPS = {
-    "tuned": "the tuner in the loop (bench/tuner_llm.py's runs)",
+    "tuned": "the tuner in the loop (bench/tuner_llm.py's runs), predicted on the rule's fit",
     "fixed": "the default config (batch 8, budget 2048) fixed on one pod, which the peaks "
     "overload: the windows near and past saturation, with a backlog, the tuner avoids; "
-    "predicted with the last trusted fit of the scenario's tuned run",
+    "predicted on the last trusted fit of the scenario's tuned run",
+    "tuned, ref": "the tuned runs again, predicted on the reference plane (`reference_plane`: "
+    "the plane through the simulator's own step costs), so that what is left is the "
+    "predictor's error, not the fit's",
+    "fixed, ref": "the fixed runs on the reference plane",
 }
+
+
+def reference_plane(curve: StepCurve) -> StepModel:
+    """The fit through the simulator's own step costs (tools/simulator.py: a step of P
+    prompt tokens, R decode rows and K KV tokens takes curve(P) + curve(R) + K x the KV
+    cost) over the LLM scenarios' range: the plane a perfect history would give."""
+
+    def cost(rows: int, prefill: int, kv: int) -> float:
+        parts = [curve.step_s(n) for n in (prefill, rows) if n]
+        return sum(parts) + curve.kv_token_s * kv
+
+    points = [
+        StepPoint(rows, prefill, kv, cost(rows, prefill, kv))
+        for rows in (0, 1, 4, 16, 32, 64)
+        for prefill in (0, 64, 256, 1024, 2048)
+        for kv in (rows * 300 + prefill, rows * 3000 + prefill)
+        if rows or prefill
+    ]
+    model = fit(points)
+    assert model is not None
+    return model
 
 
 def markdown(result: dict[str, Any], scenarios: list[str], duration_s: float) -> str:
@@ -232,7 +266,7 @@ def markdown(result: dict[str, Any], scenarios: list[str], duration_s: float) ->
         "(bench/predictor_twin.py)",
         "",
         f"The LLM scenarios of bench/tuner_llm.py ({', '.join(scenarios)}; "
-        f"{duration_s / 60:g} minutes each, seed {SEED}), played twice: "
+        f"{duration_s / 60:g} minutes each, seed {SEED}), in four groups: "
         + "; ".join(f"*{g}*: {text}" for g, text in GROUPS.items())
         + ". After each round both predict the next interval for the config and pods in "
         "force, from the same window and step fit: the queueing approximation "
@@ -288,6 +322,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} scenarios")
     args = ap.parse_args(argv)
     curve = llm.llm_curve(StepCurve.load())
+    reference = reference_plane(curve)
     runs: dict[str, dict[str, dict[str, Any]]] = {group: {} for group in GROUPS}
     for workload in llm.WORKLOADS:
         setup = llm.LlmSetup.of(workload, curve)
@@ -298,7 +333,9 @@ def main(argv: list[str]) -> int:
             key = f"{workload}/{scenario.name}"
             runs["tuned"][key] = tuned = play(setup, scenario, curve)
             if tuned["model"] is not None:  # a tuned run that never trusted a fit: none
-                runs["fixed"][key] = play(setup, scenario, curve, model=tuned["model"])
+                runs["fixed"][key] = play(setup, scenario, curve, tuned["model"], tuned=False)
+            runs["tuned, ref"][key] = play(setup, scenario, curve, reference)
+            runs["fixed, ref"][key] = play(setup, scenario, curve, reference, tuned=False)
             print(f"{key}: {time.monotonic() - started:.0f} s", file=sys.stderr)
     result = summary(runs)
     text = markdown(result, list(runs["tuned"]), DURATION_S)
