@@ -339,7 +339,9 @@ def prediction_errors(windows: Iterable[PredictedWindow]) -> dict[str, dict[str,
             ("tpot_p99", p.tpot_p99_s, window.tpot_p99_s, True),
             ("attainment", p.attainment, window.attainment, False),
         ):
-            if predicted is not None and measured:
+            # an attainment of 0 is a measurement (every request missed); a p99 of 0 has
+            # no relative error
+            if predicted is not None and measured is not None and (measured or not relative):
                 error = abs(predicted - measured)
                 pairs[name].append(error / measured if relative else error)
     return {
