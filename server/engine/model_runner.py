@@ -232,21 +232,26 @@ class ModelRunner:
         last). Returns logits [rows, vocab]: first those of the prefill rows this
         completes (`plan.sampling()`), then those of every decode and padding row, each
         in order. `prompt_logits` is handed the logits of every position that predicts
-        a prompt token, for the rows that `wants_prompt_logprobs`. The sequences are
-        left as they were: `StepPlan.advance` records what the step computed."""
+        a prompt token, for the rows that `wants_prompt_logprobs`. Verify rows (their
+        newest token and draft, speculative decoding) ride in the prefill rectangle, and
+        the logits of each of their positions come after the prefill rows' (the order
+        of `plan.sampler_rows()`). The sequences are left as they were:
+        `StepPlan.advance` records what the step computed."""
         prefill, decode = plan.prefill, plan.decode + plan.pad
-        pre = self._prefill_batch(prefill, plan.chunks) if prefill else None
+        chunks = _chunks(plan)
+        pre = self._prefill_batch(chunks) if chunks else None
         prefill_hidden, hidden = self._hidden(pre, decode)
         if pre is not None:
+            seqs = [seq for seq, _ in chunks]
             if prompt_logits is not None:
-                self._prompt_positions(
-                    prefill, pre.starts, pre.counts, prefill_hidden, prompt_logits
-                )
+                self._prompt_positions(seqs, pre.starts, pre.counts, prefill_hidden, prompt_logits)
             totals = np.fromiter((seq.num_tokens for seq in prefill), np.int64, len(prefill))
-            done = np.flatnonzero(pre.ends == totals)
+            done = np.flatnonzero(pre.ends[: len(prefill)] == totals)
             rows = torch.from_numpy(done).to(self.device)
             last = torch.from_numpy(pre.counts[done] - 1).to(self.device)
-            hidden = torch.cat((prefill_hidden[rows, last], hidden))
+            verified = prefill_hidden[len(prefill) :]
+            positions = [verified[row, : len(draft) + 1] for row, draft in enumerate(plan.drafts)]
+            hidden = torch.cat((prefill_hidden[rows, last], *positions, hidden))
         return self.model.logits(hidden)
 
     def _hidden(
@@ -275,23 +280,18 @@ class ModelRunner:
         )[0]
         return flat[: mixed.split].unflatten(0, shape), flat[mixed.split :]
 
-    def _prefill_batch(self, seqs: list[Sequence], chunks: list[int] | None) -> PrefillBatch:
-        """The prefill rows' ids, positions and attention for `step`."""
+    def _prefill_batch(self, chunks: list[tuple[Sequence, list[int]]]) -> PrefillBatch:
+        """The prefill rows' ids, positions and attention for `step`: each row's chunk
+        of token ids, computed from its `num_computed` on."""
+        seqs = [seq for seq, _ in chunks]
         batch = len(seqs)
         starts = np.fromiter((seq.num_computed for seq in seqs), np.int64, batch)
-        counts = (
-            np.fromiter((seq.num_tokens for seq in seqs), np.int64, batch) - starts
-            if chunks is None
-            else np.asarray(chunks, np.int64)
-        )
+        counts = np.fromiter((len(ids) for _, ids in chunks), np.int64, batch)
         ends = starts + counts
-        if (counts < 1).any() or (ends > [seq.num_tokens for seq in seqs]).any():
-            raise ValueError("each prefill chunk must hold 1 to the tokens a sequence has left")
+        if (counts < 1).any():
+            raise ValueError("each prefill chunk must hold at least one token")
         width = int(counts.max())
-        ids = [
-            seq.token_ids[start:end] + [0] * (width - (end - start))
-            for seq, start, end in zip(seqs, starts.tolist(), ends.tolist(), strict=True)
-        ]
+        ids = [chunk + [0] * (width - len(chunk)) for _, chunk in chunks]
         # padding repeats its row's last position: it stays inside the model's context
         positions = np.minimum(starts[:, None] + np.arange(width), ends[:, None] - 1)
         attention = self._prefill_attention(seqs, starts, counts, positions)
@@ -366,3 +366,20 @@ class ModelRunner:
         if self.kernel is None:
             return PagedDecodeAttention(self.cache, seqs)
         return NativeDecodeAttention(self.kernel, seqs)
+
+
+def _chunks(plan: StepPlan) -> list[tuple[Sequence, list[int]]]:
+    """The token ids each row of the prefill rectangle computes: each prefill row's
+    chunk, then each verify row's newest token and draft."""
+    sizes = plan.chunk_sizes()
+    if any(
+        not 1 <= size <= seq.num_uncomputed for seq, size in zip(plan.prefill, sizes, strict=True)
+    ):
+        raise ValueError("each prefill chunk must hold 1 to the tokens a sequence has left")
+    chunks = [
+        (seq, seq.token_ids[seq.num_computed : seq.num_computed + size])
+        for seq, size in zip(plan.prefill, sizes, strict=True)
+    ]
+    verified = zip(plan.verify, plan.drafts, strict=True)
+    chunks += [(seq, seq.token_ids[-1:] + draft) for seq, draft in verified]
+    return chunks
