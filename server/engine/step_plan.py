@@ -112,6 +112,8 @@ class StepPlan:
         row, (row, index of its first token in `tokens`, tokens it keeps): its tokens
         are `tokens[index : index + kept]`."""
         rows = self.sampling()
+        if len(tokens) != len(rows) + sum(len(draft) + 1 for draft in self.drafts):
+            raise ValueError("a step's tokens are one per row of `sampler_rows`")
         completed = rows[: len(rows) - len(self.decode)]
         spans = [(seq, index, 1) for index, seq in enumerate(completed)]
         index = len(completed)

@@ -186,3 +186,23 @@ async def test_the_knob_over_http_and_the_counters_it_moves() -> None:
     assert 0 < samples[(names.VLLM_SPEC_DECODE_NUM_DRAFTS, "")] <= drafted
     assert sum(per_position.values()) == accepted
     assert per_position[("0",)] >= per_position.get(("3",), 0)
+
+
+async def test_logprobs_of_verified_tokens_are_the_models() -> None:
+    """A verified position's log-probabilities come from the same logits a decode step
+    would compute (the prefill path's, so equal to float tolerance)."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=2)
+    runs = []
+    for k in (0, 4):
+        observer = RecordingObserver()
+        engine = await started("continuous", observer, num_speculative_tokens=k)
+        try:
+            runs.append(await collect(engine.submit(TINY_PROMPTS[0], params)))
+        finally:
+            await engine.shutdown()
+    plain, speculated = runs
+    assert observer.spec_accepted > 0
+    assert [e.token_id for e in speculated] == [e.token_id for e in plain]
+    for ours, theirs in zip(speculated, plain, strict=True):
+        assert ours.logprob == pytest.approx(theirs.logprob, abs=1e-4)
+        assert [t for t, _ in ours.top_logprobs] == [t for t, _ in theirs.top_logprobs]
