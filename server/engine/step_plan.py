@@ -159,15 +159,16 @@ class StepPlan:
     def slot_steps(self) -> SlotSteps:
         """The token positions this step's batch holds, by what they are for; read
         before `advance`."""
-        # verify rows ride in the prefill rectangle
-        prefill = self.chunk_sizes() + [len(draft) + 1 for draft in self.drafts]
-        # the prefill forward is one rectangle as wide as its longest row: torch's
-        # attention takes no ragged batch, so shorter rows compute padding positions
-        rectangle = len(prefill) * max(prefill, default=0)
+        # the prefill rows, and the verify rows apart, each compute one rectangle as wide
+        # as its longest row: torch's attention takes no ragged batch, so shorter rows
+        # compute padding positions
+        rectangles = (self.chunk_sizes(), [len(draft) + 1 for draft in self.drafts])
+        active = sum(sum(rows) for rows in rectangles)
+        computed = sum(len(rows) * max(rows, default=0) for rows in rectangles)
         return SlotSteps(
-            active=sum(prefill) + len(self.decode),
+            active=active + len(self.decode),
             finished=self.held,
-            padding=rectangle - sum(prefill) + len(self.pad),
+            padding=computed - active + len(self.pad),
         )
 
     def work(self) -> StepWork:
