@@ -22,8 +22,18 @@ MAX_BATCH_TIMEOUT_MS = 60_000.0
 MAX_QUEUE_SIZE_LIMIT = 1_000_000
 MAX_PREFILL_TOKEN_BUDGET = 1_048_576
 MAX_SLO_TARGET_MS = 86_400_000.0  # a day: any longer target is a typo
+# draft tokens verified per row and step: beyond this a draft is almost never accepted
+# whole, and each verified position costs a token of compute
+MAX_SPECULATIVE_TOKENS = 16
 
-FIELDS = ("max_batch_size", "batch_timeout_ms", "max_queue_size", "prefill_token_budget", "slo")
+FIELDS = (
+    "max_batch_size",
+    "batch_timeout_ms",
+    "max_queue_size",
+    "prefill_token_budget",
+    "num_speculative_tokens",
+    "slo",
+)
 SLO_TARGETS = ("ttft_ms", "tpot_ms", "e2e_ms")
 SLO_CLASS_FIELDS = ("name", "priority", *SLO_TARGETS)
 # The class of a request that names none: the top-level targets, at priority 0.
@@ -164,6 +174,9 @@ class BatchingConfig:
     # continuous mode: prompt tokens computed per step (vLLM's max_num_batched_tokens);
     # lower keeps running requests' TPOT steady, higher gives new requests a sooner TTFT
     prefill_token_budget: int = 2048
+    # continuous mode: draft tokens (n-gram prompt lookup) each decode row verifies per
+    # step, vLLM's num_speculative_tokens; 0 turns speculative decoding off
+    num_speculative_tokens: int = 0
     slo: SloTargets = field(default_factory=SloTargets)
 
     def __post_init__(self) -> None:
@@ -171,6 +184,9 @@ class BatchingConfig:
         _check_number("batch_timeout_ms", self.batch_timeout_ms, 0.0, MAX_BATCH_TIMEOUT_MS)
         _check_int("max_queue_size", self.max_queue_size, 1, MAX_QUEUE_SIZE_LIMIT)
         _check_int("prefill_token_budget", self.prefill_token_budget, 1, MAX_PREFILL_TOKEN_BUDGET)
+        _check_int(
+            "num_speculative_tokens", self.num_speculative_tokens, 0, MAX_SPECULATIVE_TOKENS
+        )
         if not isinstance(self.slo, SloTargets):  # a dict, as to_dict() gives it
             object.__setattr__(self, "slo", SloTargets.from_dict(self.slo))
 
@@ -184,6 +200,9 @@ class BatchingConfig:
         # an unknown key): a newer operator's ConfigMap and PUTs still reach older pods
         if not self.slo.classes:
             del data["slo"]["classes"]
+        # likewise off: servers before speculative decoding refuse the key
+        if not self.num_speculative_tokens:
+            del data["num_speculative_tokens"]
         return data
 
     def merged(self, changes: dict[str, Any]) -> BatchingConfig:

@@ -222,6 +222,10 @@ class EngineObserver(Protocol):
     def on_preemption(self) -> None: ...
     def on_slot_steps(self, active: int, finished: int, padding: int) -> None: ...
     def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None: ...
+    def on_spec_decode(self, drafted: list[int], accepted: list[int]) -> None:
+        """Once per step with speculative decoding: per verified row, its draft tokens
+        and how many of them it accepted."""
+        ...
 
 
 class NullObserver:
@@ -252,4 +256,7 @@ class NullObserver:
         pass
 
     def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        pass
+
+    def on_spec_decode(self, drafted: list[int], accepted: list[int]) -> None:
         pass

@@ -48,6 +48,10 @@ PREEMPTIONS_TOTAL = "batchpilot_preemptions_total"
 # computed again); hits / queries is the cache's hit rate.
 PREFIX_CACHE_QUERIES_TOTAL = "batchpilot_prefix_cache_queries_total"
 PREFIX_CACHE_HITS_TOTAL = "batchpilot_prefix_cache_hits_total"
+# Speculative decoding (n-gram prompt lookup): draft tokens verified, and of them the
+# ones accepted; accepted / drafted is the acceptance rate
+SPEC_DRAFT_TOKENS_TOTAL = "batchpilot_spec_decode_draft_tokens_total"
+SPEC_ACCEPTED_TOKENS_TOTAL = "batchpilot_spec_decode_accepted_tokens_total"
 # label state: token positions of executed batches by what they were for (scheduler.SlotSteps)
 BATCH_SLOT_STEPS_TOTAL = "batchpilot_batch_slot_steps_total"
 # label phase: compile (a schema, in the request handler) | mask (one step's grammar rows)
@@ -71,6 +75,11 @@ VLLM_REQUEST_TIME_PER_OUTPUT_TOKEN = "vllm:request_time_per_output_token_seconds
 VLLM_PROMPT_TOKENS_TOTAL = "vllm:prompt_tokens_total"
 VLLM_GENERATION_TOKENS_TOTAL = "vllm:generation_tokens_total"
 VLLM_CACHE_CONFIG_INFO = "vllm:cache_config_info"
+VLLM_SPEC_DECODE_NUM_DRAFTS = "vllm:spec_decode_num_drafts_total"
+VLLM_SPEC_DECODE_NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+VLLM_SPEC_DECODE_NUM_ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens_total"
+# label position: the draft position (0 first) of each accepted token
+VLLM_SPEC_DECODE_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 
 OUTCOMES = ("ok", "rejected", "timeout", "error")
 SLOT_STATES = ("active", "finished", "padding")

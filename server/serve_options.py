@@ -228,6 +228,15 @@ def parser() -> argparse.ArgumentParser:
         "builds, else torch (default: auto)",
     )
     p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=BatchingConfig.num_speculative_tokens,
+        help="continuous mode: draft tokens (n-gram prompt lookup over each request's own "
+        "tokens) verified per decode row and step; 0 turns speculative decoding off. "
+        "The initial value: PUT /admin/batching changes it live "
+        f"(default: {BatchingConfig.num_speculative_tokens})",
+    )
+    p.add_argument(
         "--prefill-token-budget",
         type=int,
         default=BatchingConfig.prefill_token_budget,
@@ -310,6 +319,7 @@ def batching_config(args: argparse.Namespace) -> BatchingConfig:
             batch_timeout_ms=args.batch_timeout_ms,
             max_queue_size=args.max_queue_size,
             prefill_token_budget=args.prefill_token_budget,
+            num_speculative_tokens=args.num_speculative_tokens,
         )
         if args.config_file is None:
             return flags

@@ -160,6 +160,17 @@ class BlockPool:
                 self._evictable[block] = None
         table.clear()
 
+    def shrink(self, table: list[int], num_tokens: int) -> None:
+        """Give back the blocks of `table` past those `num_tokens` need: what a
+        speculative verification took for draft tokens it rejected (their K/V are
+        garbage). Such blocks were never published: a sequence publishes only blocks
+        its accepted tokens fill."""
+        tail = table[self.blocks_for(num_tokens) :]
+        if any(self._name[block] is not None for block in tail):
+            raise KVAccountingError("a published block was rolled back")
+        del table[len(table) - len(tail) :]
+        self.release(tail)
+
     def refs(self, block: int) -> int:
         """How many sequences hold `block`."""
         return self._refs[block]

@@ -325,6 +325,9 @@ class Engine:
                     )
                     delivery = self._delivery(outputs)
                 self._send(delivery)
+                if plan.verify:  # what `postprocess` accepted
+                    drafted = [len(draft) for draft in plan.drafts]
+                    self._observer.on_spec_decode(drafted, plan.accepted)
                 self._observer.on_busy(busy.lap())
         except Exception as exc:
             log.exception("engine thread failed")
@@ -378,7 +381,7 @@ class Engine:
         def keep_prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None:
             prompt.append((seq, start, gather_prompt_logprobs(seq, start, logits)))
 
-        rows = plan.sampling()  # their logits come first, in this order
+        rows = plan.sampler_rows()  # their logits come first, in this order
         began = time.perf_counter()
         # padded execution: finished rows decode last, their outputs discarded
         logits = runner.step(plan, keep_prompt_logprobs)

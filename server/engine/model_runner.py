@@ -169,25 +169,32 @@ DecodeAttention = PagedDecodeAttention | NativeDecodeAttention
 
 
 class MixedAttention:
-    """A step's prefill rows and decode rows as one forward: the projections take
-    every token of both at once, so a step reads the weights once, not once per kind
-    of row; attention takes them apart again. The tokens are the prefill rectangle
-    [rows, width] flattened, then one per decode row."""
+    """A step's prefill rows, verify rows and decode rows as one forward: the
+    projections take every token at once, so a step reads the weights once, not once
+    per kind of row; attention takes them apart again. The tokens are each rectangle
+    [rows, width] flattened (the prefill rows', then the verify rows': apart, so that a
+    verify row's few positions are not padded to a long prompt chunk's width), then one
+    per decode row (None: none)."""
 
-    def __init__(
-        self, prefill: PagedPrefillAttention, shape: tuple[int, int], decode: DecodeAttention
-    ) -> None:
-        self.prefill, self.shape, self.decode = prefill, shape, decode
-        self.split = shape[0] * shape[1]
+    def __init__(self, rectangles: list[PrefillBatch], decode: DecodeAttention | None) -> None:
+        self.rectangles, self.decode = rectangles, decode
+        self.sizes = [batch.ids.numel() for batch in rectangles]
+        self.split = sum(self.sizes)
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """q, k, v [1, tokens, heads, head_dim]; the output is q's shape."""
-        n = self.split
-        prefill = self.prefill(layer, *(t[0, :n].unflatten(0, self.shape) for t in (q, k, v)))
-        decode = self.decode(layer, *(t[0, n:, None] for t in (q, k, v)))
-        return torch.cat((prefill.flatten(0, 1), decode[:, 0]))[None]
+        outputs = []
+        start = 0
+        for batch, size in zip(self.rectangles, self.sizes, strict=True):
+            shape = batch.ids.shape
+            part = (t[0, start : start + size].unflatten(0, shape) for t in (q, k, v))
+            outputs.append(batch.attention(layer, *part).flatten(0, 1))
+            start += size
+        if self.decode is not None:
+            outputs.append(self.decode(layer, *(t[0, start:, None] for t in (q, k, v)))[:, 0])
+        return torch.cat(outputs)[None]
 
 
 @dataclass
@@ -232,12 +239,21 @@ class ModelRunner:
         last). Returns logits [rows, vocab]: first those of the prefill rows this
         completes (`plan.sampling()`), then those of every decode and padding row, each
         in order. `prompt_logits` is handed the logits of every position that predicts
-        a prompt token, for the rows that `wants_prompt_logprobs`. The sequences are
-        left as they were: `StepPlan.advance` records what the step computed."""
+        a prompt token, for the rows that `wants_prompt_logprobs`. Verify rows (their
+        newest token and draft, speculative decoding) compute a rectangle of their own
+        in the same forward, and the logits of each of their positions come after the
+        prefill rows' (the order of `plan.sampler_rows()`). The sequences are left as they were:
+        `StepPlan.advance` records what the step computed."""
         prefill, decode = plan.prefill, plan.decode + plan.pad
-        pre = self._prefill_batch(prefill, plan.chunks) if prefill else None
-        prefill_hidden, hidden = self._hidden(pre, decode)
-        if pre is not None:
+        pre = self._prefill_batch(_chunks(plan)) if prefill else None
+        # each verify row's newest token and draft, a rectangle of their own
+        drafted = [(s, s.token_ids[-1:] + d) for s, d in zip(plan.verify, plan.drafts, strict=True)]
+        ver = self._prefill_batch(drafted) if drafted else None
+        prefill_hidden, verify_hidden, hidden = self._hidden(pre, ver, decode)
+        if verify_hidden is not None:  # each verify row's every position, before the decode rows
+            verified = [verify_hidden[r, : len(draft) + 1] for r, draft in enumerate(plan.drafts)]
+            hidden = torch.cat((*verified, hidden))
+        if pre is not None and prefill_hidden is not None:
             if prompt_logits is not None:
                 self._prompt_positions(
                     prefill, pre.starts, pre.counts, prefill_hidden, prompt_logits
@@ -250,48 +266,55 @@ class ModelRunner:
         return self.model.logits(hidden)
 
     def _hidden(
-        self, pre: PrefillBatch | None, decode: list[Sequence]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The final hidden states of the prefill rows [rows, width, d_model] and of the
-        decode rows [rows, d_model] (either may have no rows), from one forward."""
+        self, pre: PrefillBatch | None, ver: PrefillBatch | None, decode: list[Sequence]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """The final hidden states of the prefill rows and of the verify rows [rows,
+        width, d_model] (None without such rows) and of the decode rows [rows, d_model]
+        (maybe none), from one forward."""
         model, device = self.model, self.device
+        rectangles = [batch for batch in (pre, ver) if batch is not None]
         if decode:
             # flat lists: torch.tensor reads them several times faster than nested ones
             ids = torch.tensor([seq.token_ids[-1] for seq in decode], device=device)
             positions = torch.tensor([seq.num_tokens - 1 for seq in decode], device=device)
             attention = self._decode_attention(decode)
-        if pre is None:
-            hidden = model.hidden(ids[:, None], positions[:, None], attention)
-            return hidden[:0], hidden[:, 0]
-        if not decode:
-            hidden = model.hidden(pre.ids, pre.positions, pre.attention)
-            return hidden, hidden[:0, 0]
-        shape = (len(pre.ids), pre.ids.shape[1])
-        mixed = MixedAttention(pre.attention, shape, attention)
+            if not rectangles:
+                hidden = model.hidden(ids[:, None], positions[:, None], attention)
+                return None, None, hidden[:, 0]
+        elif len(rectangles) == 1:  # as its own batch: SDPA's causal fast path may apply
+            (batch,) = rectangles
+            hidden = model.hidden(batch.ids, batch.positions, batch.attention)
+            empty = hidden[:0, 0]
+            return (hidden, None, empty) if batch is pre else (None, hidden, empty)
+        mixed = MixedAttention(rectangles, attention if decode else None)
         flat = model.hidden(
-            torch.cat((pre.ids.flatten(), ids))[None],
-            torch.cat((pre.positions.flatten(), positions))[None],
+            torch.cat([b.ids.flatten() for b in rectangles] + ([ids] if decode else []))[None],
+            torch.cat(
+                [b.positions.flatten() for b in rectangles] + ([positions] if decode else [])
+            )[None],
             mixed,
         )[0]
-        return flat[: mixed.split].unflatten(0, shape), flat[mixed.split :]
+        hiddens: list[torch.Tensor] = []
+        start = 0
+        for batch, size in zip(rectangles, mixed.sizes, strict=True):
+            hiddens.append(flat[start : start + size].unflatten(0, batch.ids.shape))
+            start += size
+        prefill_hidden = hiddens[0] if pre is not None else None
+        verify_hidden = hiddens[-1] if ver is not None else None
+        return prefill_hidden, verify_hidden, flat[mixed.split :]
 
-    def _prefill_batch(self, seqs: list[Sequence], chunks: list[int] | None) -> PrefillBatch:
-        """The prefill rows' ids, positions and attention for `step`."""
+    def _prefill_batch(self, chunks: list[tuple[Sequence, list[int]]]) -> PrefillBatch:
+        """The prefill rows' ids, positions and attention for `step`: each row's chunk
+        of token ids, computed from its `num_computed` on."""
+        seqs = [seq for seq, _ in chunks]
         batch = len(seqs)
         starts = np.fromiter((seq.num_computed for seq in seqs), np.int64, batch)
-        counts = (
-            np.fromiter((seq.num_tokens for seq in seqs), np.int64, batch) - starts
-            if chunks is None
-            else np.asarray(chunks, np.int64)
-        )
+        counts = np.fromiter((len(ids) for _, ids in chunks), np.int64, batch)
         ends = starts + counts
-        if (counts < 1).any() or (ends > [seq.num_tokens for seq in seqs]).any():
-            raise ValueError("each prefill chunk must hold 1 to the tokens a sequence has left")
+        if (counts < 1).any():
+            raise ValueError("each prefill chunk must hold at least one token")
         width = int(counts.max())
-        ids = [
-            seq.token_ids[start:end] + [0] * (width - (end - start))
-            for seq, start, end in zip(seqs, starts.tolist(), ends.tolist(), strict=True)
-        ]
+        ids = [chunk + [0] * (width - len(chunk)) for _, chunk in chunks]
         # padding repeats its row's last position: it stays inside the model's context
         positions = np.minimum(starts[:, None] + np.arange(width), ends[:, None] - 1)
         attention = self._prefill_attention(seqs, starts, counts, positions)
@@ -366,3 +389,16 @@ class ModelRunner:
         if self.kernel is None:
             return PagedDecodeAttention(self.cache, seqs)
         return NativeDecodeAttention(self.kernel, seqs)
+
+
+def _chunks(plan: StepPlan) -> list[tuple[Sequence, list[int]]]:
+    """The token ids each prefill row computes: its chunk."""
+    sizes = plan.chunk_sizes()
+    if any(
+        not 1 <= size <= seq.num_uncomputed for seq, size in zip(plan.prefill, sizes, strict=True)
+    ):
+        raise ValueError("each prefill chunk must hold 1 to the tokens a sequence has left")
+    return [
+        (seq, seq.token_ids[seq.num_computed : seq.num_computed + size])
+        for seq, size in zip(plan.prefill, sizes, strict=True)
+    ]

@@ -230,27 +230,34 @@ class QueueScheduler(ABC):
         top_logprobs: list[TopLogprobs] | None = None,
         prompt_logprobs: PromptLogprobs = (),
     ) -> list[Output]:
-        seqs = plan.advance(tokens, prompt_logprobs)
+        spans = plan.accept(tokens, self.eos_ids, prompt_logprobs)
+        for seq in plan.verify:
+            self.pool.shrink(seq.block_table, seq.num_tokens)  # the rejected drafts' K/V
         outputs: list[Output] = []
         finished: list[tuple[Sequence, TokenEvent]] = []
-        tops = top_logprobs or [()] * len(seqs)
-        for seq, token, logprob, top in zip(seqs, tokens, logprobs, tops, strict=True):
-            reason = seq.finish_reason_after(token, self.eos_ids)
-            seq.finish_reason = reason
-            event = TokenEvent(
-                token,
-                seq.num_output - 1,
-                reason,
-                logprob,
-                self.steps,
-                top_logprobs=top,
-                prompt_logprobs=seq.take_prompt_logprobs(),
-            )
-            if reason is None:
-                outputs.append(Output(seq, event))
-            else:
-                seq.finished_at = now
-                finished.append((seq, event))
+        tops = top_logprobs or [()] * len(tokens)
+        for seq, first, kept in spans:
+            prompt = seq.take_prompt_logprobs()
+            for index in range(first, first + kept):
+                token = tokens[index]
+                # only a row's last kept token may finish it (`StepPlan.accept`)
+                last = index == first + kept - 1
+                reason = seq.finish_reason_after(token, self.eos_ids) if last else None
+                seq.finish_reason = reason
+                event = TokenEvent(
+                    token,
+                    seq.num_output - (first + kept - index),
+                    reason,
+                    logprobs[index],
+                    self.steps,
+                    top_logprobs=tops[index],
+                    prompt_logprobs=prompt if index == first else None,
+                )
+                if reason is None:
+                    outputs.append(Output(seq, event))
+                else:
+                    seq.finished_at = now
+                    finished.append((seq, event))
         return outputs + self._finish(finished, now)
 
     def wake_at(self) -> float | None:

@@ -25,6 +25,7 @@ import math
 
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine.block_pool import BlockPool
+from batchpilot_server.engine.ngram_proposer import propose
 from batchpilot_server.engine.scheduler import Output, QueueScheduler, class_rank, timeout_at
 from batchpilot_server.engine.sequence import Sequence, Status
 from batchpilot_server.engine.step_plan import StepPlan
@@ -60,11 +61,15 @@ class ContinuousScheduler(QueueScheduler):
         # is the last of a prompt whose chunks left exactly that
         decode = [seq for seq in self.running if seq.num_uncomputed == 1]
         chunks = self._spend_prefill_budget(now, decode)
+        # after the prompts: a draft takes only the blocks admission left
+        verify, drafts = self._draft(decode)
         plan = StepPlan(
             prefill=[seq for seq, _ in chunks],
-            decode=decode,
+            decode=[seq for seq in decode if seq not in verify],
             preempted=preempted,
             chunks=[size for _, size in chunks],
+            verify=verify,
+            drafts=drafts,
         )
         plan.batch_size = plan.size
         return plan
@@ -105,6 +110,26 @@ class ContinuousScheduler(QueueScheduler):
             budget -= size
             lower -= size if held else 0
         return chunks
+
+    def _draft(self, decode: list[Sequence]) -> tuple[list[Sequence], list[list[int]]]:
+        """Speculative decoding: the decode rows that verify a draft this step, and their
+        drafts (n-gram prompt lookup, up to `num_speculative_tokens`, none past
+        max_tokens). A row's draft takes blocks for its tokens only where the pool has
+        them free: a guess never preempts a sequence."""
+        k = self.config.num_speculative_tokens  # live: a PUT applies from this step
+        verify: list[Sequence] = []
+        drafts: list[list[int]] = []
+        if not k:
+            return verify, drafts
+        for seq in decode:
+            if not seq.speculable:
+                continue
+            room = min(k, seq.params.max_tokens - seq.num_output - 1)
+            draft = propose(seq.token_ids, room)
+            if draft and self.pool.grow(seq.block_table, seq.num_tokens + len(draft)):
+                verify.append(seq)
+                drafts.append(draft)
+        return verify, drafts
 
     def _admit_for_prefill(self, seq: Sequence) -> bool:
         """Admit waiting `seq` into the running batch if it may start now."""

@@ -86,8 +86,10 @@ class Sequence:
     def advance(self, computed: int, sampled: Collection[int] = ()) -> None:
         """A forward computed the K/V of its next `computed` tokens, then `sampled` were
         drawn, each from the logits of the token before it, and fed to the grammar.
-        One step: a prefill chunk (a token if it completes the prompt) or a decode (one
-        and one); the simulator's fast-forward: n decode steps at once."""
+        One step: a prefill chunk (a token if it completes the prompt), a decode (one
+        and one) or a speculative verification (the newest token and the n accepted
+        draft tokens computed, and those n plus the model's own next token drawn, n + 1
+        and n + 1); the simulator's fast-forward: n decode steps at once."""
         self.num_computed += computed
         self.token_ids += sampled
         if self.grammar is not None:
@@ -177,12 +179,38 @@ class Sequence:
         gathered, self.prompt_logprobs = self.prompt_logprobs, []
         return (None, *gathered)
 
+    @property
+    def speculable(self) -> bool:
+        """A decode row whose draft tokens may be verified in one forward: its every
+        logits processor reads only the row's fixed knobs, so the k + 1 positions are
+        processed as k + 1 independent rows. Not with penalties or a grammar (their
+        state would have to advance through the draft within the step), nor while
+        min_tokens holds stops back, nor before the first output token (its event
+        carries the prompt's log-probabilities)."""
+        return not (
+            self.penalized or self.grammar is not None or self.holds_stops or not self.num_output
+        )
+
     def finish_reason_after(self, token_id: int, eos_ids: frozenset[int]) -> FinishReason | None:
         """Why the sequence ends with `token_id` just appended, if it does."""
+        return self._finish_reason_at(token_id, self.num_output, eos_ids)
+
+    def tokens_until_finish(self, tokens: list[int], eos_ids: frozenset[int]) -> int:
+        """How many of `tokens`, appended in order, it keeps: all, or up to and including
+        the one it would finish with (a verification's accepted run may hold a stop)."""
+        for index, token in enumerate(tokens):
+            if self._finish_reason_at(token, self.num_output + index + 1, eos_ids):
+                return index + 1
+        return len(tokens)
+
+    def _finish_reason_at(
+        self, token_id: int, num_output: int, eos_ids: frozenset[int]
+    ) -> FinishReason | None:
+        """Why the sequence ends with `token_id` as its `num_output`-th output token."""
         if token_id in self.params.stop_token_ids:
             return "stop"
         if token_id in eos_ids and not self.params.ignore_eos:
             return "stop"
-        if self.num_output >= self.params.max_tokens:
+        if num_output >= self.params.max_tokens:
             return "length"
         return None

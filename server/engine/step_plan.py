@@ -54,10 +54,17 @@ class StepPlan:
     # the cache, and how many of them it held (computed no more)
     cache_queried: int = 0
     cache_hit: int = 0
+    # speculative decoding (continuous): decode rows that feed their newest token and
+    # a draft (`drafts`, one list per row) as a short chunk, to verify the draft in
+    # this step's one forward; not among `decode`. `accepted`: how many draft tokens
+    # each kept, set by `accept`
+    verify: list[Sequence] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
 
     @property
     def size(self) -> int:
-        return len(self.prefill) + len(self.decode)
+        return len(self.prefill) + len(self.decode) + len(self.verify)
 
     def chunk_sizes(self) -> list[int]:
         """The tokens each prefill row computes this step; read before `advance`."""
@@ -75,13 +82,56 @@ class StepPlan:
         ]
         return completed + self.decode
 
+    def sampler_rows(self) -> list[Sequence]:
+        """The sampler's rows, in the order of the runner's logits: the completed
+        prefill rows, each verify row once per position it computes (its draft and
+        one more: the k + 1 positions are drawn as independent rows), then the decode
+        rows. Read before `advance`."""
+        rows = self.sampling()
+        completed = rows[: len(rows) - len(self.decode)]
+        verified = [
+            seq for seq, draft in zip(self.verify, self.drafts, strict=True) for _ in (0, *draft)
+        ]
+        return completed + verified + self.decode
+
     def advance(self, tokens: list[int], prompt_logprobs: PromptLogprobs = ()) -> list[Sequence]:
         """Record what this step did to its rows: what its forward computed and each
         sampling row's token (`tokens`, in `sampling` order). Returns the sampling rows."""
+        return [seq for seq, _, _ in self.accept(tokens, frozenset(), prompt_logprobs)]
+
+    def accept(
+        self, tokens: list[int], eos_ids: frozenset[int], prompt_logprobs: PromptLogprobs = ()
+    ) -> list[tuple[Sequence, int, int]]:
+        """Record what this step did to its rows, `tokens` one per `sampler_rows` row.
+        A verify row keeps the longest run of its draft that its own positions drew
+        (each position's token was drawn from the logits after the draft before it, so
+        a draft token is kept with exactly the probability the model gives it: the
+        rejection sampling of a one-hot proposal, greedy's argmax match at
+        temperature 0), then the token drawn at the first mismatch, or after the whole
+        draft (the bonus token); up to a token it finishes with. Returns, per sampling
+        row, (row, index of its first token in `tokens`, tokens it keeps): its tokens
+        are `tokens[index : index + kept]`."""
         rows = self.sampling()
-        sampled = {seq: (token,) for seq, token in zip(rows, tokens, strict=True)}
+        if len(tokens) != len(rows) + sum(len(draft) + 1 for draft in self.drafts):
+            raise ValueError("a step's tokens are one per row of `sampler_rows`")
+        completed = rows[: len(rows) - len(self.decode)]
+        spans = [(seq, index, 1) for index, seq in enumerate(completed)]
+        index = len(completed)
+        self.accepted = []
+        for seq, draft in zip(self.verify, self.drafts, strict=True):
+            drawn = tokens[index : index + len(draft) + 1]
+            matched = next(
+                (i for i, (d, t) in enumerate(zip(draft, drawn, strict=False)) if d != t),
+                len(draft),
+            )
+            kept = seq.tokens_until_finish(drawn[: matched + 1], eos_ids)
+            self.accepted.append(kept - 1)
+            spans.append((seq, index, kept))
+            index += len(draft) + 1
+        spans += [(seq, index + row, 1) for row, seq in enumerate(self.decode)]
+        sampled = {seq: tokens[first : first + kept] for seq, first, kept in spans}
         self._advance_rows(sampled, prompt_logprobs)
-        return rows
+        return spans
 
     def record_computed(self, prompt_logprobs: PromptLogprobs = ()) -> None:
         """What this step's forward computed, no token sampled: tests that drive the
@@ -89,29 +139,36 @@ class StepPlan:
         self._advance_rows({}, prompt_logprobs)
 
     def _advance_rows(
-        self, sampled: dict[Sequence, tuple[int]], prompt_logprobs: PromptLogprobs
+        self, sampled: dict[Sequence, list[int]], prompt_logprobs: PromptLogprobs
     ) -> None:
         """Each row through `Sequence.advance`: a prefill row's K/V by its chunk, a
-        decode or padding row's up to its newest token, then its sampled token; and
-        the prompt log-probabilities prefill gathered."""
+        decode or padding row's up to its newest token, then its sampled token; a
+        verify row's newest token and its accepted draft tokens (as many as it keeps
+        tokens: the K/V of the positions after them drew from a rejected context);
+        and the prompt log-probabilities prefill gathered."""
         for seq, size in zip(self.prefill, self.chunk_sizes(), strict=True):
             seq.advance(size, sampled.get(seq, ()))
         for seq in (*self.decode, *self.pad):
             seq.advance(seq.num_uncomputed, sampled.get(seq, ()))
+        for seq in self.verify:
+            kept = sampled.get(seq, [])
+            seq.advance(len(kept), kept)
         for seq, start, entries in prompt_logprobs:
             seq.gather_prompt_logprobs(start, entries)
 
     def slot_steps(self) -> SlotSteps:
         """The token positions this step's batch holds, by what they are for; read
         before `advance`."""
-        prefill = self.chunk_sizes()
-        # the prefill forward is one rectangle as wide as its longest row: torch's
-        # attention takes no ragged batch, so shorter rows compute padding positions
-        rectangle = len(prefill) * max(prefill, default=0)
+        # the prefill rows, and the verify rows apart, each compute one rectangle as wide
+        # as its longest row: torch's attention takes no ragged batch, so shorter rows
+        # compute padding positions
+        rectangles = (self.chunk_sizes(), [len(draft) + 1 for draft in self.drafts])
+        active = sum(sum(rows) for rows in rectangles)
+        computed = sum(len(rows) * max(rows, default=0) for rows in rectangles)
         return SlotSteps(
-            active=sum(prefill) + len(self.decode),
+            active=active + len(self.decode),
             finished=self.held,
-            padding=rectangle - sum(prefill) + len(self.pad),
+            padding=computed - active + len(self.pad),
         )
 
     def work(self) -> StepWork:
@@ -121,9 +178,13 @@ class StepPlan:
         contexts = [
             seq.num_computed + size for seq, size in zip(self.prefill, prefill, strict=True)
         ]
+        # a verify row computes its newest token and its draft as a prefill chunk
+        verified = [len(draft) + 1 for draft in self.drafts]
+        rows = zip(self.verify, self.drafts, strict=True)
+        contexts += [seq.num_tokens + len(draft) for seq, draft in rows]
         return StepWork(
             decode_rows=len(decode),
-            prefill_tokens=sum(prefill),
+            prefill_tokens=sum(prefill) + sum(verified),
             kv_tokens=sum(contexts) + sum(seq.num_tokens for seq in decode),
         )
 

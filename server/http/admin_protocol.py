@@ -14,6 +14,7 @@ from batchpilot_server.batching_config import (
     MAX_QUEUE_SIZE_LIMIT,
     MAX_SLO_CLASSES,
     MAX_SLO_TARGET_MS,
+    MAX_SPECULATIVE_TOKENS,
 )
 from pydantic import ConfigDict, Field
 from typing_extensions import TypedDict
@@ -56,4 +57,5 @@ class BatchingUpdate(TypedDict, total=False):
     batch_timeout_ms: Annotated[float, Field(ge=0.0, le=MAX_BATCH_TIMEOUT_MS)]
     max_queue_size: Annotated[int, Field(ge=1, le=MAX_QUEUE_SIZE_LIMIT)]
     prefill_token_budget: Annotated[int, Field(ge=1, le=MAX_PREFILL_TOKEN_BUDGET)]
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=MAX_SPECULATIVE_TOKENS)]
     slo: SloUpdate

@@ -162,6 +162,9 @@ class BatchingState(BaseModel):
     batch_timeout_ms: float
     max_queue_size: int
     prefill_token_budget: int
+    num_speculative_tokens: int = Field(
+        default=0, description="Draft tokens verified per decode row and step; 0: off."
+    )
     slo: SloState
     mode: Mode
     version: int = Field(description="Increases with every accepted PUT.")

@@ -203,6 +203,12 @@ class ServerMetrics:
         self.prefix_cache_hits = counter(
             names.PREFIX_CACHE_HITS_TOTAL, "Tokens found in the prefix cache (not computed again)."
         )
+        self.spec_draft_tokens = counter(
+            names.SPEC_DRAFT_TOKENS_TOTAL, "Draft tokens verified (speculative decoding)."
+        )
+        self.spec_accepted_tokens = counter(
+            names.SPEC_ACCEPTED_TOKENS_TOTAL, "Draft tokens accepted (speculative decoding)."
+        )
         self.engine_busy = counter(
             names.ENGINE_BUSY_SECONDS_TOTAL,
             "Seconds the engine thread spent on steps (scheduling, forwards, sampling, "
@@ -249,6 +255,12 @@ class ServerMetrics:
     def on_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
         self.prefix_cache_queries.inc(queried_tokens)
         self.prefix_cache_hits.inc(hit_tokens)
+
+    def on_spec_decode(self, drafted: list[int], accepted: list[int]) -> None:
+        self.spec_draft_tokens.inc(sum(drafted))
+        self.spec_accepted_tokens.inc(sum(accepted))
+        if self.vllm is not None:
+            self.vllm.count_spec_decode(drafted, accepted)
 
     def on_slot_steps(self, active: int, finished: int, padding: int) -> None:
         for state, count in zip(names.SLOT_STATES, (active, finished, padding), strict=True):
@@ -376,6 +388,21 @@ class VllmMetrics:
         )
         self.prompt_tokens = counter(names.VLLM_PROMPT_TOKENS_TOTAL, "Prompt tokens admitted.")
         self.generation_tokens = counter(names.VLLM_GENERATION_TOKENS_TOTAL, "Tokens generated.")
+        self.spec_drafts = counter(
+            names.VLLM_SPEC_DECODE_NUM_DRAFTS, "Drafts verified (speculative decoding)."
+        )
+        self.spec_draft_tokens = counter(
+            names.VLLM_SPEC_DECODE_NUM_DRAFT_TOKENS, "Draft tokens verified."
+        )
+        self.spec_accepted_tokens = counter(
+            names.VLLM_SPEC_DECODE_NUM_ACCEPTED_TOKENS, "Draft tokens accepted."
+        )
+        self._spec_per_pos = Counter(
+            names.VLLM_SPEC_DECODE_ACCEPTED_PER_POS.removesuffix("_total"),
+            "Draft tokens accepted, by their position in the draft.",
+            ["model_name", "position"],
+            registry=registry,
+        )
         # vLLM's info gauge: value 1, the cache's configuration in its labels
         self._cache_config = Gauge(
             names.VLLM_CACHE_CONFIG_INFO,
@@ -385,6 +412,15 @@ class VllmMetrics:
         )
         self._model = model
         self._blocks: int | None = None
+
+    def count_spec_decode(self, drafted: list[int], accepted: list[int]) -> None:
+        """One step's verified drafts: their lengths, and the tokens each accepted."""
+        self.spec_drafts.inc(len(drafted))
+        self.spec_draft_tokens.inc(sum(drafted))
+        self.spec_accepted_tokens.inc(sum(accepted))
+        for count in accepted:
+            for position in range(count):  # a draft is accepted from its start
+                self._spec_per_pos.labels(model_name=self._model, position=str(position)).inc()
 
     def read(self, stats: EngineStats) -> None:
         self.running.set(stats.running)

@@ -52,7 +52,7 @@ BAD_PARAMS = {
 }
 DEFAULT_STATE = {
     "max_batch_size": 8, "batch_timeout_ms": 10, "max_queue_size": 256,
-    "prefill_token_budget": 2048,
+    "prefill_token_budget": 2048, "num_speculative_tokens": 0,
     "slo": {"ttft_ms": None, "tpot_ms": None, "e2e_ms": None, "classes": []},
     "mode": "continuous", "version": 1,
 }  # fmt: skip

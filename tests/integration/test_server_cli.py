@@ -28,7 +28,11 @@ async def test_config_file_wins_over_flags(tmp_path: Path) -> None:
             {"max_batch_size": 3, "batch_timeout_ms": 7, "prefill_token_budget": 512, "slo": slo}
         )
     )
-    extra = ["--config-file", str(config), "--prefill-token-budget", "64"]
+    # a flag the file leaves out stays in force
+    extra = [
+        *("--config-file", str(config), "--prefill-token-budget", "64"),
+        *("--num-speculative-tokens", "3"),
+    ]
     with spawn_server(tmp_path=tmp_path, mode="dynamic", max_batch_size=8, extra_args=extra) as srv:
         async with aiohttp.ClientSession() as session:
             async with session.get(f"{srv.url}/admin/batching") as response:
@@ -36,7 +40,8 @@ async def test_config_file_wins_over_flags(tmp_path: Path) -> None:
             metrics = await scrape(session, srv.url)
     assert in_force == {
         "max_batch_size": 3, "batch_timeout_ms": 7, "max_queue_size": 256,
-        "prefill_token_budget": 512, "slo": slo, "mode": "dynamic", "version": 1,
+        "prefill_token_budget": 512, "num_speculative_tokens": 3, "slo": slo,
+        "mode": "dynamic", "version": 1,
     }  # fmt: skip
     assert metrics[(names.CONFIG_MAX_BATCH_SIZE, "")] == 3
     assert metrics[(names.CONFIG_PREFILL_TOKEN_BUDGET, "")] == 512

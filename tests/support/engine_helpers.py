@@ -49,6 +49,8 @@ class RecordingObserver:
     preemptions: int = 0
     cache_queried: int = 0
     cache_hit: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
     slot_steps: dict[str, int] = field(
         default_factory=lambda: {"active": 0, "finished": 0, "padding": 0}
     )
@@ -91,6 +93,11 @@ class RecordingObserver:
         with self.lock:
             self.cache_queried += queried_tokens
             self.cache_hit += hit_tokens
+
+    def on_spec_decode(self, drafted: list[int], accepted: list[int]) -> None:
+        with self.lock:
+            self.spec_drafted += sum(drafted)
+            self.spec_accepted += sum(accepted)
 
 
 async def started(
