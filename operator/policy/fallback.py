@@ -9,7 +9,7 @@ order, first match wins, and `HOLD` where none matches:
 |---|---|---|---|
 | kv | KV at the watermark, or preempting | batch x kv_cut_factor | +1 if spent |
 | overloaded | TPOT missed, a queue | none | carrying the load |
-| queueing | a target missed, a queue | batch x capacity_factor, no wait | carrying the load |
+| queueing | a target missed or TPOT tight, a queue | batch x capacity_factor, no wait | carrying |
 | filling | a queue within the SLO | batch x capacity_factor, no wait | held |
 | running | a target missed, no queue | budget x budget_cut, batch x backoff | +1 if spent or TPOT |
 | headroom | p99s under (1 - band) x target | none | carrying the decode rows |
@@ -25,7 +25,10 @@ order, first match wins, and `HOLD` where none matches:
   `SCALE_OUT_UTILISATION` busy, each pod at the throughput a pod showed times the batch's
   growth (the most a larger batch can add; none where TPOT has no room to grow the
   steps), at least a pod more where the row is spent.
-- Within the SLO a queue is the batch's to take: `filling` leaves the pods alone.
+- Within the SLO a queue is the batch's to take: `filling` leaves the pods alone, unless
+  TPOT is *tight* (its p99 past (1 - band) x its target): a larger batch lengthens
+  every step, so the batch cannot carry a queue alone there, and `queueing` sizes the pods
+  with it (a load rising through the day reached the miss a round later otherwise).
 - The pods that carry the decode rows: the rows the fleet holds on average (rows a step
   x the share of the window its pods step) at most `SCALE_IN_UTILISATION` of the batch
   each, never more than the fleet has.
@@ -61,6 +64,9 @@ class Symptoms:
     kv: str | None  # why the KV pool is full (watermark or preemptions); None: it is not
     missed: str | None  # the stated target missed, as the reason words it; None: none
     tpot_missed: bool  # the target missed is TPOT
+    # TPOT's p99 past (1 - band) x its target, as the reason words it; None: TPOT is
+    # unstated or has room, so the steps may grow longer
+    tpot_tight: str | None
     queueing: bool
     headroom: bool  # every stated p99 under (1 - band) x its target, no queue, rows known
 
@@ -89,7 +95,12 @@ class Symptoms:
             and window.mean_rows() is not None
         )
         tpot_missed = missed is not None and pressure is not None and pressure[0] == "tpot"
-        return cls(kv, missed, tpot_missed, queueing, headroom)
+        tpot, room = window.observed().get("tpot"), 1 - goal.params.band
+        tpot_tight = None
+        if tpot is not None and tpot >= room * slo.stated["tpot"]:
+            target = ms(slo.stated["tpot"])
+            tpot_tight = f"tpot p99 {ms(tpot)} past {room:.0%} of its target {target}"
+        return cls(kv, missed, tpot_missed, tpot_tight, queueing, headroom)
 
 
 Knob = Literal["max_batch_size", "prefill_token_budget"]
@@ -150,9 +161,7 @@ def carrying(
     # that carry the demand and drain the backlog even at that best, now, rather than a
     # round and a start-up later. A stated TPOT without headroom takes the growth back:
     # longer steps would miss it.
-    tpot = window.observed().get("tpot")
-    tpot_room = tpot is None or tpot < (1 - goal.params.band) * goal.slo.stated["tpot"]
-    growth = moved.max_batch_size / c.max_batch_size if tpot_room else 1.0
+    growth = moved.max_batch_size / c.max_batch_size if y.tpot_tight is None else 1.0
     per_pod = window.measured_per_pod_rps()
     carried = math.inf if per_pod is None else SCALE_OUT_UTILISATION * per_pod * growth
     needed = math.ceil(window.demand_with_backlog_rps / carried - 1e-9)
@@ -200,8 +209,8 @@ TABLE: tuple[Row, ...] = (
         (), carrying, spent="the knobs cannot help",
     ),
     Row(
-        "queueing", lambda y: y.queueing and y.missed is not None,
-        lambda y: f"{y.missed}, requests queue: a larger batch, no wait",
+        "queueing", lambda y: y.queueing and (y.missed or y.tpot_tight) is not None,
+        lambda y: f"{y.missed or y.tpot_tight}, requests queue: a larger batch, no wait",
         (BATCH_GROWTH,), carrying, no_wait=True,
         spent="the batch is spent or cannot carry the load alone",
     ),

@@ -177,6 +177,18 @@ CASES = [
         timeout=0.0,
     ),
     Case("inside the band holds", {"p99_latency_s": 0.9}, "hold", 8),
+    # TPOT 18 ms against 20: past 80 %, so no growth credit; 30 arrive, 40 wait, one pod
+    # served 20: (30 + 40 / 30) / (0.8 x 20) -> two pods, beside the larger batch
+    Case(
+        "a queue within the SLO with TPOT tight: a larger batch and the pods that carry it",
+        {"tpot_p99_s": 0.018, "ttft_p99_s": 0.1, "queue_wait_p99_s": 0.1, "waiting": 40.0,
+         "arrival_rate": 30.0},
+        "queueing",
+        12,
+        timeout=0.0,
+        pods=2,
+        slo=TPOT,
+    ),
     Case(
         "headroom without rows to size by holds the pods",
         {"p99_latency_s": 0.2, "mean_batch_size": None, "pods": 2},
@@ -209,7 +221,8 @@ def test_the_fallback_table(case: Case) -> None:
 
 def test_the_table_is_small_and_hold_is_what_no_row_matches() -> None:
     assert len(TABLE) <= 6
-    nothing = Symptoms(kv=None, missed=None, tpot_missed=False, queueing=False, headroom=False)
+    nothing = Symptoms(kv=None, missed=None, tpot_missed=False, tpot_tight=None, queueing=False,
+                       headroom=False)  # fmt: skip
     assert not any(r.when(nothing) for r in TABLE) and HOLD.when(nothing)
 
 
