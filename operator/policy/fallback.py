@@ -8,10 +8,10 @@ order, first match wins, and `HOLD` where none matches:
 | row | when | knobs (the first that moves) | pods |
 |---|---|---|---|
 | kv | KV at the watermark, or preempting | batch x kv_cut_factor | +1 if spent |
-| overloaded | TPOT missed, a queue | none | carrying the load |
+| overloaded | TPOT missed, a queue | none | carrying, TPOT-scaled |
 | queueing | a target missed or TPOT tight, a queue | batch x capacity_factor, no wait | carrying |
 | filling | a queue within the SLO | batch x capacity_factor, no wait | held |
-| running | a target missed, no queue | budget x budget_cut, batch x backoff | +1 if spent or TPOT |
+| running | a target missed, no queue | budget x budget_cut, batch x backoff | TPOT-scaled or +1 |
 | headroom | p99s under (1 - band) x target | none | carrying the decode rows |
 
 - A knob moves by a factor, at least one step, within its bounds; "no wait" sets the
@@ -19,8 +19,10 @@ order, first match wins, and `HOLD` where none matches:
   cannot move is *spent*.
 - No knob helps a TPOT missed while requests queue: a larger batch lengthens every step,
   a smaller one lengthens the queue; so pods only. With nothing queued, smaller prefill
-  chunks (then fewer rows) shorten the steps, and a pod more beside the cut puts fewer
-  prompts beside each answer.
+  chunks (then fewer rows) shorten the steps. Either way the pods scale with how far
+  TPOT's p99 is past its target (*TPOT-scaled*: `ceil(pods x p99 / target)`, an HPA's
+  replica calculator on that metric): the prompts computed beside each answer's decode
+  steps are what lengthen them, and more pods put fewer beside each.
 - The pods that carry the load: the forecast and the backlog drained within a window at
   `SCALE_OUT_UTILISATION` busy, each pod at the throughput a pod showed times the batch's
   growth (the most a larger batch can add; none where TPOT has no room to grow the
@@ -148,10 +150,24 @@ def more_where_spent(
     return _desired(window) + (moved == c)
 
 
+def tpot_scaled(window: Window, goal: Goal) -> int:
+    """The pods in proportion to how far TPOT's p99 is past its target, as an HPA's
+    replica calculator scales on a metric: the prompts computed beside each answer's
+    decode steps, which lengthen them, spread over that many more pods."""
+    ratio = window.observed()["tpot"] / goal.slo.stated["tpot"]
+    return math.ceil(_desired(window) * ratio - 1e-9)
+
+
 def more_where_spent_or_tpot(
     window: Window, y: Symptoms, moved: BatchingConfig, c: BatchingConfig, goal: Goal
 ) -> int:
-    return _desired(window) + (moved == c or y.tpot_missed)
+    return tpot_scaled(window, goal) if y.tpot_missed else _desired(window) + (moved == c)
+
+
+def carrying_and_tpot(
+    window: Window, y: Symptoms, moved: BatchingConfig, c: BatchingConfig, goal: Goal
+) -> int:
+    return max(carrying(window, y, moved, c, goal), tpot_scaled(window, goal))
 
 
 def carrying(
@@ -206,7 +222,7 @@ TABLE: tuple[Row, ...] = (
     Row(
         "overloaded", lambda y: y.tpot_missed and y.queueing,
         lambda y: f"{y.missed}, requests queue: no knob helps, pods carry the load",
-        (), carrying, spent="the knobs cannot help",
+        (), carrying_and_tpot, spent="the knobs cannot help",
     ),
     Row(
         "queueing", lambda y: y.queueing and (y.missed or y.tpot_tight) is not None,

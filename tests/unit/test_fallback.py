@@ -49,7 +49,8 @@ class Case:
 
 # Why each row gives what it gives: the batch 8 in force moves by the row's factor
 # (0.75 at the KV watermark: 6; 1.5 when queueing: 12; 0.7 running: 5), the budget by
-# a quarter (2048: 512); where the row's knob is spent, a pod more.
+# a quarter (2048: 512); where the row's knob is spent, a pod more; a TPOT missed (50 ms
+# against 20) scales one pod by 2.5: three.
 CASES = [
     Case("KV at the watermark cuts the batch", {"kv_usage": 0.95, "p99_latency_s": 0.1}, "kv", 6),
     Case("preemptions cut the batch", {"preemption_rate": 1.0, "p99_latency_s": 0.1}, "kv", 6),
@@ -88,34 +89,34 @@ CASES = [
         pods=2,
     ),
     Case(
-        "TPOT missed while requests queue: the knobs hold, a pod more",
+        "TPOT missed while requests queue: the knobs hold, the pods TPOT-scaled",
         {"tpot_p99_s": 0.05, "p99_latency_s": 3.0, "queue_wait_p99_s": 2.5},
         "overloaded",
         8,
-        pods=2,
+        pods=3,
         slo=TPOT,
     ),
     Case(
-        "TPOT missed while running cuts the prefill budget first, and adds a pod",
+        "TPOT missed while running cuts the prefill budget first, the pods TPOT-scaled",
         {"tpot_p99_s": 0.05, "ttft_p99_s": 0.1},
         "running",
         8,
         budget=512,
-        pods=2,
+        pods=3,
         slo=TPOT,
     ),
     Case(
-        "TPOT missed at the budget's floor backs the batch off, and adds a pod",
+        "TPOT missed at the budget's floor backs the batch off, the pods TPOT-scaled",
         {"tpot_p99_s": 0.05, "ttft_p99_s": 0.1},
         "running",
         5,
         budget=256,
-        pods=2,
+        pods=3,
         slo=TPOT,
         current=AT_FLOOR,
     ),
     Case(
-        "TPOT missed with both knobs spent: a pod more",
+        "TPOT missed with both knobs spent: the pods TPOT-scaled",
         {"tpot_p99_s": 0.05, "ttft_p99_s": 0.1},
         "running",
         8,
@@ -123,7 +124,7 @@ CASES = [
         slo=TPOT,
         current=AT_FLOOR,
         bounds=NARROW,
-        pods=2,
+        pods=3,
     ),
     # four pods stepping 2 rows of 8: two pods would run 4, within 60 % of the batch
     Case(
