@@ -658,7 +658,7 @@ class SimulatedServer:
         limit = min(seq.params.max_tokens - seq.num_output for seq in decode) - 1
         until = [self.fleet.current.end_s]
         if self.fleet.opt.mode == "continuous":
-            if self._may_admit(now):
+            if self.scheduler.may_admit(now):
                 return 0
             # An arrival would be admitted. Any server's next arrival bounds it: the
             # balancer picks the server only when the request arrives (conservative).
@@ -673,15 +673,6 @@ class SimulatedServer:
         if self.fleet.opt.mode == "continuous":
             limit = self._blocks_allow(decode, limit)
         return limit
-
-    def _may_admit(self, now: float) -> bool:
-        """Whether the continuous scheduler's next plan admits the request it tries first:
-        the queue's head by its own class ranking (arrival order within a class)."""
-        scheduler = self.scheduler
-        if not scheduler.num_waiting or scheduler.num_running >= scheduler.config.max_batch_size:
-            return False
-        first = scheduler.first_in_line(now)
-        return first is not None and self.pool.can_hold(first.block_table, first.num_tokens + 1)
 
     def _blocks_allow(self, decode: list[Sequence], steps: int) -> int:
         """The most steps (<= `steps`) the pool has blocks for without a preemption."""

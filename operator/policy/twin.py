@@ -360,7 +360,7 @@ class _Pod:
         """Apply the next decode steps that plan exactly `decode` and finish none of them
         (module docstring); their seconds."""
         scheduler = self.scheduler
-        if not decode or len(decode) != scheduler.num_running or self._may_admit(now):
+        if not decode or len(decode) != scheduler.num_running or scheduler.may_admit(now):
             return 0.0
         # an arrival matters only where it could be admitted: no queue ahead of it, room;
         # any arrival bounds it, as the balancer picks its pod only when it comes
@@ -383,14 +383,6 @@ class _Pod:
         seconds = steps * first_s + growth_s * steps * (steps - 1) / 2
         self._count(steps, seconds)
         return seconds
-
-    def _may_admit(self, now: float) -> bool:
-        """Whether the next plan admits the request first in line."""
-        scheduler = self.scheduler
-        if not scheduler.num_waiting or scheduler.num_running >= scheduler.config.max_batch_size:
-            return False
-        first = scheduler.first_in_line(now)
-        return first is not None and self.pool.can_hold(first.block_table, first.num_tokens + 1)
 
     def _blocks_allow(self, decode: list[Sequence], steps: int) -> int:
         """The most steps (<= `steps`) the pool has blocks for without a preemption."""

@@ -336,6 +336,15 @@ class QueueScheduler(ABC):
             return None
         return self._by_rank(self.waiting, now)[0]
 
+    def may_admit(self, now: float) -> bool:
+        """Whether a plan at `now` admits the request it tries first: a slot is free and
+        the pool holds that request's blocks (the simulator's and the twin's
+        fast-forward ask it before skipping decode-only steps)."""
+        if not self.waiting or self.num_running >= self.config.max_batch_size:
+            return False
+        first = self.first_in_line(now)
+        return first is not None and self.pool.can_hold(first.block_table, first.num_tokens + 1)
+
     def rank_changes_at(self, now: float) -> float | None:
         """When the waiting queue's order of service may next change without a new event:
         a waiting request reaching the classes' max wait while more than one class waits
