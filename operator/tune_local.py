@@ -45,8 +45,8 @@ class TuneOptions:
     min_requests: int = MIN_REQUESTS_PER_WINDOW
     # Where the config of record is also written, for servers started later to read.
     config_file: Path | None = None
-    # The goal's bounds for k replaced by the k the first server runs: the rule keeps k
-    # where it is, and the default bounds (0..0) would turn a server's speculation off.
+    # True: the goal's bounds for k become the k the first server runs (the rule keeps k
+    # where it is, and the default bounds, 0..0, would turn a server's speculation off).
     follow_servers_k: bool = False
 
     def __post_init__(self) -> None:

@@ -59,13 +59,11 @@ class Bounds:
                 "prefill token budget bounds must satisfy 1 <= min <= max, got "
                 f"{self.min_prefill_budget}..{self.max_prefill_budget}"
             )
-        if not 0 <= self.min_speculative_tokens <= self.max_speculative_tokens <= (
-            MAX_SPECULATIVE_TOKENS
-        ):
+        low, high = self.min_speculative_tokens, self.max_speculative_tokens
+        if not 0 <= low <= high <= MAX_SPECULATIVE_TOKENS:  # past it, no server takes k
             raise ValueError(
                 "speculative token bounds must satisfy "
-                f"0 <= min <= max <= {MAX_SPECULATIVE_TOKENS}, got "
-                f"{self.min_speculative_tokens}..{self.max_speculative_tokens}"
+                f"0 <= min <= max <= {MAX_SPECULATIVE_TOKENS}, got {low}..{high}"
             )
 
     def clamp(self, config: BatchingConfig) -> BatchingConfig:
