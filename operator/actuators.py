@@ -17,10 +17,11 @@ target took it: the targets that did not are brought in line by `resync`.
   the round's ready pods, with the token from the policy's Secret.
 
 Only the tuned knobs (`max_batch_size`, `batch_timeout_ms`,
-`prefill_token_budget`) and the SLO's targets (`slo`, which the pods judge
-each request against) are sent; the queue size stays whatever the server was
-started with. A refusal never
-raises: it is reported per target so the caller can record it.
+`prefill_token_budget`, `num_speculative_tokens`) and the SLO's targets
+(`slo`, which the pods judge each request against) are sent; the queue size
+stays whatever the server was started with. A server older than some of
+these fields is sent the ones it knows. A refusal never raises: it is
+reported per target so the caller can record it.
 """
 
 from __future__ import annotations
@@ -38,16 +39,23 @@ from batchpilot_operator.kube import Client
 from batchpilot_operator.pods import ReadyPod
 from batchpilot_operator.reconcile import read_admin_token, read_config, write_config
 from batchpilot_operator.tuning_loop import ActuationReport, Applied, Refused
-from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.batching_config import FIELDS, BatchingConfig
 
 PUT_TIMEOUT_S = 5.0
-TUNED_FIELDS = ("max_batch_size", "batch_timeout_ms", "prefill_token_budget", "slo")
-# what servers before the LLM SLO do not take (nor report in GET /admin/batching)
-NEWER_FIELDS = ("prefill_token_budget", "slo")
+TUNED_FIELDS = (
+    "max_batch_size", "batch_timeout_ms", "prefill_token_budget", "num_speculative_tokens", "slo",
+)  # fmt: skip
+# The fields older servers do not take (nor report in GET /admin/batching), newest
+# first: a server that refuses one as unknown is older than it and everything after it
+# in this list, and takes none of those.
+NEWER_FIELDS = (("num_speculative_tokens",), ("prefill_token_budget", "slo"))
 
 
 def tuned_body(config: BatchingConfig) -> dict[str, Any]:
-    return {key: config.to_dict()[key] for key in TUNED_FIELDS}
+    # k always, 0 included (to_dict leaves 0 out for older servers' ConfigMaps): a PUT
+    # without it would leave a server that speculates at the k it had
+    data = {**config.to_dict(), "num_speculative_tokens": config.num_speculative_tokens}
+    return {key: data[key] for key in TUNED_FIELDS}
 
 
 def same_tuned(a: BatchingConfig, b: BatchingConfig) -> bool:
@@ -58,16 +66,25 @@ async def put_batching(
     session: aiohttp.ClientSession, url: str, token: str | None, config: BatchingConfig, name: str
 ) -> Applied | Refused:
     """PUT the tuned knobs and the SLO's targets to one server; a refusal comes back with
-    the server's words. A server older than these fields (it refuses them as unknown) gets
-    the knobs it knows: it is still tuned, but counts no SLO attainment."""
-    result, unknown = await _put(session, url, token, tuned_body(config), name)
-    if unknown in NEWER_FIELDS:
-        result, _ = await _put(session, url, token, _older_body(config), name)
+    the server's words. A server older than some fields (it refuses one as unknown) gets
+    the knobs it knows: it is still tuned, but without what it lacks (speculation, or
+    the SLO's attainment)."""
+    body = tuned_body(config)
+    result, unknown = await _put(session, url, token, body, name)
+    while unknown is not None and (older := _older_body(body, unknown)) != body:
+        body = older
+        result, unknown = await _put(session, url, token, body, name)
     return result
 
 
-def _older_body(config: BatchingConfig) -> dict[str, Any]:
-    return {key: value for key, value in tuned_body(config).items() if key not in NEWER_FIELDS}
+def _older_body(body: dict[str, Any], unknown: str) -> dict[str, Any]:
+    """`body` as a server that refused `unknown` takes it: without that field's
+    generation and the newer ones (unchanged when `unknown` is none of NEWER_FIELDS)."""
+    for index, fields in enumerate(NEWER_FIELDS):
+        if unknown in fields:
+            dropped = {key for newer in NEWER_FIELDS[: index + 1] for key in newer}
+            return {key: value for key, value in body.items() if key not in dropped}
+    return body
 
 
 async def _put(
@@ -119,7 +136,7 @@ async def get_batching(
     ) as response:
         response.raise_for_status()
         body = await response.json()
-    reported = {k: body[k] for k in BatchingConfig().to_dict() if k in body}
+    reported = {k: body[k] for k in FIELDS if k in body}
     return BatchingConfig.from_dict(reported, base)
 
 

@@ -138,6 +138,7 @@ def status_fields(
     return {
         "maxBatchSize": in_force.max_batch_size,
         "batchTimeoutMs": in_force.batch_timeout_ms,
+        "numSpeculativeTokens": in_force.num_speculative_tokens,
         "observed": observed(step.signals),
         "slo": slo_fields(step.signals, slo),
         "lastDecision": record,

@@ -175,7 +175,8 @@ async def _ensure_config_map(
     if in_force is not None and config != in_force:
         outcome.actions.append(
             f"re-clamped batching config to maxBatchSize={config.max_batch_size} "
-            f"batchTimeoutMs={config.batch_timeout_ms:g} maxQueueSize={config.max_queue_size}"
+            f"batchTimeoutMs={config.batch_timeout_ms:g} maxQueueSize={config.max_queue_size} "
+            f"numSpeculativeTokens={config.num_speculative_tokens}"
         )
     return config, mode
 
@@ -185,6 +186,7 @@ def _status_fields(policy: Mapping[str, Any], outcome: Outcome) -> dict[str, Any
     fields: dict[str, Any] = {
         "maxBatchSize": outcome.config.max_batch_size,
         "batchTimeoutMs": outcome.config.batch_timeout_ms,
+        "numSpeculativeTokens": outcome.config.num_speculative_tokens,
         "mode": outcome.mode,
         "replicas": outcome.replicas,
         "readyReplicas": outcome.ready_replicas,

@@ -45,6 +45,9 @@ RATES: dict[str, str] = {
     "request_rate": names.REQUESTS_TOTAL,
     "preemption_rate": names.PREEMPTIONS_TOTAL,
     "tokens_per_s": names.GENERATION_TOKENS_TOTAL,
+    # speculative decoding: draft tokens verified and accepted (0 with k = 0 or an older server)
+    "spec_draft_tokens_per_s": names.SPEC_DRAFT_TOKENS_TOTAL,
+    "spec_accepted_tokens_per_s": names.SPEC_ACCEPTED_TOKENS_TOTAL,
 }
 # Field -> counter (or a histogram's count): its increase; None where no pod exports it.
 INCREASES: dict[str, str] = {

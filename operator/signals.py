@@ -104,6 +104,10 @@ class Signals:
     step_decode_rows: float | None = None
     step_prefill_tokens: float | None = None
     step_kv_tokens: float | None = None
+    # Speculative decoding, summed over the pods: draft tokens verified and accepted per
+    # second (0 where no pod speculates); their ratio is `spec_acceptance`.
+    spec_draft_tokens_per_s: float = 0.0
+    spec_accepted_tokens_per_s: float = 0.0
     detail: str = ""  # why the status is not ok, for humans
     # Each SLO class's own view (the `class` label), by name; empty where the pods export
     # no class label (an older server) or the source reads none. Status only: the tuner
@@ -121,6 +125,14 @@ class Signals:
         if p50 is None or p90 is None or p50 <= 0:
             return None
         return p90 / p50
+
+    @property
+    def spec_acceptance(self) -> float | None:
+        """The share of verified draft tokens accepted; None when no draft was verified
+        (speculation off, or an older server): what a larger k would mostly waste or win."""
+        if self.spec_draft_tokens_per_s <= 0:
+            return None
+        return self.spec_accepted_tokens_per_s / self.spec_draft_tokens_per_s
 
     @property
     def demand_rate(self) -> float:

@@ -37,6 +37,7 @@ from batchpilot_server.batching_config import (
     MAX_QUEUE_SIZE_LIMIT,
     MAX_SLO_CLASSES,
     MAX_SLO_TARGET_MS,
+    MAX_SPECULATIVE_TOKENS,
     MODES,
     BatchingConfig,
     Mode,
@@ -323,6 +324,12 @@ def _batching(raw: Mapping[str, Any]) -> BatchingSpec:
         (default.prefill_token_budget, bounds.min_prefill_budget, bounds.max_prefill_budget),
         1, MAX_PREFILL_TOKEN_BUDGET, True,
     )  # fmt: skip
+    speculative = _knob(
+        raw, "numSpeculativeTokens",
+        (default.num_speculative_tokens, bounds.min_speculative_tokens,
+         bounds.max_speculative_tokens),
+        0, MAX_SPECULATIVE_TOKENS, True,
+    )  # fmt: skip
     queue = _int(
         raw, "maxQueueSize", default.max_queue_size, "batching.maxQueueSize",
         1, MAX_QUEUE_SIZE_LIMIT,
@@ -330,11 +337,14 @@ def _batching(raw: Mapping[str, Any]) -> BatchingSpec:
     return BatchingSpec(
         mode=cast(PolicyMode, _choice(raw, "mode", DEFAULT_MODE, "batching.mode", POLICY_MODES)),
         initial=BatchingConfig(
-            int(batch[0]), float(timeout[0]), queue, prefill_token_budget=int(budget[0])
+            int(batch[0]), float(timeout[0]), queue, prefill_token_budget=int(budget[0]),
+            num_speculative_tokens=int(speculative[0]),
         ),
         bounds=Bounds(
             int(batch[1]), int(batch[2]), float(timeout[1]), float(timeout[2]),
             min_prefill_budget=int(budget[1]), max_prefill_budget=int(budget[2]),
+            min_speculative_tokens=int(speculative[1]),
+            max_speculative_tokens=int(speculative[2]),
         ),
     )  # fmt: skip
 

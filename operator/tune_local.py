@@ -45,6 +45,9 @@ class TuneOptions:
     min_requests: int = MIN_REQUESTS_PER_WINDOW
     # Where the config of record is also written, for servers started later to read.
     config_file: Path | None = None
+    # True: the goal's bounds for k become the k the first server runs (the rule keeps k
+    # where it is, and the default bounds, 0..0, would turn a server's speculation off).
+    follow_servers_k: bool = False
 
     def __post_init__(self) -> None:
         if not self.servers:
@@ -92,6 +95,7 @@ async def tune_loop(
         # carries the goal's, so the first round's resync hands them over.
         held = await _config_in_force(session, options.servers)
         in_force = replace(held, slo=options.goal.slo.targets())
+        goal = _holding_k(options.goal, held) if options.follow_servers_k else options.goal
         source = _source(options, session)
         if isinstance(source, ScrapeSource):
             await source.scrape()  # the baseline the first window is measured from
@@ -105,8 +109,15 @@ async def tune_loop(
                 break
             if scaler is not None:
                 _follow(scaler.serving(), source, actuator)
-            await loop.round(options.goal, options.cadence, plugs)
+            await loop.round(goal, options.cadence, plugs)
     return steps
+
+
+def _holding_k(goal: Goal, held: BatchingConfig) -> Goal:
+    k = held.num_speculative_tokens
+    return replace(
+        goal, bounds=replace(goal.bounds, min_speculative_tokens=k, max_speculative_tokens=k)
+    )
 
 
 def _follow(urls: Sequence[str], source: Source, actuator: LocalActuator) -> None:
@@ -234,6 +245,12 @@ def parser() -> argparse.ArgumentParser:
                     help="continuous mode: fewest prompt tokens computed per step")
     ap.add_argument("--max-prefill-budget", type=int, default=bounds.max_prefill_budget,
                     help="continuous mode: most prompt tokens computed per step")
+    ap.add_argument("--min-speculative-tokens", type=int,
+                    help="continuous mode: the least k (speculative decoding's draft tokens "
+                    "per row) the tuner keeps; neither bound given: the k the servers run")
+    ap.add_argument("--max-speculative-tokens", type=int,
+                    help="continuous mode: the most k the tuner keeps (default: "
+                    "--min-speculative-tokens)")
     ap.add_argument("--kv-high-watermark", type=float, default=KV_HIGH_WATERMARK)
     ap.add_argument("--min-requests", type=int, default=MIN_REQUESTS_PER_WINDOW,
                     help="fewest finished requests in a window to judge its p99")
@@ -254,13 +271,16 @@ def options_from_args(args: argparse.Namespace) -> TuneOptions:
             raise ValueError(f"--token-file {args.token_file} is empty")
     if args.iterations is not None and args.iterations < 1:
         raise ValueError("--iterations must be at least 1")
+    given = (args.min_speculative_tokens, args.max_speculative_tokens)
+    low = args.min_speculative_tokens or 0
+    speculative = (low, low if args.max_speculative_tokens is None else args.max_speculative_tokens)
     return TuneOptions(
         servers=tuple(args.server),
         goal=Goal(
             slo_from_args(args),
             Bounds(
                 args.min_batch, args.max_batch, args.min_timeout_ms, args.max_timeout_ms,
-                args.min_prefill_budget, args.max_prefill_budget,
+                args.min_prefill_budget, args.max_prefill_budget, *speculative,
             ),
         ),
         cadence=Cadence(args.interval, args.window),
@@ -268,6 +288,7 @@ def options_from_args(args: argparse.Namespace) -> TuneOptions:
         token=token,
         iterations=args.iterations,
         min_requests=args.min_requests,
+        follow_servers_k=given == (None, None),
     )
 
 

@@ -13,7 +13,7 @@ def ms(seconds: float) -> str:
 
 
 def knob_change(before: BatchingConfig, after: BatchingConfig) -> str:
-    """`batch 8 -> 16, budget 2048 -> 1024`: the knobs that moved."""
+    """`batch 8 -> 16, budget 2048 -> 1024, k 4 -> 2`: the knobs that moved."""
     parts = []
     if before.max_batch_size != after.max_batch_size:
         parts.append(f"batch {before.max_batch_size} -> {after.max_batch_size}")
@@ -21,6 +21,9 @@ def knob_change(before: BatchingConfig, after: BatchingConfig) -> str:
         parts.append(f"timeout {before.batch_timeout_ms:g} -> {after.batch_timeout_ms:g} ms")
     if before.prefill_token_budget != after.prefill_token_budget:
         parts.append(f"budget {before.prefill_token_budget} -> {after.prefill_token_budget}")
+    if before.num_speculative_tokens != after.num_speculative_tokens:
+        # only the clamp moves k for now: a policy whose bounds no longer hold it
+        parts.append(f"k {before.num_speculative_tokens} -> {after.num_speculative_tokens}")
     return ", ".join(parts) or "no knob moves"
 
 

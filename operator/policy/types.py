@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from batchpilot_operator.slo import Slo
-from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.batching_config import MAX_SPECULATIVE_TOKENS, BatchingConfig
 
 Action = Literal[
     "hold",
@@ -39,6 +39,10 @@ class Bounds:
     # continuous mode's prompt tokens per step (the CRD's batching.prefillTokenBudget)
     min_prefill_budget: int = 2048
     max_prefill_budget: int = 2048
+    # draft tokens verified per decode row (the CRD's batching.numSpeculativeTokens);
+    # 0..0 by default: speculation stays off unless the policy widens it
+    min_speculative_tokens: int = 0
+    max_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_batch <= self.max_batch:
@@ -55,6 +59,12 @@ class Bounds:
                 "prefill token budget bounds must satisfy 1 <= min <= max, got "
                 f"{self.min_prefill_budget}..{self.max_prefill_budget}"
             )
+        low, high = self.min_speculative_tokens, self.max_speculative_tokens
+        if not 0 <= low <= high <= MAX_SPECULATIVE_TOKENS:  # past it, no server takes k
+            raise ValueError(
+                "speculative token bounds must satisfy "
+                f"0 <= min <= max <= {MAX_SPECULATIVE_TOKENS}, got {low}..{high}"
+            )
 
     def clamp(self, config: BatchingConfig) -> BatchingConfig:
         batch = min(max(config.max_batch_size, self.min_batch), self.max_batch)
@@ -62,11 +72,16 @@ class Bounds:
         budget = min(
             max(config.prefill_token_budget, self.min_prefill_budget), self.max_prefill_budget
         )
+        speculative = min(
+            max(config.num_speculative_tokens, self.min_speculative_tokens),
+            self.max_speculative_tokens,
+        )
         return replace(
             config,
             max_batch_size=batch,
             batch_timeout_ms=float(timeout),
             prefill_token_budget=budget,
+            num_speculative_tokens=speculative,
         )
 
     def contains(self, config: BatchingConfig) -> bool:

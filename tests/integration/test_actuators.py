@@ -102,3 +102,25 @@ async def test_it_pushes_to_the_servers_it_is_told_to_follow() -> None:
         assert (await get_batching(session, joining.url)).max_batch_size == 24
         assert (await get_batching(session, leaving.url)).max_batch_size == 8  # left alone
         assert [a.target for a in (await actuator.resync(TUNED)).applied] == []
+
+
+async def test_k_is_pushed_and_a_server_holding_another_k_is_brought_back() -> None:
+    async with (
+        serve_in_process() as speculating,
+        serve_in_process() as off,
+        aiohttp.ClientSession() as session,
+    ):
+        report = await LocalActuator(
+            [speculating.url], speculating.token, session, BatchingConfig()
+        ).apply(BatchingConfig(num_speculative_tokens=3))
+        assert report.ok
+        assert (await get_batching(session, speculating.url)).num_speculative_tokens == 3
+        # the record says off (k = 0, which the ConfigMap leaves out): only the server
+        # that speculates is pushed to, and k = 0 is sent explicitly
+        actuator = LocalActuator(
+            [speculating.url, off.url], speculating.token, session, BatchingConfig()
+        )
+        resynced = await actuator.resync(BatchingConfig())
+        assert [a.target for a in resynced.applied] == [speculating.url]
+        assert (await get_batching(session, speculating.url)).num_speculative_tokens == 0
+        assert not (await actuator.resync(BatchingConfig())).applied

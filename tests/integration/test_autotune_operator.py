@@ -379,6 +379,39 @@ async def test_a_ttft_tpot_policy_hands_its_targets_to_the_pods_and_shows_attain
     assert met is not None and met["reason"] in ("WithinSLO", "BelowAttainment"), met
 
 
+async def test_a_policy_with_k_hands_it_to_the_configmap_the_pod_and_the_status(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """numSpeculativeTokens.initial 2: the ConfigMap carries k, a round pushes it to the
+    pod (started without speculation), and the status shows it beside maxBatchSize."""
+    ns = "speck"
+    obj = policy(ns)
+    obj["spec"]["batching"]["numSpeculativeTokens"] = {"initial": 2, "min": 0, "max": 4}
+    async with server_pod(cluster, tmp_path, ns) as server, aiohttp.ClientSession() as session:
+        with run_operator(cluster):
+            await cluster.create(kube.POLICIES, obj)
+            config_map = await cluster.wait_for(
+                kube.CONFIGMAPS, ns, builders.config_map_name("llm"),
+                what="the policy's ConfigMap", timeout=TUNE_DEADLINE_S,
+            )  # fmt: skip
+            written = json.loads(config_map["data"][builders.CONFIG_KEY])
+            assert written["num_speculative_tokens"] == 2
+
+            async def pod_speculates() -> BatchingConfig | None:
+                held = await held_config(session, server.url, BatchingConfig())
+                return held if held is not None and held.num_speculative_tokens == 2 else None
+
+            await cluster.wait_until(
+                pod_speculates, "the pod's GET /admin/batching to show k = 2", TUNE_DEADLINE_S
+            )
+            shown = await cluster.wait_for(
+                kube.POLICIES, ns, "llm",
+                lambda found: (found.get("status") or {}).get("numSpeculativeTokens") == 2,
+                "status.numSpeculativeTokens 2", TUNE_DEADLINE_S,
+            )  # fmt: skip
+    assert shown["status"]["maxBatchSize"] == 1
+
+
 def two_class_policy(namespace: str) -> dict[str, Any]:
     """Two classes beside the top-level targets: `interactive`, whose 1 ms TTFT no request
     meets (so it binds), and `batch`, whose minute end to end every request meets."""

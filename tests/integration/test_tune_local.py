@@ -11,7 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from batchpilot_operator.actuators import get_batching, write_config_file
+from batchpilot_operator.actuators import LocalActuator, get_batching, write_config_file
 from batchpilot_operator.policy.types import Cadence, Fleet, Goal, ScaleDecision
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.tune_local import TuneOptions, main, options_from_args, parser, tune_loop
@@ -111,6 +111,30 @@ def test_the_slo_flags_state_the_targets() -> None:
     assert (goal.bounds.min_prefill_budget, goal.bounds.max_prefill_budget) == (256, 4096)
     old = parser().parse_args(["--server", "http://127.0.0.1:1", "--slo-p99-ms", "500"])
     assert options_from_args(old).goal.slo.e2e_s == 0.5  # the older name of --slo-e2e-ms
+    assert options_from_args(old).follow_servers_k  # no k bounds given: the servers' k
+    widened = parser().parse_args([
+        "--server", "http://127.0.0.1:1", "--slo-p99-ms", "500", "--max-speculative-tokens", "4",
+    ])  # fmt: skip
+    options = options_from_args(widened)
+    bounds = options.goal.bounds
+    assert (bounds.min_speculative_tokens, bounds.max_speculative_tokens) == (0, 4)
+    assert not options.follow_servers_k
+
+
+async def test_the_local_tuner_keeps_the_k_a_server_runs() -> None:
+    """Without k bounds the round keeps the servers' k: the default bounds (0..0) would
+    clamp it and turn their speculation off."""
+    async with serve_in_process() as srv, aiohttp.ClientSession() as session:
+        speculating = BatchingConfig(num_speculative_tokens=3)
+        pushed = await LocalActuator([srv.url], srv.token, session, speculating).apply(speculating)
+        assert pushed.ok
+        options = TuneOptions(
+            servers=(srv.url,), goal=Goal(Slo(e2e_s=30.0)), cadence=Cadence(0.1, 0.1),
+            token=srv.token, iterations=1, follow_servers_k=True,
+        )  # fmt: skip
+        (step,) = await tune_loop(options)
+        assert step.decision.config.num_speculative_tokens == 3
+        assert (await get_batching(session, srv.url)).num_speculative_tokens == 3
 
 
 @pytest.mark.parametrize(
@@ -128,6 +152,8 @@ def test_the_slo_flags_state_the_targets() -> None:
         (["--slo-ttft-ms", "500", "--slo-attainment", "1"], 2, "--slo-attainment must be in"),
         (["--slo-ttft-ms", "500", "--min-prefill-budget", "4096", "--max-prefill-budget", "256"],
          2, "prefill token budget bounds"),
+        (["--slo-ttft-ms", "500", "--max-speculative-tokens", "17"], 2,
+         "speculative token bounds"),
     ],
 )
 def test_cli_refuses_bad_options_with_a_clear_message(

@@ -205,6 +205,18 @@ INVALID = [
     ("prefill budget of 0", {"batching": {"prefillTokenBudget": {"min": 0}}},
      "less than the minimum"),
     (
+        "speculative k initial above the default max of 0",
+        {"batching": {"numSpeculativeTokens": {"initial": 2}}},
+        "numSpeculativeTokens needs min <= initial <= max",
+    ),
+    (
+        "speculative k min above initial",
+        {"batching": {"numSpeculativeTokens": {"initial": 1, "min": 2, "max": 4}}},
+        "numSpeculativeTokens needs min <= initial <= max",
+    ),
+    ("speculative k past the server's 16", {"batching": {"numSpeculativeTokens": {"max": 17}}},
+     "greater than the maximum"),
+    (
         "window shorter than interval",
         {"autotune": {"intervalSeconds": 60, "windowSeconds": 30}},
         "windowSeconds must be at least intervalSeconds",
@@ -468,6 +480,14 @@ def test_slo_forms_are_accepted_by_the_crd_and_parsed_alike(
                                   and k != "budget_window_s"}
 
 
+def test_a_speculative_range_is_accepted_by_the_crd_and_parsed_alike() -> None:
+    obj = policy(batching={"numSpeculativeTokens": {"initial": 2, "max": 4}})
+    assert refusals(obj) == []
+    spec = parse_spec(with_defaults(SCHEMA, obj)["spec"])
+    assert spec.initial_config().num_speculative_tokens == 2
+    assert spec.goal.bounds.max_speculative_tokens == 4
+
+
 def test_an_absent_slo_defaults_to_the_older_p99_of_500_ms() -> None:
     defaulted = with_defaults(SCHEMA, policy())["spec"]
     assert defaulted["slo"] == {"p99LatencyMs": 500, "attainment": 0.99, "budgetWindow": "1h"}
@@ -488,8 +508,8 @@ def test_names_subresource_and_printer_columns() -> None:
     assert set(VERSION["subresources"]) == {"status", "scale"}
     columns = VERSION["additionalPrinterColumns"]
     assert [c["name"].upper() for c in columns] == [
-        "MODE", "REPLICAS", "READY-PODS", "BATCH", "TIMEOUT", "ATTAINMENT", "BUDGET", "SLO",
-        "P99", "BINDING", "READY", "AGE",
+        "MODE", "REPLICAS", "READY-PODS", "BATCH", "TIMEOUT", "SPEC-K", "ATTAINMENT", "BUDGET",
+        "SLO", "P99", "BINDING", "READY", "AGE",
     ]
     # the older p99 column only in -o wide: the attainment and the objective say more
     for column in columns:
@@ -503,7 +523,7 @@ def test_names_subresource_and_printer_columns() -> None:
         else:
             assert node["type"] in (column["type"], "integer" if column["type"] == "number" else "")
     priorities = {c["name"]: c.get("priority", 0) for c in columns}
-    assert priorities["P99"] == priorities["Binding"] == 1
+    assert priorities["P99"] == priorities["Binding"] == priorities["Spec-K"] == 1
 
 
 def test_every_schema_node_is_an_object_with_a_type_or_a_union() -> None:

@@ -187,6 +187,16 @@ def test_config_map_round_trips_the_config() -> None:
     assert builders.parse_config_data(None) is None
 
 
+def test_config_map_carries_k_and_leaves_it_out_while_off() -> None:
+    speculating = BatchingConfig(12, 7.5, 99, num_speculative_tokens=3)
+    data = builders.build_config_map(policy(), speculating)["data"]
+    assert builders.parse_config_data(data) == speculating
+    # k = 0 is left out: a server from before speculative decoding refuses the key
+    off = builders.build_config_map(policy(), BatchingConfig(12, 7.5, 99))["data"]
+    assert "num_speculative_tokens" not in off[builders.CONFIG_KEY]
+    assert builders.parse_config_data(off) == BatchingConfig(12, 7.5, 99)
+
+
 def test_drift_is_a_missing_or_different_value_not_an_added_default() -> None:
     desired = {"spec": {"ports": [{"port": 8000}], "type": "ClusterIP"}}
     defaulted = {"spec": {"ports": [{"port": 8000, "protocol": "TCP"}], "type": "ClusterIP",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from batchpilot_operator.policy.types import ReplicaBounds
+from batchpilot_operator.policy.types import Bounds, ReplicaBounds
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.spec import (
     MAX_REPLICAS,
@@ -17,7 +17,7 @@ from batchpilot_operator.spec import (
     SpecError,
     parse_spec,
 )
-from batchpilot_server.batching_config import BatchingConfig, SloTargets
+from batchpilot_server.batching_config import MAX_SPECULATIVE_TOKENS, BatchingConfig, SloTargets
 from batchpilot_server.model_presets import PRESET_NAMES
 
 
@@ -136,6 +136,13 @@ def test_an_unknown_preset_names_the_known_ones() -> None:
          "batching.prefillTokenBudget needs min <= initial <= max"),
         ({"batching": {"prefillTokenBudget": {"max": 2_000_000}}}, "InvalidSpec",
          "batching.prefillTokenBudget.max must be between 1 and 1048576"),
+        # k is off unless the policy widens its bounds: initial alone exceeds max 0
+        ({"batching": {"numSpeculativeTokens": {"initial": 2}}}, "InvalidBounds",
+         "batching.numSpeculativeTokens needs min <= initial <= max"),
+        ({"batching": {"numSpeculativeTokens": {"max": 17}}}, "InvalidSpec",
+         "batching.numSpeculativeTokens.max must be between 0 and 16"),
+        ({"batching": {"numSpeculativeTokens": {"min": -1}}}, "InvalidSpec",
+         "batching.numSpeculativeTokens.min must be between 0 and 16"),
         ({"server": {"device": "cuda"}}, "InvalidDevice", "needs server.gpus >= 1"),
         ({"server": {"device": "cpu", "gpus": 2}}, "InvalidDevice", "never uses"),
         ({"autotune": {"intervalSeconds": 60, "windowSeconds": 30}}, "InvalidAutotune", "shorter"),
@@ -247,6 +254,34 @@ def test_a_ttft_tpot_slo_and_a_prefill_range_reach_the_goal_and_the_pods_config(
     older = BatchingConfig(8, 10.0, 256, prefill_token_budget=8192, slo=SloTargets(e2e_ms=500.0))
     clamped = spec.clamp(older)
     assert (clamped.prefill_token_budget, clamped.slo) == (4096, config.slo)
+
+
+def test_speculation_is_off_by_default_and_a_k_range_reaches_the_goal_and_the_config() -> None:
+    default = parse_spec({})
+    assert default.initial_config().num_speculative_tokens == 0
+    bounds = default.goal.bounds
+    assert (bounds.min_speculative_tokens, bounds.max_speculative_tokens) == (0, 0)
+    spec = parse_spec(
+        {"batching": {"numSpeculativeTokens": {"initial": 2, "min": 1, "max": 4}}}
+    )
+    bounds = spec.goal.bounds
+    assert (bounds.min_speculative_tokens, bounds.max_speculative_tokens) == (1, 4)
+    assert spec.initial_config().num_speculative_tokens == 2
+    # a config in force from before the bounds changed is moved inside them
+    assert spec.clamp(BatchingConfig(num_speculative_tokens=8)).num_speculative_tokens == 4
+    assert spec.clamp(BatchingConfig()).num_speculative_tokens == 1
+
+
+def test_bounds_clamp_k_and_refuse_a_range_past_the_servers_limit() -> None:
+    bounds = Bounds(min_speculative_tokens=1, max_speculative_tokens=4)
+    assert bounds.clamp(BatchingConfig(num_speculative_tokens=9)).num_speculative_tokens == 4
+    assert bounds.clamp(BatchingConfig()).num_speculative_tokens == 1
+    assert bounds.contains(BatchingConfig(num_speculative_tokens=3))
+    # the default bounds hold speculation off, whatever a config in force says
+    assert Bounds().clamp(BatchingConfig(num_speculative_tokens=4)) == BatchingConfig()
+    for low, high in ((2, 1), (-1, 2), (0, MAX_SPECULATIVE_TOKENS + 1)):
+        with pytest.raises(ValueError, match="speculative token bounds"):
+            Bounds(min_speculative_tokens=low, max_speculative_tokens=high)
 
 
 def test_autoscale_bounds_take_the_replica_rules_defaults_and_reach_the_goal() -> None:

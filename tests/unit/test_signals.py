@@ -7,7 +7,7 @@ import math
 import aiohttp
 import numpy as np
 import pytest
-from batchpilot_operator.signal_fields import bucket_quantile, signals_from
+from batchpilot_operator.signal_fields import WindowTotals, bucket_quantile, signals_from
 from batchpilot_operator.signals import histogram_quantile, status_detail, traffic_status
 from batchpilot_operator.signals_prometheus import _window_totals as prometheus_totals
 from batchpilot_operator.signals_prometheus import queries
@@ -304,3 +304,20 @@ def test_prometheus_answers_by_class_become_each_class_signals() -> None:
     assert chat.ttft_p99_s is not None and chat.ttft_p99_s <= 0.25
     assert batch.ttft_p99_s == 0.25  # the +Inf bucket answers the last finite bound
     assert set(signals.classes) == {"chat", "batch"}
+
+
+def test_the_spec_decode_counters_become_draft_and_accepted_tokens_per_second() -> None:
+    """The server's own counters through the scrape's parse and delta: 40 of 100 drafted
+    tokens accepted in a 10 s window; the Prometheus source reads the same counters."""
+    metrics = ServerMetrics(model="tiny", mode="continuous")
+    stats = EngineStats(running=0, waiting=0, kv_blocks_total=10, kv_blocks_used=0)
+    before = parse_metrics(metrics.exposition(stats).decode())
+    metrics.on_spec_decode(drafted=[4] * 25, accepted=[2, 0] * 10 + [4] * 5)
+    delta = parse_metrics(metrics.exposition(stats).decode()).minus(before)
+    signals = signals_from(WindowTotals(window_s=10.0, counts=delta.counts))
+    assert (signals.spec_draft_tokens_per_s, signals.spec_accepted_tokens_per_s) == (10.0, 4.0)
+    assert signals.spec_acceptance == pytest.approx(0.4)
+    # no drafts (k = 0, or a server from before speculative decoding): no acceptance
+    assert signals_from(WindowTotals(window_s=10.0)).spec_acceptance is None
+    asked = queries('policy="p"', 60.0)
+    assert f"count:{names.SPEC_ACCEPTED_TOKENS_TOTAL}" in asked

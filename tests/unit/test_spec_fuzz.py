@@ -78,6 +78,7 @@ SPECS = _object({
         "maxBatchSize": KNOB,
         "batchTimeoutMs": KNOB,
         "prefillTokenBudget": KNOB,
+        "numSpeculativeTokens": KNOB,
         "maxQueueSize": SPEC_NUMBER,
     }) | JSON,
     "slo": _object({
