@@ -50,6 +50,7 @@ from batchpilot_operator.signals import Signals
 from batchpilot_operator.signals_scrape import Totals, parse_metrics
 from batchpilot_operator.slo import Slo
 from batchpilot_operator.tune_local import TuneOptions, tune_loop
+from batchpilot_operator.tuning_loop import TuneStep
 from batchpilot_server import metric_names as names
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_tools.demo.fleet import ProcessFleet
@@ -409,11 +410,25 @@ async def run_pair(model: str, name: str, seconds: float, workdir: Path) -> dict
         "rates_rps": [load.base_rps, load.step_rps],
         "figures": figures,
         "batchpilot_ratio": None if ratio is None else round(ratio, 3),
-        "batchpilot_changes": [
-            f"{s.index}: {s.decision.action}: {s.decision.reason}" for s in steps if s.changed
-        ],
+        "batchpilot_changes": moves(steps),
         "baseline_changes": changes,
     }
+
+
+def moves(steps: list[TuneStep]) -> list[str]:
+    """batchpilot's rounds that moved a knob or the replica count, in short."""
+    out = []
+    for step in steps:
+        parts = []
+        if step.changed:
+            c = step.decision.config
+            parts.append(f"batch {c.max_batch_size}, budget {c.prefill_token_budget}")
+        scale = step.scale
+        if scale is not None and scale.action != "hold":
+            parts.append(f"{scale.replicas} replicas")
+        if parts:
+            out.append(f"round {step.index}: {', '.join(parts)}")
+    return out
 
 
 def run(model: str, name: str, seconds: float) -> dict[str, Any]:
@@ -464,6 +479,14 @@ def markdown(rows: list[dict[str, Any]], seconds: float, notes: list[str]) -> st
                 f"{f['goodput_per_replica_s']} | {ratio} |"
             )
     lines += [""]
+    for r in rows:
+        lines.append(
+            f"- {r['model']} vs {r['baseline']}: batchpilot moved at "
+            + ("; ".join(r["batchpilot_changes"]) or "no round")
+            + f". {r['baseline']} (seconds into the load): "
+            + ("; ".join(r["baseline_changes"]) or "no change")
+            + "."
+        )
     lines += [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
 
