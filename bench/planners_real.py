@@ -172,10 +172,11 @@ def real_tick(
         return sum((d.sums if sums else d.counts).get(name, 0.0) for d in deltas.values())
 
     seen = total(names.REQUEST_PROMPT_TOKENS)
+    # a queued prompt's tokens are not exported: the interval's mean prompt stands in
+    mean_prompt = total(names.REQUEST_PROMPT_TOKENS, sums=True) / seen if seen else 0.0
     fpms = []
     for url, delta in deltas.items():
         waiting = now[url].gauge(names.REQUESTS_WAITING)
-        mean_prompt = (total(names.REQUEST_PROMPT_TOKENS, sums=True) / seen) if seen else 0.0
         fpms.append(fpm(url, step_shape(delta), round(waiting), round(waiting * mean_prompt)))
     return tick(
         now_s,
