@@ -127,12 +127,23 @@ def dynamo_capabilities(
 def traffic_of(iv: Interval, interval_s: float) -> dict[str, float]:
     """The frontend's view of one interval: requests that arrived, and the mean prompt and
     answer lengths of those that finished (`shape_count` weighs them when merged)."""
+    return traffic(
+        interval_s, iv.arrived, float(np.sum(iv.prompts)), float(np.sum(iv.outputs)),
+        len(iv.prompts),
+    )  # fmt: skip
+
+
+def traffic(
+    duration_s: float, arrived: float, prompt_tokens: float, output_tokens: float, finished: float
+) -> dict[str, float]:
+    """The driver's traffic (Dynamo's `TrafficObservation`): arrivals, and mean lengths over
+    the `finished` requests the token sums are of."""
     return {
-        "duration_s": interval_s,
-        "num_req": float(iv.arrived),
-        "isl": float(np.mean(iv.prompts)) if iv.prompts else 0.0,
-        "osl": float(np.mean(iv.outputs)) if iv.outputs else 0.0,
-        "shape_count": float(len(iv.prompts)),
+        "duration_s": duration_s,
+        "num_req": float(arrived),
+        "isl": prompt_tokens / finished if finished else 0.0,
+        "osl": output_tokens / finished if finished else 0.0,
+        "shape_count": float(finished),
     }
 
 
@@ -142,11 +153,16 @@ def workers_of(fleet: SimulatedFleet) -> dict[str, Any]:
     ready = sum(s.routable for s in fleet.servers)
     starting = [s for s in fleet.servers if s.live and not s.ready and s.drain_s is None]
     draining = any(s.live and s.drain_s is not None for s in fleet.servers)
+    return workers(ready, fleet.desired, len(starting), draining)
+
+
+def workers(ready: int, desired: int, starting: int, draining: bool) -> dict[str, Any]:
+    """The driver's worker counts (Dynamo's `WorkerCounts`)."""
     return {
         "ready": ready,
-        "expected": fleet.desired,
-        "pending": 0 if draining else len(starting),
-        "in_progress": fleet.desired != ready,
+        "expected": desired,
+        "pending": 0 if draining else starting,
+        "in_progress": desired != ready,
     }
 
 
@@ -154,31 +170,57 @@ def fpm_of(server: SimulatedServer) -> dict[str, Any]:
     """One engine's forward-pass metrics: its last step and its queue now."""
     step = server.last_step
     waiting = list(server.scheduler.waiting)  # type: ignore[attr-defined]
+    if step is None:
+        return fpm(server.name, StepShape(), len(waiting), 0)
+    shape = StepShape(
+        step.seconds, step.prefill_requests, step.prefill_tokens, step.decode_requests,
+        step.kv_tokens,
+    )  # fmt: skip
+    return fpm(server.name, shape, len(waiting), sum(seq.num_uncomputed for seq in waiting))
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one engine step scheduled, and its wall time (0 for an engine yet to step)."""
+
+    seconds: float = 0.0
+    prefill_requests: int = 0
+    prefill_tokens: int = 0
+    decode_requests: int = 0
+    kv_tokens: int = 0
+
+
+def fpm(worker_id: str, step: StepShape, queued: int, queued_tokens: int) -> dict[str, Any]:
+    """The driver's forward-pass metrics of one engine (Dynamo's `ForwardPassMetrics`),
+    from the simulator's last step or a real server's scraped step counters."""
     return {
-        "worker_id": server.name,
-        "wall_time": 0.0 if step is None else step.seconds,
+        "worker_id": worker_id,
+        "wall_time": step.seconds,
         "scheduled": {
-            "num_prefill_requests": 0 if step is None else step.prefill_requests,
-            "sum_prefill_tokens": 0 if step is None else step.prefill_tokens,
-            "num_decode_requests": 0 if step is None else step.decode_requests,
-            "sum_decode_kv_tokens": 0 if step is None else step.kv_tokens,
+            "num_prefill_requests": step.prefill_requests,
+            "sum_prefill_tokens": step.prefill_tokens,
+            "num_decode_requests": step.decode_requests,
+            "sum_decode_kv_tokens": step.kv_tokens,
         },
-        "queued": {
-            "num_prefill_requests": len(waiting),
-            "sum_prefill_tokens": sum(seq.num_uncomputed for seq in waiting),
-        },
+        "queued": {"num_prefill_requests": queued, "sum_prefill_tokens": queued_tokens},
     }
 
 
 def tick_request(fleet: SimulatedFleet) -> dict[str, Any]:
     """The driver's tick request at a round, from the fleet as it stands."""
-    return {
-        "op": "tick",
-        "now_s": fleet.now,
-        "traffic": traffic_of(fleet.intervals[-1], fleet.opt.cadence.interval_s),
-        "workers": workers_of(fleet),
-        "fpms": [fpm_of(s) for s in fleet.servers if s.routable],
-    }
+    return tick(
+        fleet.now,
+        traffic_of(fleet.intervals[-1], fleet.opt.cadence.interval_s),
+        workers_of(fleet),
+        [fpm_of(s) for s in fleet.servers if s.routable],
+    )
+
+
+def tick(
+    now_s: float, traffic: dict[str, float], workers: dict[str, Any], fpms: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A tick request of the driver's line protocol (its module docstring)."""
+    return {"op": "tick", "now_s": now_s, "traffic": traffic, "workers": workers, "fpms": fpms}
 
 
 class DynamoError(RuntimeError):
@@ -249,13 +291,18 @@ class DynamoPlanner:
         return {**self.__dict__, "process": None, "fleet_id": None}
 
     def observe(self, fleet: SimulatedFleet) -> None:
-        if id(fleet) != self.fleet_id:
+        self.observe_tick(id(fleet), tick_request(fleet))
+
+    def observe_tick(self, fleet_id: int, request: dict[str, Any]) -> None:
+        """The next `decide` sends `request`; a new `fleet_id` starts a fresh driver (a
+        real fleet's ticks come from its scraped metrics: bench/planners_real.py)."""
+        if fleet_id != self.fleet_id:
             self.close()
             self.process = DynamoProcess()
             start = {"op": "start", "config": self.config, "capabilities": self.capabilities}
             self.effective = self.process.call(start)["effective"]
-            self.fleet_id, self.replies = id(fleet), []
-        self.request = tick_request(fleet)
+            self.fleet_id, self.replies = fleet_id, []
+        self.request = request
 
     def decide(
         self, signals: Signals, fleet: Fleet, state: ReplicaState, now: float
