@@ -35,6 +35,13 @@ as three points (window.py) and the step model `step(rows, prefill, kv)`:
    over the pod's KV capacity in tokens (the window's KV tokens per step over its KV
    usage); None where the window cannot tell the capacity.
 
+Speculative decoding (a candidate's k > 0): each decode row verifies its newest token
+and k draft tokens, computed like a prefill chunk (k + 1 prompt tokens in the step model,
+no decode row), and gains `g = (1 - a^(k+1)) / (1 - a)` tokens a step (speculation.py)
+at the window's per-token acceptance `a` (`Window.acceptance`: measured under the k in
+force, else the last measured; unknown: no gain). A request then holds its slot for
+`(O - 1) / g` decode steps, and its TPOT is the step over g.
+
 Mode differences (dynamic batches wait to fill) are not modelled; `mode.py` chooses the
 mode from the measured crossover map instead.
 """
@@ -45,6 +52,7 @@ import math
 from dataclasses import dataclass, replace
 
 import numpy as np
+from batchpilot_operator.policy.speculation import measured_acceptance, tokens_per_step
 from batchpilot_operator.policy.step_model import StepModel, StepPoint, fit_for
 from batchpilot_operator.policy.types import ReplicaState
 from batchpilot_operator.policy.window import Lengths, Window, length_grid, mean_length
@@ -64,6 +72,15 @@ class Candidate:
     batch_timeout_ms: float
     prefill_token_budget: int
     replicas: int
+    num_speculative_tokens: int = 0
+
+    @classmethod
+    def in_force(cls, config: BatchingConfig, replicas: int) -> Candidate:
+        """The config's own knobs on `replicas` pods."""
+        return cls(
+            config.max_batch_size, config.batch_timeout_ms, config.prefill_token_budget,
+            replicas, config.num_speculative_tokens,
+        )  # fmt: skip
 
     def config(self, base: BatchingConfig) -> BatchingConfig:
         return replace(
@@ -71,12 +88,14 @@ class Candidate:
             max_batch_size=self.max_batch_size,
             batch_timeout_ms=self.batch_timeout_ms,
             prefill_token_budget=self.prefill_token_budget,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
     def describe(self) -> str:
+        k = f", k {self.num_speculative_tokens}" if self.num_speculative_tokens else ""
         return (
             f"batch {self.max_batch_size}, timeout {self.batch_timeout_ms:g} ms, budget "
-            f"{self.prefill_token_budget} on {self.replicas} pod(s)"
+            f"{self.prefill_token_budget}{k} on {self.replicas} pod(s)"
         )
 
 
@@ -223,6 +242,7 @@ class TpotTail:
         arrivals_per_s: float,
         outputs: Lengths,
         prompts: Lengths,
+        tokens_per_step: float = 1.0,
     ) -> TpotTail:
         prompt_weights = np.array([w for w, _ in prompts])
         prompt_tokens = np.array([p for _, p in prompts])
@@ -248,7 +268,8 @@ class TpotTail:
 
         tokens = np.where(k > 0, (k - 1) * absorbed(mean_prompt) + absorbed(prompt), 0.0)
         weight = w_own * w_out * pk * np.where(k > 0, w_prompt, 1.0 / prompt.shape[3])
-        tpot = decode_s + per_prefill_s * np.minimum(budget, tokens / n)
+        # a speculating row gains `tokens_per_step` tokens a step: its steps are fewer
+        tpot = (decode_s + per_prefill_s * np.minimum(budget, tokens / n)) / tokens_per_step
         tpot, weight = np.broadcast_arrays(tpot, weight)
         return cls(tpot.ravel(), weight.ravel() / max(float(np.sum(weight)), 1e-300))
 
@@ -270,16 +291,19 @@ def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
     mean_p, mean_o = mean_length(prompts), mean_length(outputs)
     kv_row = mean_p + mean_o / 2
     budget, slots = max(1, c.prefill_token_budget), max(1, c.max_batch_size)
+    k = c.num_speculative_tokens
+    gain = tokens_per_step(window.acceptance or 0.0, k)  # tokens a decode step gives a row
+    kv_row += k  # a verify row attends to its draft too
     chunks = [max(1, math.ceil(p / budget)) for _, p in prompts]
     mean_chunks = sum(w * n for (w, _), n in zip(prompts, chunks, strict=True))
-    hold = mean_chunks + max(0.0, mean_o - 1)  # steps a request holds its slot
+    hold = mean_chunks + max(0.0, mean_o - 1) / gain  # steps a request holds its slot
     lam = window.forecast_rps / max(1, c.replicas)
 
     decoding = max(0.0, mean_o - 1) / hold  # the share of a held slot spent decoding
 
     def settle(full: bool) -> tuple[float, float, float]:
         """(step, decode rows, prompt tokens per step) at `lam`, or with every slot held."""
-        step = model.step_s(1, 0, kv_row)
+        step = _step_s(model, 1, 0, kv_row, k)
         rows = prefill = 0.0
         for _ in range(FIXED_POINT_ROUNDS):
             rate = slots / max(hold * step, 1e-12) if full else lam
@@ -289,7 +313,7 @@ def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
                 else min(slots * decoding, rate * (hold - mean_chunks) * step)
             )
             prefill = min(float(budget), rate * mean_p * step)
-            step = max(1e-9, model.step_s(rows, prefill, rows * kv_row))
+            step = max(1e-9, _step_s(model, rows, prefill, rows * kv_row, k))
         return step, rows, prefill
 
     step, rows, prefill = settle(False)
@@ -301,29 +325,39 @@ def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
     share = min(1.0, drain_s / max(window.signals.window_s, 1e-9)) if drain_s > 0 else 0.0
     ttft_svc = tuple(
         c.batch_timeout_ms / 1000.0
-        + n * model.step_s(rows, min(float(budget), p / n + prefill), rows * kv_row)
+        + n * _step_s(model, rows, min(float(budget), p / n + prefill), rows * kv_row, k)
         for (_, p), n in zip(prompts, chunks, strict=True)
     )
     spike = max(0.0, min(float(budget), prompts[-1][1]) - prefill) * model.per_prefill_s
     tpot = tuple(
-        step + spike * (1 - math.exp(-lam * max(1.0, o - 1) * step)) / max(1.0, o - 1)
+        (step + spike * (1 - math.exp(-lam * max(1.0, o - 1) * step)) / max(1.0, o - 1)) / gain
         for _, o in outputs
     )
     tail = TpotTail.of(
-        decode_s=model.step_s(rows, 0.0, rows * kv_row),
+        decode_s=_step_s(model, rows, 0.0, rows * kv_row, k),
         per_prefill_s=model.per_prefill_s,
         budget=float(budget),
         arrivals_per_s=lam,
         outputs=outputs,
         prompts=prompts,
+        tokens_per_step=gain,
     )
-    held = [n + max(0.0, o - 1) for (_, o) in outputs for n in chunks]
+    held = [n + max(0.0, o - 1) / gain for (_, o) in outputs for n in chunks]
     weights = [wo * wp for (wo, _) in outputs for (wp, _) in prompts]
     cv2 = sum(w * (h - hold) ** 2 for w, h in zip(weights, held, strict=True)) / hold**2
     return _Queue(
         lam, mu, slots, hold * step, (1 + cv2) / 2, drain_s, share, prompts, ttft_svc,
         outputs, tpot, tail, step, rows,
     )  # fmt: skip
+
+
+def _step_s(model: StepModel, rows: float, prefill: float, kv: float, k: int) -> float:
+    """A step of `rows` decode rows beside `prefill` prompt tokens; with k > 0 each row
+    verifies its newest token and k draft tokens as a prefill chunk does (the engine's
+    `StepPlan.work` counts them so): k + 1 prompt tokens, no decode row."""
+    if k <= 0:
+        return model.step_s(rows, prefill, kv)
+    return model.step_s(0.0, prefill + rows * (k + 1), kv)
 
 
 def lengths_of(signals: Signals) -> tuple[Lengths, Lengths] | None:
@@ -407,11 +441,11 @@ def predict_config(
     model = fit_for(points, signals.pods)
     if model is None:
         return None
-    window = Window.of(signals, slo, None, None, ReplicaState())
-    candidate = Candidate(
-        config.max_batch_size, config.batch_timeout_ms, config.prefill_token_budget, replicas
+    window = replace(
+        Window.of(signals, slo, None, None, ReplicaState()),
+        acceptance=measured_acceptance(signals, config.num_speculative_tokens),
     )
-    return predict(window, model, candidate)
+    return predict(window, model, Candidate.in_force(config, replicas))
 
 
 def _ms(seconds: float) -> str:
