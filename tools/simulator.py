@@ -635,9 +635,12 @@ class SimulatedServer:
         iv.busy_s += seconds
         iv.steps += 1
         iv.step_seconds += seconds
-        iv.step_decode_rows += len(plan.decode)
-        iv.step_prefill_tokens += _prefill_tokens(plan)
-        iv.spec_draft_tokens += sum(len(draft) for draft in plan.drafts)
+        # as the engine's `StepPlan.work` counts them: a verify row is a decode row, its
+        # draft tokens prompt tokens (its timing above computes both as one chunk)
+        drafted = sum(len(draft) for draft in plan.drafts)
+        iv.step_decode_rows += len(plan.decode) + len(plan.verify)
+        iv.step_prefill_tokens += sum(plan.chunks or []) + drafted
+        iv.spec_draft_tokens += drafted
         iv.step_kv_tokens += _kv_tokens(plan)
         for seq in plan.first_scheduled:
             iv.queue_waits.append((seq.first_scheduled or seq.arrival) - seq.arrival)
