@@ -35,9 +35,9 @@ as three points (window.py) and the step model `step(rows, prefill, kv)`:
    over the pod's KV capacity in tokens (the window's KV tokens per step over its KV
    usage); None where the window cannot tell the capacity.
 
-Speculative decoding (a candidate's k > 0): each decode row verifies its newest token
-and k draft tokens, computed like a prefill chunk (k + 1 prompt tokens in the step model,
-no decode row), and gains `g = (1 - a^(k+1)) / (1 - a)` tokens a step (speculation.py)
+Speculative decoding (a candidate's k > 0): each decode row also verifies k draft
+tokens, computed as prompt tokens are (the engine counts them so: k more prompt tokens a
+row in the step model), and gains `g = (1 - a^(k+1)) / (1 - a)` tokens a step (speculation.py)
 at the window's per-token acceptance `a` (`Window.acceptance`: measured under the k in
 force, else the last measured; unknown: no gain). A request then holds its slot for
 `(O - 1) / g` decode steps, and its TPOT is the step over g.
@@ -243,14 +243,23 @@ class TpotTail:
         outputs: Lengths,
         prompts: Lengths,
         tokens_per_step: float = 1.0,
+        row_s: float = 0.0,
+        rows: float = 0.0,
+        others: float = 0.0,
     ) -> TpotTail:
+        """`row_s`: what each decode row beside it adds to a step beyond `decode_s`'s mean
+        `rows` a step (0: the rows beside it are taken at the mean); `others`: the rows
+        a running request finds beside it on average (time-averaged)."""
         prompt_weights = np.array([w for w, _ in prompts])
         prompt_tokens = np.array([p for _, p in prompts])
         # its own prompt on the first axis, the last arrival's on the fourth
         w_own, own = prompt_weights[:, None, None, None], prompt_tokens[:, None, None, None]
         w_prompt, prompt = prompt_weights[None, None, None, :], prompt_tokens[None, None, None, :]
         w_out = np.array([w for w, _ in outputs])[None, :, None, None]
+        # its decode steps: a speculating row gains `tokens_per_step` tokens a step, but
+        # a prompt computed beside one of its steps delays it once whatever that gains
         n = np.maximum(1.0, np.array([o for _, o in outputs]) - 1)[None, :, None, None]
+        n = n / tokens_per_step
         mean_prompt = float(np.sum(w_prompt * prompt))
         # arrivals expected during the second half of its prefill and while it decodes
         m = arrivals_per_s * (own * per_prefill_s / 2 + n * decode_s)
@@ -268,10 +277,16 @@ class TpotTail:
 
         tokens = np.where(k > 0, (k - 1) * absorbed(mean_prompt) + absorbed(prompt), 0.0)
         weight = w_own * w_out * pk * np.where(k > 0, w_prompt, 1.0 / prompt.shape[3])
-        # a speculating row gains `tokens_per_step` tokens a step: its steps are fewer
         tpot = (decode_s + per_prefill_s * np.minimum(budget, tokens / n)) / tokens_per_step
-        tpot, weight = np.broadcast_arrays(tpot, weight)
-        return cls(tpot.ravel(), weight.ravel() / max(float(np.sum(weight)), 1e-300))
+        tpot, weight = (a.ravel() for a in np.broadcast_arrays(tpot, weight))
+        if row_s > 0:
+            # the rows beside it, Poisson: where a row costs much (speculation's verified
+            # tokens) one more beside it moves its steps as much as a prompt does
+            beside, chance = _poisson(others)
+            extra = (1 + beside - rows) * row_s / tokens_per_step
+            tpot = (tpot[:, None] + extra[None, :]).ravel()
+            weight = (weight[:, None] * chance[None, :]).ravel()
+        return cls(tpot, weight / max(float(np.sum(weight)), 1e-300))
 
     def miss(self, t: float) -> float:
         return float(np.sum(self.weight[self.tpot_s > t]))
@@ -307,12 +322,15 @@ def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
         rows = prefill = 0.0
         for _ in range(FIXED_POINT_ROUNDS):
             rate = slots / max(hold * step, 1e-12) if full else lam
+            # per step the pod runs: Little's law counts its idle time too, when no
+            # step runs (requests in the pod ~ Poisson(held), none a share e^-held)
+            busy = 1.0 if full else -math.expm1(-rate * hold * step)
             rows = (
                 slots * decoding
                 if full
-                else min(slots * decoding, rate * (hold - mean_chunks) * step)
+                else min(slots * decoding, rate * (hold - mean_chunks) * step / max(busy, 1e-12))
             )
-            prefill = min(float(budget), rate * mean_p * step)
+            prefill = min(float(budget), rate * mean_p * step / max(busy, 1e-12))
             step = max(1e-9, _step_s(model, rows, prefill, rows * kv_row, k))
         return step, rows, prefill
 
@@ -329,11 +347,18 @@ def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
         for (_, p), n in zip(prompts, chunks, strict=True)
     )
     spike = max(0.0, min(float(budget), prompts[-1][1]) - prefill) * model.per_prefill_s
+    # a spike delays a speculating row's step once: spread over its tokens, not its steps
     tpot = tuple(
-        (step + spike * (1 - math.exp(-lam * max(1.0, o - 1) * step)) / max(1.0, o - 1)) / gain
+        step / gain
+        + spike * (1 - math.exp(-lam * max(1.0, o - 1) / gain * step)) / max(1.0, o - 1)
         for _, o in outputs
     )
     tail = TpotTail.of(
+        # the draft tokens a row beside it verifies: zero without speculation, where the
+        # rows' own cost is small next to the weights' (kept at the mean, as before k)
+        row_s=model.per_prefill_s * k,
+        rows=rows,
+        others=min(slots * decoding, lam * (hold - mean_chunks) * step),
         decode_s=_step_s(model, rows, 0.0, rows * kv_row, k),
         per_prefill_s=model.per_prefill_s,
         budget=float(budget),
@@ -351,13 +376,21 @@ def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
     )  # fmt: skip
 
 
+def _poisson(mean: float) -> tuple[np.ndarray, np.ndarray]:
+    """Poisson(`mean`)'s values out to six deviations, and their chances."""
+    top = math.ceil(mean + 6 * math.sqrt(mean) + 6)
+    values = np.arange(top + 1, dtype=float)
+    log_fact = np.concatenate(([0.0], np.cumsum(np.log(np.arange(1, top + 1)))))
+    if mean <= 0:
+        return values[:1], np.ones(1)
+    chances = np.exp(values * math.log(mean) - mean - log_fact)
+    return values, chances / chances.sum()
+
+
 def _step_s(model: StepModel, rows: float, prefill: float, kv: float, k: int) -> float:
-    """A step of `rows` decode rows beside `prefill` prompt tokens; with k > 0 each row
-    verifies its newest token and k draft tokens as a prefill chunk does (the engine's
-    `StepPlan.work` counts them so): k + 1 prompt tokens, no decode row."""
-    if k <= 0:
-        return model.step_s(rows, prefill, kv)
-    return model.step_s(0.0, prefill + rows * (k + 1), kv)
+    """A step of `rows` decode rows beside `prefill` prompt tokens, each row verifying `k`
+    draft tokens, which the engine counts as prompt tokens (`StepPlan.work`)."""
+    return model.step_s(rows, prefill + rows * k, kv)
 
 
 def lengths_of(signals: Signals) -> tuple[Lengths, Lengths] | None:
