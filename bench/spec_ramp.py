@@ -62,6 +62,7 @@ class Level:
     rate: float
     goodput: dict[str, float]  # arm -> requests/s within the SLO
     tuned_k: list[int]  # the k in force in each of the level's intervals (tuned arm)
+    why: list[str]  # the tuned arm's decisions in the level, each by its reason's head
 
     def holds(self) -> bool:
         better = max(self.goodput["k=0"], self.goodput["k=4"])
@@ -117,8 +118,22 @@ def levels(results: dict[str, SimResult], level_s: float) -> list[Level]:
             iv.config.num_speculative_tokens if iv.config is not None else -1
             for iv in results["tuned"].intervals[span]
         ]
-        out.append(Level(rate, goodput, ks))
+        heads = [
+            _head(iv.decision.reason)
+            for iv in results["tuned"].intervals[span]
+            if iv.decision is not None
+        ]
+        out.append(Level(rate, goodput, ks, list(dict.fromkeys(heads))))
     return out
+
+
+def _head(reason: str) -> str:
+    """Which way a round decided and why not by the fit: `fallback (the step fit not
+    trusted yet)`, `predicted`, `hold`."""
+    head = reason.split(":")[0]
+    if head.startswith("predicted"):
+        return "predicted"  # the fit's description differs every round
+    return head + ")" if head.count("(") > head.count(")") else head
 
 
 def run(acceptance: float, level_s: float, seed: int, curve: StepCurve) -> list[Level]:
@@ -158,6 +173,15 @@ def markdown(table: dict[str, list[Level]], level_s: float, seed: int, curve: St
                 f"{g['tuned']:.2f} | {' '.join(map(str, level.tuned_k))} | "
                 f"{'yes' if level.holds() else 'no'} |"
             )
+    misses = [
+        f"- {name} at {level.rate:g} req/s: {'; '.join(level.why)}"
+        for name, rows in table.items()
+        for level in rows
+        if not level.holds()
+    ]
+    if misses:
+        head = "Where it does not hold, the tuned arm's decisions in the level:"
+        lines += ["", head, "", *misses]
     v = verdict(table)
     lines += [
         "",
