@@ -114,9 +114,7 @@ class Recorder:
         model = self.given or fit_for(points, signals.pods)
         self.model = model if model is not None and model.trusted else self.model
         window = Window.of(signals, slo, None, None, ReplicaState())
-        candidate = Candidate(
-            config.max_batch_size, config.batch_timeout_ms, config.prefill_token_budget, replicas
-        )
+        candidate = Candidate.in_force(config, replicas)
         queue = None if model is None else predict(window, model, candidate)
         if model is None or queue is None:
             self.rounds.append(None)
@@ -138,9 +136,9 @@ class Recorder:
         replica_bounds = self.goal.replicas
         window = Window.of(signals, slo, Fleet(replicas, replicas), replica_bounds, ReplicaState())
         grid = [
-            Candidate(batch, timeout, budget, pods)
+            Candidate(batch, timeout, budget, pods, k)
             for pods in pod_counts(window)
-            for batch, timeout, budget in knob_candidates(self.goal.bounds, config, model)
+            for batch, timeout, budget, k in knob_candidates(self.goal.bounds, config, model)
         ]
         started = time.process_time()
         for candidate in grid:

@@ -189,6 +189,7 @@ class Scenario:
     peak: float = 3.0  # the step's and the flash crowd's load, times the base
     back_at_s: float | None = None  # when a step falls back to the base (None: never)
     output_range: tuple[int, int] | None = None  # uniform in [low, high] (scaled in time)
+    acceptance: float = 0.0  # speculative decoding: each draft token's chance (Workload)
 
     def rate(self, t: float) -> float:
         at = self.step_at_s
@@ -223,6 +224,10 @@ class Workload:
     # each request's SLO class (the name its header gives; its priority is the class's in
     # the policy); empty: every request is in the default class, as before classes
     classes: tuple[str, ...] = ()
+    # speculative decoding (k > 0): the chance that the model accepts a draft token, each
+    # independently until the first rejection (~0.7 for answers that quote their prompt,
+    # ~0.2 for free-form chat); the simulator draws each verify row's accepted run by it
+    acceptance: float = 0.0
 
 
 def merge_workloads(parts: dict[str, Workload]) -> Workload:
@@ -257,7 +262,7 @@ def make_workload(scenario: Scenario, seed: int) -> Workload:
     outputs = np.maximum(1, np.round(means * spread)).astype(int)
     low, high = scenario.prompt_tokens
     prompts = rng.integers(low, high + 1, len(times))
-    return Workload(times, prompts, outputs)
+    return Workload(times, prompts, outputs, acceptance=scenario.acceptance)
 
 
 Balancer = Literal["round_robin", "least_outstanding"]
@@ -362,6 +367,9 @@ class Interval:
     step_decode_rows: int = 0
     step_prefill_tokens: int = 0
     step_kv_tokens: int = 0
+    # speculative decoding, all servers: draft tokens verified, and those accepted
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     tokens: int = 0
     outputs: list[int] = field(default_factory=list)  # each finished request's tokens
     preemptions: int = 0
@@ -443,6 +451,22 @@ class SimResult:
 
 
 SAMPLED_TOKEN = 0  # what the model "samples": never an EOS (the simulated server has none)
+REJECTED_TOKEN = 1  # what it samples where it rejects a draft token (drafts are SAMPLED_TOKEN)
+
+
+def draft_everything(tokens: list[int], k: int) -> list[int]:
+    """The simulator's proposer: every speculable row drafts all it may. Its token ids
+    carry no text to look up; what a draft is worth is the workload's acceptance."""
+    return [SAMPLED_TOKEN] * k
+
+
+def accepted_run(rng: np.random.Generator, acceptance: float, draft: int) -> int:
+    """Draft tokens a verify row keeps: each accepted with chance `acceptance` until the
+    first rejection, at most the draft (the row then gains the model's own token too)."""
+    kept = 0
+    while kept < draft and rng.random() < acceptance:
+        kept += 1
+    return kept
 
 
 @dataclass(frozen=True)
@@ -475,6 +499,7 @@ class SimulatedServer:
         policy = PolicyOptions(
             class_max_wait_s=opt.class_max_wait_s,
             lower_class_prefill_tokens=opt.lower_class_prefill_tokens,
+            proposer=draft_everything,
         )
         self.scheduler = new_scheduler(opt.mode, self.pool, fleet.config, frozenset(), policy)
         self.started_s = fleet.now
@@ -571,19 +596,33 @@ class SimulatedServer:
         rows = plan.sampling()
         for seq in rows:  # a recomputed (preempted) sequence's first token came earlier
             self.fleet.first_token.setdefault(seq, end)
-        outputs = self.scheduler.postprocess(
-            plan, [SAMPLED_TOKEN] * len(rows), [0.0] * len(rows), end
-        )
+        tokens = self._drawn_tokens(plan)
+        outputs = self.scheduler.postprocess(plan, tokens, [0.0] * len(tokens), end)
+        self.fleet.current.spec_accepted_tokens += sum(plan.accepted)
         self.fleet.deliver(outputs, end)
-        if self.fleet.opt.fast_forward:
+        # a fast-forward repeats plain decode steps; with k > 0 each step verifies drafts
+        if self.fleet.opt.fast_forward and not self.scheduler.config.num_speculative_tokens:
             self._fast_forward([seq for seq in rows if seq.finish_reason is None], end)
+
+    def _drawn_tokens(self, plan: StepPlan) -> list[int]:
+        """What the model samples, one per `sampler_rows` row: SAMPLED_TOKEN, except where
+        a verify row rejects its draft (at the run `accepted_run` draws)."""
+        completed = len(plan.sampling()) - len(plan.decode)
+        tokens = [SAMPLED_TOKEN] * completed
+        for draft in plan.drafts:
+            kept = accepted_run(self.fleet.rng, self.fleet.work.acceptance, len(draft))
+            drawn = [SAMPLED_TOKEN] * (len(draft) + 1)
+            if kept < len(draft):
+                drawn[kept] = REJECTED_TOKEN
+            tokens += drawn
+        return tokens + [SAMPLED_TOKEN] * len(plan.decode)
 
     def _step_s(self, plan: StepPlan) -> float:
         """The prefill forward as a step of its prompt tokens, the decode forward as a
         step of its rows, plus attention over the KV tokens every row attends to."""
         curve = self.fleet.curve
         seconds = curve.kv_token_s * _kv_tokens(plan)
-        if plan.prefill:
+        if plan.prefill or plan.verify:
             seconds += curve.step_s(_prefill_tokens(plan))
         if plan.decode:
             seconds += curve.step_s(len(plan.decode))
@@ -596,8 +635,12 @@ class SimulatedServer:
         iv.busy_s += seconds
         iv.steps += 1
         iv.step_seconds += seconds
-        iv.step_decode_rows += len(plan.decode)
-        iv.step_prefill_tokens += _prefill_tokens(plan) if plan.prefill else 0
+        # as the engine's `StepPlan.work` counts them: a verify row is a decode row, its
+        # draft tokens prompt tokens (its timing above computes both as one chunk)
+        drafted = sum(len(draft) for draft in plan.drafts)
+        iv.step_decode_rows += len(plan.decode) + len(plan.verify)
+        iv.step_prefill_tokens += sum(plan.chunks or []) + drafted
+        iv.spec_draft_tokens += drafted
         iv.step_kv_tokens += _kv_tokens(plan)
         for seq in plan.first_scheduled:
             iv.queue_waits.append((seq.first_scheduled or seq.arrival) - seq.arrival)
@@ -607,7 +650,7 @@ class SimulatedServer:
             self.fleet.record_batches(plan.batch_size, 1)
         iv.kv_max = max(iv.kv_max, self.pool.usage_ratio)
         self.last_step = StepRecord(
-            len(plan.prefill), _prefill_tokens(plan) if plan.prefill else 0,
+            len(plan.prefill), _prefill_tokens(plan),
             len(plan.decode), _kv_tokens(plan), seconds,
         )  # fmt: skip
 
@@ -737,6 +780,8 @@ class SimulatedFleet:
         self.all_latencies: list[float] = []
         self.rejected = 0
         self.completions: list[Completion] = []
+        # speculative decoding's accepted runs (`accepted_run`): seeded, so a run replays
+        self.rng = np.random.default_rng(0)
         self.batch_sizes: list[int] = []
         self.routes: list[int] = []
         self.loop = TuningLoop(clock=lambda: self.now)
@@ -1107,6 +1152,10 @@ def _window_totals(window: list[Interval], interval_s: float) -> WindowTotals:
             names.STEP_DECODE_ROWS_TOTAL: float(sum(iv.step_decode_rows for iv in window)),
             names.STEP_PREFILL_TOKENS_TOTAL: float(sum(iv.step_prefill_tokens for iv in window)),
             names.STEP_KV_TOKENS_TOTAL: float(sum(iv.step_kv_tokens for iv in window)),
+            names.SPEC_DRAFT_TOKENS_TOTAL: float(sum(iv.spec_draft_tokens for iv in window)),
+            names.SPEC_ACCEPTED_TOKENS_TOTAL: float(
+                sum(iv.spec_accepted_tokens for iv in window)
+            ),
         },
         now={
             names.REQUESTS_WAITING: float(window[-1].waiting_at_end),
@@ -1149,17 +1198,21 @@ def _class_totals(window: list[Interval]) -> dict[str, Any]:
 
 
 def _prefill_tokens(plan: StepPlan) -> int:
-    """The prompt tokens a step is timed by: its chunks. Timed as if computed, as the
-    single-server simulator always did: an unchunked prefill then costs what a one-row
-    step does."""
-    return sum(plan.chunks or [])
+    """The prompt tokens a step is timed by: its chunks, and each verify row's newest
+    token and draft (computed as a prefill chunk, as `StepPlan.work` counts them). Timed
+    as if computed, as the single-server simulator always did: an unchunked prefill then
+    costs what a one-row step does."""
+    return sum(plan.chunks or []) + sum(len(draft) + 1 for draft in plan.drafts)
 
 
 def _kv_tokens(plan: StepPlan) -> int:
     """The KV tokens a step's rows attend to once computed: each row's context."""
     prefill = zip(plan.prefill, plan.chunk_sizes(), strict=True)
-    return sum(seq.num_computed + size for seq, size in prefill) + sum(
-        seq.num_tokens for seq in plan.decode
+    verify = zip(plan.verify, plan.drafts, strict=True)
+    return (
+        sum(seq.num_computed + size for seq, size in prefill)
+        + sum(seq.num_tokens + len(draft) for seq, draft in verify)
+        + sum(seq.num_tokens for seq in plan.decode)
     )
 
 

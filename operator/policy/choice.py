@@ -4,9 +4,10 @@ Pure. Candidates span the bounds: batch sizes at the powers of two between the b
 (with the bounds and the batch in force) up to `REACH` times the batch in force (or the
 most decode rows the fit's windows held, if more), the timeout's lower bound and the one in
 force, prefill budgets at the powers of two between the bounds (with both bounds and
-the one in force), on every pod count the goal allows (only the pods there are where
-the rule does not own the count). For each, the predictor gives the attainment at the
-window's demand; a candidate is *eligible* when
+the one in force), speculative draft lengths k at both bounds and the one in force (the
+predictor weighs a draft's verified tokens against the tokens it gains), on every pod
+count the goal allows (only the pods there are where the rule does not own the count).
+For each, the predictor gives the attainment at the window's demand; a candidate is *eligible* when
 
 - its predicted misses are at most `margin_share` of the misses the attainment allows
   (the stated margin: at 0.99 and a half, predicted attainment >= 0.995),
@@ -17,7 +18,7 @@ window's demand; a candidate is *eligible* when
 
 Fewest pods first; among those, the highest goodput per pod (at one pod count that is
 the highest attainment, rounded to 0.001 so that noise moves nothing); then the fewest
-knobs moved from the config in force; then the smaller batch and budget. Where no
+knobs moved from the config in force; then the smaller batch, budget and k. Where no
 candidate on any pod count is eligible, the one with the highest attainment on the
 most pods is taken (then the lowest predicted utilisation: where every candidate is
 predicted to miss everything, the one that carries the most), among those within the
@@ -63,7 +64,7 @@ class _Scored:
     def key(self) -> tuple[float, ...]:
         c = self.candidate
         return (-round(self.attainment, 3), self.moved, c.max_batch_size,
-                c.prefill_token_budget, c.batch_timeout_ms)  # fmt: skip
+                c.prefill_token_budget, c.batch_timeout_ms, c.num_speculative_tokens)  # fmt: skip
 
     def best_there_is(self) -> tuple[float, ...]:
         """Where nothing meets the SLO: the highest attainment, then the most capacity (a
@@ -74,9 +75,9 @@ class _Scored:
 
 def knob_candidates(
     bounds: Bounds, current: BatchingConfig, model: StepModel
-) -> list[tuple[int, float, int]]:
-    """(batch, timeout, budget) triples within the bounds and the fit's reach (see the
-    module docstring)."""
+) -> list[tuple[int, float, int, int]]:
+    """(batch, timeout, budget, k) within the bounds and the fit's reach (see the module
+    docstring)."""
     reach = math.ceil(REACH * max(current.max_batch_size, model.max_rows))
     batches = [
         b for b in _powers(bounds.min_batch, bounds.max_batch, current.max_batch_size)
@@ -86,7 +87,9 @@ def knob_candidates(
     budgets = _powers(
         bounds.min_prefill_budget, bounds.max_prefill_budget, current.prefill_token_budget
     )
-    return [(b, t, g) for b in batches for t in timeouts for g in budgets]
+    low_k, high_k = bounds.min_speculative_tokens, bounds.max_speculative_tokens
+    drafts = sorted({low_k, high_k, min(max(current.num_speculative_tokens, low_k), high_k)})
+    return [(b, t, g, k) for b in batches for t in timeouts for g in budgets for k in drafts]
 
 
 def _powers(low: int, high: int, current: int) -> list[int]:
@@ -114,8 +117,8 @@ def choose(window: Window, model: StepModel, current: BatchingConfig, goal: Goal
     best: _Scored | None = None
     for pods in pod_counts(window):
         tier: list[_Scored] = []
-        for batch, timeout, budget in knobs:
-            candidate = Candidate(batch, timeout, budget, pods)
+        for batch, timeout, budget, k in knobs:
+            candidate = Candidate(batch, timeout, budget, pods, k)
             scored = attainment_of(window, model, candidate)
             assert scored is not None  # the round's gate: the window has lengths
             attainment, rho, rows = scored
@@ -124,7 +127,8 @@ def choose(window: Window, model: StepModel, current: BatchingConfig, goal: Goal
                 preempting and batch >= current.max_batch_size
             )
             moved = sum((batch != current.max_batch_size, timeout != current.batch_timeout_ms,
-                         budget != current.prefill_token_budget))  # fmt: skip
+                         budget != current.prefill_token_budget,
+                         k != current.num_speculative_tokens))  # fmt: skip
             meets = feasible and attainment >= needed
             tier.append(_Scored(candidate, attainment, rho, feasible, meets, moved))
         eligible = [s for s in tier if s.eligible]

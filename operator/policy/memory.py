@@ -6,7 +6,9 @@ restarted operator only seeds the replica part from the policy's status).
   fleet was still settling); the next window never reaches back past it;
 - `points`: the step model's operating points; `errors`: the fit's recent relative
   prediction errors on the config in force (`FitErrors`: those of the fit's form alone);
-- `replicas` and `mode`: the replica count's and the mode choice's own memories.
+- `replicas` and `mode`: the replica count's and the mode choice's own memories;
+- `acceptance`: the last per-token draft acceptance measured (speculation.py): at k = 0
+  the pods verify no drafts, and a k chosen again is judged by what was seen.
 """
 
 from __future__ import annotations
@@ -52,3 +54,4 @@ class PolicyMemory:
     errors: FitErrors = field(default_factory=FitErrors)
     replicas: ReplicaState = field(default_factory=ReplicaState)
     mode: ModeState = field(default_factory=ModeState)
+    acceptance: float | None = None

@@ -35,6 +35,13 @@ as three points (window.py) and the step model `step(rows, prefill, kv)`:
    over the pod's KV capacity in tokens (the window's KV tokens per step over its KV
    usage); None where the window cannot tell the capacity.
 
+Speculative decoding (a candidate's k > 0): each decode row also verifies k draft
+tokens, computed as prompt tokens are (the engine counts them so: k more prompt tokens a
+row in the step model), and gains `g = (1 - a^(k+1)) / (1 - a)` tokens a step (speculation.py)
+at the window's per-token acceptance `a` (`Window.acceptance`: measured under the k in
+force, else the last measured; unknown: no gain). A request then holds its slot for
+`(O - 1) / g` decode steps, and its TPOT is the step over g.
+
 Mode differences (dynamic batches wait to fill) are not modelled; `mode.py` chooses the
 mode from the measured crossover map instead.
 """
@@ -45,6 +52,7 @@ import math
 from dataclasses import dataclass, replace
 
 import numpy as np
+from batchpilot_operator.policy.speculation import measured_acceptance, tokens_per_step
 from batchpilot_operator.policy.step_model import StepModel, StepPoint, fit_for
 from batchpilot_operator.policy.types import ReplicaState
 from batchpilot_operator.policy.window import Lengths, Window, length_grid, mean_length
@@ -64,6 +72,15 @@ class Candidate:
     batch_timeout_ms: float
     prefill_token_budget: int
     replicas: int
+    num_speculative_tokens: int = 0
+
+    @classmethod
+    def in_force(cls, config: BatchingConfig, replicas: int) -> Candidate:
+        """The config's own knobs on `replicas` pods."""
+        return cls(
+            config.max_batch_size, config.batch_timeout_ms, config.prefill_token_budget,
+            replicas, config.num_speculative_tokens,
+        )  # fmt: skip
 
     def config(self, base: BatchingConfig) -> BatchingConfig:
         return replace(
@@ -71,12 +88,14 @@ class Candidate:
             max_batch_size=self.max_batch_size,
             batch_timeout_ms=self.batch_timeout_ms,
             prefill_token_budget=self.prefill_token_budget,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
     def describe(self) -> str:
+        k = f", k {self.num_speculative_tokens}" if self.num_speculative_tokens else ""
         return (
             f"batch {self.max_batch_size}, timeout {self.batch_timeout_ms:g} ms, budget "
-            f"{self.prefill_token_budget} on {self.replicas} pod(s)"
+            f"{self.prefill_token_budget}{k} on {self.replicas} pod(s)"
         )
 
 
@@ -223,14 +242,24 @@ class TpotTail:
         arrivals_per_s: float,
         outputs: Lengths,
         prompts: Lengths,
+        tokens_per_step: float = 1.0,
+        row_s: float = 0.0,
+        rows: float = 0.0,
+        others: float = 0.0,
     ) -> TpotTail:
+        """`row_s`: what each decode row beside it adds to a step beyond `decode_s`'s mean
+        `rows` a step (0: the rows beside it are taken at the mean); `others`: the rows
+        a running request finds beside it on average (time-averaged)."""
         prompt_weights = np.array([w for w, _ in prompts])
         prompt_tokens = np.array([p for _, p in prompts])
         # its own prompt on the first axis, the last arrival's on the fourth
         w_own, own = prompt_weights[:, None, None, None], prompt_tokens[:, None, None, None]
         w_prompt, prompt = prompt_weights[None, None, None, :], prompt_tokens[None, None, None, :]
         w_out = np.array([w for w, _ in outputs])[None, :, None, None]
+        # its decode steps: a speculating row gains `tokens_per_step` tokens a step, but
+        # a prompt computed beside one of its steps delays it once whatever that gains
         n = np.maximum(1.0, np.array([o for _, o in outputs]) - 1)[None, :, None, None]
+        n = n / tokens_per_step
         mean_prompt = float(np.sum(w_prompt * prompt))
         # arrivals expected during the second half of its prefill and while it decodes
         m = arrivals_per_s * (own * per_prefill_s / 2 + n * decode_s)
@@ -248,9 +277,16 @@ class TpotTail:
 
         tokens = np.where(k > 0, (k - 1) * absorbed(mean_prompt) + absorbed(prompt), 0.0)
         weight = w_own * w_out * pk * np.where(k > 0, w_prompt, 1.0 / prompt.shape[3])
-        tpot = decode_s + per_prefill_s * np.minimum(budget, tokens / n)
-        tpot, weight = np.broadcast_arrays(tpot, weight)
-        return cls(tpot.ravel(), weight.ravel() / max(float(np.sum(weight)), 1e-300))
+        tpot = (decode_s + per_prefill_s * np.minimum(budget, tokens / n)) / tokens_per_step
+        tpot, weight = (a.ravel() for a in np.broadcast_arrays(tpot, weight))
+        if row_s > 0:
+            # the rows beside it, Poisson: where a row costs much (speculation's verified
+            # tokens) one more beside it moves its steps as much as a prompt does
+            beside, chance = _poisson(others)
+            extra = (1 + beside - rows) * row_s / tokens_per_step
+            tpot = (tpot[:, None] + extra[None, :]).ravel()
+            weight = (weight[:, None] * chance[None, :]).ravel()
+        return cls(tpot, weight / max(float(np.sum(weight)), 1e-300))
 
     def miss(self, t: float) -> float:
         return float(np.sum(self.weight[self.tpot_s > t]))
@@ -270,26 +306,32 @@ def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
     mean_p, mean_o = mean_length(prompts), mean_length(outputs)
     kv_row = mean_p + mean_o / 2
     budget, slots = max(1, c.prefill_token_budget), max(1, c.max_batch_size)
+    k = c.num_speculative_tokens
+    gain = tokens_per_step(window.acceptance or 0.0, k)  # tokens a decode step gives a row
+    kv_row += k  # a verify row attends to its draft too
     chunks = [max(1, math.ceil(p / budget)) for _, p in prompts]
     mean_chunks = sum(w * n for (w, _), n in zip(prompts, chunks, strict=True))
-    hold = mean_chunks + max(0.0, mean_o - 1)  # steps a request holds its slot
+    hold = mean_chunks + max(0.0, mean_o - 1) / gain  # steps a request holds its slot
     lam = window.forecast_rps / max(1, c.replicas)
 
     decoding = max(0.0, mean_o - 1) / hold  # the share of a held slot spent decoding
 
     def settle(full: bool) -> tuple[float, float, float]:
         """(step, decode rows, prompt tokens per step) at `lam`, or with every slot held."""
-        step = model.step_s(1, 0, kv_row)
+        step = _step_s(model, 1, 0, kv_row, k)
         rows = prefill = 0.0
         for _ in range(FIXED_POINT_ROUNDS):
             rate = slots / max(hold * step, 1e-12) if full else lam
+            # per step the pod runs: Little's law counts its idle time too, when no
+            # step runs (requests in the pod ~ Poisson(held), none a share e^-held)
+            busy = 1.0 if full else -math.expm1(-rate * hold * step)
             rows = (
                 slots * decoding
                 if full
-                else min(slots * decoding, rate * (hold - mean_chunks) * step)
+                else min(slots * decoding, rate * (hold - mean_chunks) * step / max(busy, 1e-12))
             )
-            prefill = min(float(budget), rate * mean_p * step)
-            step = max(1e-9, model.step_s(rows, prefill, rows * kv_row))
+            prefill = min(float(budget), rate * mean_p * step / max(busy, 1e-12))
+            step = max(1e-9, _step_s(model, rows, prefill, rows * kv_row, k))
         return step, rows, prefill
 
     step, rows, prefill = settle(False)
@@ -301,29 +343,54 @@ def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
     share = min(1.0, drain_s / max(window.signals.window_s, 1e-9)) if drain_s > 0 else 0.0
     ttft_svc = tuple(
         c.batch_timeout_ms / 1000.0
-        + n * model.step_s(rows, min(float(budget), p / n + prefill), rows * kv_row)
+        + n * _step_s(model, rows, min(float(budget), p / n + prefill), rows * kv_row, k)
         for (_, p), n in zip(prompts, chunks, strict=True)
     )
     spike = max(0.0, min(float(budget), prompts[-1][1]) - prefill) * model.per_prefill_s
+    # a spike delays a speculating row's step once: spread over its tokens, not its steps
     tpot = tuple(
-        step + spike * (1 - math.exp(-lam * max(1.0, o - 1) * step)) / max(1.0, o - 1)
+        step / gain
+        + spike * (1 - math.exp(-lam * max(1.0, o - 1) / gain * step)) / max(1.0, o - 1)
         for _, o in outputs
     )
     tail = TpotTail.of(
-        decode_s=model.step_s(rows, 0.0, rows * kv_row),
+        # the draft tokens a row beside it verifies: zero without speculation, where the
+        # rows' own cost is small next to the weights' (kept at the mean, as before k)
+        row_s=model.per_prefill_s * k,
+        rows=rows,
+        others=min(slots * decoding, lam * (hold - mean_chunks) * step),
+        decode_s=_step_s(model, rows, 0.0, rows * kv_row, k),
         per_prefill_s=model.per_prefill_s,
         budget=float(budget),
         arrivals_per_s=lam,
         outputs=outputs,
         prompts=prompts,
+        tokens_per_step=gain,
     )
-    held = [n + max(0.0, o - 1) for (_, o) in outputs for n in chunks]
+    held = [n + max(0.0, o - 1) / gain for (_, o) in outputs for n in chunks]
     weights = [wo * wp for (wo, _) in outputs for (wp, _) in prompts]
     cv2 = sum(w * (h - hold) ** 2 for w, h in zip(weights, held, strict=True)) / hold**2
     return _Queue(
         lam, mu, slots, hold * step, (1 + cv2) / 2, drain_s, share, prompts, ttft_svc,
         outputs, tpot, tail, step, rows,
     )  # fmt: skip
+
+
+def _poisson(mean: float) -> tuple[np.ndarray, np.ndarray]:
+    """Poisson(`mean`)'s values out to six deviations, and their chances."""
+    top = math.ceil(mean + 6 * math.sqrt(mean) + 6)
+    values = np.arange(top + 1, dtype=float)
+    log_fact = np.concatenate(([0.0], np.cumsum(np.log(np.arange(1, top + 1)))))
+    if mean <= 0:
+        return values[:1], np.ones(1)
+    chances = np.exp(values * math.log(mean) - mean - log_fact)
+    return values, chances / chances.sum()
+
+
+def _step_s(model: StepModel, rows: float, prefill: float, kv: float, k: int) -> float:
+    """A step of `rows` decode rows beside `prefill` prompt tokens, each row verifying `k`
+    draft tokens, which the engine counts as prompt tokens (`StepPlan.work`)."""
+    return model.step_s(rows, prefill + rows * k, kv)
 
 
 def lengths_of(signals: Signals) -> tuple[Lengths, Lengths] | None:
@@ -407,11 +474,11 @@ def predict_config(
     model = fit_for(points, signals.pods)
     if model is None:
         return None
-    window = Window.of(signals, slo, None, None, ReplicaState())
-    candidate = Candidate(
-        config.max_batch_size, config.batch_timeout_ms, config.prefill_token_budget, replicas
+    window = replace(
+        Window.of(signals, slo, None, None, ReplicaState()),
+        acceptance=measured_acceptance(signals, config.num_speculative_tokens),
     )
-    return predict(window, model, candidate)
+    return predict(window, model, Candidate.in_force(config, replicas))
 
 
 def _ms(seconds: float) -> str:

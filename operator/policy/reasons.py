@@ -22,13 +22,13 @@ def knob_change(before: BatchingConfig, after: BatchingConfig) -> str:
     if before.prefill_token_budget != after.prefill_token_budget:
         parts.append(f"budget {before.prefill_token_budget} -> {after.prefill_token_budget}")
     if before.num_speculative_tokens != after.num_speculative_tokens:
-        # only the clamp moves k for now: a policy whose bounds no longer hold it
         parts.append(f"k {before.num_speculative_tokens} -> {after.num_speculative_tokens}")
     return ", ".join(parts) or "no knob moves"
 
 
 def action_of(before: BatchingConfig, after: BatchingConfig) -> str:
-    """The action name of a change, by the knob it moved first (batch, timeout, budget)."""
+    """The action name of a change, by the knob it moved first (batch, timeout, budget,
+    k)."""
     if after.max_batch_size > before.max_batch_size:
         return "grow_batch"
     if after.max_batch_size < before.max_batch_size:
@@ -39,6 +39,8 @@ def action_of(before: BatchingConfig, after: BatchingConfig) -> str:
         return "grow_timeout"
     if after.prefill_token_budget != before.prefill_token_budget:
         return "set_budget"
+    if after.num_speculative_tokens != before.num_speculative_tokens:
+        return "set_speculation"
     return "hold"
 
 

@@ -39,6 +39,7 @@ from batchpilot_operator.policy.predictor import Candidate, Prediction, lengths_
 from batchpilot_operator.policy.reasons import knob_change
 from batchpilot_operator.policy.replicas import observe, stabilize
 from batchpilot_operator.policy.sizing import Sizing
+from batchpilot_operator.policy.speculation import measured_acceptance
 from batchpilot_operator.policy.step_model import StepModel, fit_for, point_of, remember
 from batchpilot_operator.policy.types import Action, Cadence, Fleet, Goal, ScaleDecision
 from batchpilot_operator.policy.window import Forecast, Window
@@ -81,8 +82,11 @@ def decide(
 ) -> Decision:
     """This round's decision; see the module docstring. `fleet` None: the round does not
     own the replica count; `mode` None: the policy's mode is not auto."""
-    memory = _taken_in(signals, memory, fleet, now)
-    window = Window.of(signals, goal.slo, fleet, goal.replicas, memory.replicas)
+    memory = _taken_in(signals, current, memory, fleet, now)
+    window = replace(
+        Window.of(signals, goal.slo, fleet, goal.replicas, memory.replicas),
+        acceptance=memory.acceptance,
+    )
     # The bounds are a constraint of every answer: a config outside them (the policy's
     # bounds changed) is sized from its clamp, and the reason says so.
     clamped = goal.bounds.clamp(current)
@@ -116,11 +120,21 @@ def decide(
 
 
 def _taken_in(
-    signals: Signals, memory: PolicyMemory, fleet: Fleet | None, now: float
+    signals: Signals,
+    current: BatchingConfig,
+    memory: PolicyMemory,
+    fleet: Fleet | None,
+    now: float,
 ) -> PolicyMemory:
     # A thin window's mean step is an operating point all the same (no quantile in it).
     points = remember(memory.points, point_of(signals))
-    return replace(memory, points=points, replicas=observe(memory.replicas, signals, fleet, now))
+    measured = measured_acceptance(signals, current.num_speculative_tokens)
+    return replace(
+        memory,
+        points=points,
+        replicas=observe(memory.replicas, signals, fleet, now),
+        acceptance=memory.acceptance if measured is None else measured,
+    )
 
 
 def _size(
@@ -153,10 +167,7 @@ def _error(window: Window, model: StepModel, current: BatchingConfig) -> float |
         # The window's p99 holds the wait behind a queue built before it, which a steady
         # state prediction does not describe: judge the fit on windows without one.
         return None
-    candidate = Candidate(
-        current.max_batch_size, current.batch_timeout_ms, current.prefill_token_budget,
-        window.pods,
-    )  # fmt: skip
+    candidate = Candidate.in_force(current, window.pods)
     # Judged at the arrivals the window saw: its p99s are of that load, not the forecast's.
     seen_load = replace(window, forecast=Forecast(window.arrival_rps))
     prediction = predict(seen_load, model, candidate)

@@ -25,6 +25,7 @@ Action = Literal[
     "shrink_timeout",
     "grow_timeout",
     "set_budget",
+    "set_speculation",
 ]
 
 

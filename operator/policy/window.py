@@ -61,6 +61,9 @@ class Window:
     forecast: Forecast
     fleet: Fleet | None
     replicas: ReplicaBounds | None
+    # speculative decoding: each draft token's chance of acceptance (speculation.py),
+    # measured under the k in force or the last one measured; None: never measured
+    acceptance: float | None = None
 
     @classmethod
     def of(

@@ -10,11 +10,17 @@ Torch-free: the scheduler proposes while it plans a step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 # vLLM's defaults when neither bound is given (SpeculativeConfig: both 5): a shorter
 # match proposes more often but is right less often, and a wrong draft costs a
 # verified position for nothing
 PROMPT_LOOKUP_MAX = 5
 PROMPT_LOOKUP_MIN = 5
+
+# (the row's tokens, the most it may propose) -> its draft; the scheduler's seam, so that
+# the simulator can draft without token contents (tools/simulator.py)
+Proposer = Callable[[list[int], int], list[int]]
 
 
 def propose(

@@ -25,7 +25,7 @@ import math
 
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_server.engine.block_pool import BlockPool
-from batchpilot_server.engine.ngram_proposer import propose
+from batchpilot_server.engine.ngram_proposer import Proposer, propose
 from batchpilot_server.engine.scheduler import Output, QueueScheduler, class_rank, timeout_at
 from batchpilot_server.engine.sequence import Sequence, Status
 from batchpilot_server.engine.step_plan import StepPlan
@@ -40,8 +40,10 @@ class ContinuousScheduler(QueueScheduler):
         eos_ids: frozenset[int],
         class_max_wait_s: float = CLASS_MAX_WAIT_S,
         lower_class_prefill_tokens: int = LOWER_CLASS_PREFILL_TOKENS,
+        proposer: Proposer = propose,
     ) -> None:
         super().__init__(pool, config, eos_ids, class_max_wait_s)
+        self.proposer = proposer
         if lower_class_prefill_tokens < 1:  # none would stall a lower class's prompt
             raise ValueError(
                 f"lower_class_prefill_tokens must be >= 1, got {lower_class_prefill_tokens}"
@@ -125,7 +127,7 @@ class ContinuousScheduler(QueueScheduler):
             if not seq.speculable:
                 continue
             room = min(k, seq.params.max_tokens - seq.num_output - 1)
-            draft = propose(seq.token_ids, room)
+            draft = self.proposer(seq.token_ids, room)
             if draft and self.pool.grow(seq.block_table, seq.num_tokens + len(draft)):
                 verify.append(seq)
                 drafts.append(draft)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from batchpilot_server.batching_config import BatchingConfig, Mode
 from batchpilot_server.engine.block_pool import BlockPool
+from batchpilot_server.engine.ngram_proposer import Proposer, propose
 from batchpilot_server.engine.scheduler import QueueScheduler
 from batchpilot_server.engine.scheduler_continuous import ContinuousScheduler
 from batchpilot_server.engine.scheduler_dynamic import DynamicScheduler, StaticScheduler
@@ -22,6 +23,8 @@ class PolicyOptions:
     class_max_wait_s: float = CLASS_MAX_WAIT_S
     # continuous: the lower classes' prompt tokens in a step that decodes a higher class
     lower_class_prefill_tokens: int = LOWER_CLASS_PREFILL_TOKENS
+    # continuous: speculative decoding's drafts (n-gram prompt lookup; the simulator's stand-in)
+    proposer: Proposer = propose
 
 
 def new_scheduler(
@@ -37,5 +40,7 @@ def new_scheduler(
     if mode == "dynamic":
         return DynamicScheduler(pool, config, eos_ids, options.padded, wait)
     if mode == "continuous":
-        return ContinuousScheduler(pool, config, eos_ids, wait, options.lower_class_prefill_tokens)
+        return ContinuousScheduler(
+            pool, config, eos_ids, wait, options.lower_class_prefill_tokens, options.proposer
+        )
     raise ValueError(f"mode must be one of static, dynamic, continuous; got {mode!r}")

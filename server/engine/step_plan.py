@@ -178,13 +178,15 @@ class StepPlan:
         contexts = [
             seq.num_computed + size for seq, size in zip(self.prefill, prefill, strict=True)
         ]
-        # a verify row computes its newest token and its draft as a prefill chunk
-        verified = [len(draft) + 1 for draft in self.drafts]
+        # a verify row is a decode row (its newest token) whose draft tokens are computed
+        # as prompt tokens are: the step model then learns a verified token's cost as a
+        # prompt token's, and its rows stay the batch's rows whatever k is
+        drafted = [len(draft) for draft in self.drafts]
         rows = zip(self.verify, self.drafts, strict=True)
         contexts += [seq.num_tokens + len(draft) for seq, draft in rows]
         return StepWork(
-            decode_rows=len(decode),
-            prefill_tokens=sum(prefill) + sum(verified),
+            decode_rows=len(decode) + len(self.verify),
+            prefill_tokens=sum(prefill) + sum(drafted),
             kv_tokens=sum(contexts) + sum(seq.num_tokens for seq in decode),
         )
 

@@ -180,7 +180,7 @@ def test_the_reach_counts_from_the_batch_in_force_where_steps_held_fewer_rows() 
     few_rows = tuple(replace(p, rows=min(p.rows, 3.0)) for p in points())
     model = fit(few_rows)
     assert model is not None and model.max_rows == 3.0
-    batches = {b for b, _, _ in knob_candidates(BOUNDS, CURRENT, model)}
+    batches = {b for b, *_ in knob_candidates(BOUNDS, CURRENT, model)}
     assert max(batches) == 2 * CURRENT.max_batch_size
 
 
