@@ -37,6 +37,7 @@ SLO_MS = 1000.0
 # judges requests by.
 DECIDED_PUT = {
     "max_batch_size": MAX_BATCH, "batch_timeout_ms": 0.0, "prefill_token_budget": 2048,
+    "num_speculative_tokens": 0,  # sent at 0 too, so a speculating pod turns it off
     "slo": {"ttft_ms": None, "tpot_ms": None, "e2e_ms": SLO_MS},
 }  # fmt: skip
 DEADLINE_S = 40.0

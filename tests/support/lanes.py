@@ -46,7 +46,7 @@ BESIDE_THE_SERVERS = frozenset({
     "test_logprob_values.py",
     "test_sampler_real_model.py",
     "test_prefix_cache_equality.py",
-    "test_spec_decode.py",
+    "test_spec_decode_serving.py",
     "test_prometheus_rules.py",
 })  # fmt: skip
 
