@@ -30,19 +30,10 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from tests.support.engine_helpers import ATTENTIONS, paged_against_full_recompute
-from tests.support.smollm2 import LOGIT_TOLERANCE, load_float32
+from tests.support.smollm2 import LOGIT_TOLERANCE, PARITY_PROMPTS, load_float32
 
 NEW_TOKENS = 32
 
-PROMPTS = [
-    "The quick brown fox",
-    "Once upon a time, in a land far away,",
-    "def fibonacci(n):\n",
-    "The capital of France is",
-    "1, 2, 3, 4,",
-    "日本の首都は",
-    "Emoji story: 🚀🌕",
-]
 CHAT = [
     {"role": "system", "content": "You answer in one sentence."},
     {"role": "user", "content": "What is gravity?"},
@@ -80,7 +71,7 @@ def reference(smollm2_dir: Path) -> Reference:
     tokenizer = AutoTokenizer.from_pretrained(str(smollm2_dir))
     model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
     texts = [
-        *PROMPTS,
+        *PARITY_PROMPTS,
         tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True),
     ]
     tokenizer.padding_side = "left"  # one padded batch: 8 prompts in the time of ~2

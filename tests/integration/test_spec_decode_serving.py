@@ -20,7 +20,7 @@ from scipy.stats import chi2_contingency
 
 from tests.support.engine_helpers import ATTENTIONS, RecordingObserver, collect, started
 from tests.support.servers import labelled, scrape, serve_in_process
-from tests.support.smollm2 import load_float32
+from tests.support.smollm2 import PARITY_PROMPTS, load_float32
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -112,13 +112,7 @@ async def test_smollm2_parity_prompts_decode_as_without_speculation(
     tokenizer = load_float32(str(smollm2_dir)).tokenizer
     text = "The cat sat on the mat. The dog lay by the door. The bird sang in the tree."
     texts = [
-        "The quick brown fox",
-        "Once upon a time, in a land far away,",
-        "def fibonacci(n):\n",
-        "The capital of France is",
-        "1, 2, 3, 4,",
-        "日本の首都は",
-        "Emoji story: 🚀🌕",
+        *PARITY_PROMPTS,
         f"Repeat this text exactly.\nText: {text}\nRepeated text: {text}\nRepeated text:",
         f"Repeat this text exactly.\nText: {text}\nRepeated text:",
     ]

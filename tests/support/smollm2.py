@@ -35,6 +35,18 @@ LOGIT_TOLERANCE = 5e-3
 # a log-probability is a logit minus the log-sum-exp of all: twice the logits' tolerance
 LOGPROB_TOLERANCE = 2 * LOGIT_TOLERANCE
 
+# The greedy-parity prompts: English, code, digits, Japanese and emoji (tokenizer paths
+# a byte-level BPE treats differently).
+PARITY_PROMPTS = (
+    "The quick brown fox",
+    "Once upon a time, in a land far away,",
+    "def fibonacci(n):\n",
+    "The capital of France is",
+    "1, 2, 3, 4,",
+    "日本の首都は",
+    "Emoji story: 🚀🌕",
+)
+
 
 @cache
 def load_float32(source: str) -> LoadedModel:
