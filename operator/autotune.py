@@ -11,21 +11,23 @@ spec change takes effect at the next one) it runs one round of
 - the `KubernetesScaler` (scaler.py) where the policy has `spec.autoscale`:
   the replica rule moves `spec.replicas` through the scale subresource, and
   stands back when an HPA targets the policy;
-- the status recorder: the config in force, `observed`, `slo` (the stated
-  targets, the window's attainment and p99 TTFT, TPOT and e2e, the error
-  budget left over the budget window), `lastDecision`, a
+- the status recorder: `observed`, `slo`'s measured part (the window's
+  attainment and p99 TTFT, TPOT and e2e, the error budget left over the
+  budget window; reconcile writes the stated targets), `lastDecision`, a
   bounded `history` of changes, the conditions Tuning, SLOMet (attainment
   against its target; the p99 against an e2e target for a server that
   counts no attainment),
   MetricsAvailable and Autoscaling, and Events (Tuned, PushRefused, Resynced,
   Scaled); after a round that decided the replica count, `replicaState` (the
-  rule's memory) and, on a change, `lastScaling`.
+  rule's memory) and, on a change, `lastScaling`. Then the config in force
+  (and the mode) through reconcile's `write_in_force`: one writer per status
+  key (status_owners.py).
 
 A policy with `batching.mode: auto` also gets the mode choice inside the
 round (the `KubernetesModes` plug point): `status.mode` and
-`status.modeReason` every round, and on a switch the ConfigMap's record, the
-Deployment's `--mode` (a rolling update, one drained pod at a time) and a
-ModeChanged Event.
+`status.modeReason` every round (through `write_in_force`), and on a
+switch the ConfigMap's record, the Deployment's `--mode` (a rolling update,
+one drained pod at a time) and a ModeChanged Event.
 
 The ready pods are listed once per round and serve both the scrape and the
 actuator. The policy's lock (the one reconcile holds) is held from reading
@@ -61,6 +63,7 @@ from batchpilot_operator.reconcile import (
     now_iso,
     read_mode,
     switch_mode,
+    write_in_force,
     write_status,
 )
 from batchpilot_operator.scaler import KubernetesScaler
@@ -133,12 +136,12 @@ def conditions(signals: Signals, slo: Slo, decision: Decision) -> list[dict[str,
 def status_fields(
     step: TuneStep, history: list[dict[str, Any]], at: str, slo: Slo
 ) -> dict[str, Any]:
+    """The round's own record, the only writer of these keys (status_owners.py). Not the
+    config in force: reconcile's `in_force_fields` writes that from the ConfigMap (the
+    round has it written through `write_in_force`). Of `slo`, only what the window
+    measured: reconcile writes the stated targets."""
     record = decision_record(step.decision, at)
-    in_force = step.decision.config
     return {
-        "maxBatchSize": in_force.max_batch_size,
-        "batchTimeoutMs": in_force.batch_timeout_ms,
-        "numSpeculativeTokens": in_force.num_speculative_tokens,
         "observed": observed(step.signals),
         "slo": slo_fields(step.signals, slo),
         "lastDecision": record,
@@ -355,8 +358,11 @@ async def tune_once(
 
     async def record(step: TuneStep) -> None:
         await status.record(step)
-        if modes is not None and step.decision.mode is not None:
-            await modes.record(step.decision.mode)
+        # The config (and mode) just put in force, shown now rather than at the reconcile
+        # the ConfigMap's change triggers, through reconcile's own writer of those keys;
+        # under auto with the choice's reason, in the same patch as the mode.
+        choice = step.decision.mode
+        await write_in_force(client, policy, spec, None if choice is None else choice.reason)
 
     plugs = PlugPoints(
         source=signal_source(spec, memo, session, tuner, pods, namespace, name),
@@ -402,12 +408,6 @@ class KubernetesModes:
         return builders.serving_mode(
             self.spec, await read_mode(self.client, meta["namespace"], meta["name"])
         )
-
-    async def record(self, choice: ModeChoice) -> None:
-        """`status.mode` and `status.modeReason`, every round, inside the round's lock: a
-        reconcile must not show a new mode beside the old reason."""
-        fields = {"mode": choice.mode, "modeReason": choice.reason}
-        await write_status(self.client, self.policy, fields)
 
     async def switch(self, choice: ModeChoice) -> None:
         await switch_mode(self.client, self.policy, self.spec, choice.mode)

@@ -77,7 +77,7 @@ async def reconcile(client: Client, policy: Mapping[str, Any]) -> Outcome:
 
 async def _report_invalid(client: Client, policy: Mapping[str, Any], exc: SpecError) -> None:
     condition = {"type": READY, "status": "False", "reason": exc.reason, "message": exc.message}
-    fields = {"observedGeneration": _generation(policy)}
+    fields = reconcile_fields(policy, Outcome(spec=None, error=exc))
     if await write_status(client, policy, fields, [condition]):
         # Only on a change of status: a re-sent invalid spec does not repeat the Event.
         await client.create_event(policy, exc.reason, exc.message, "Warning")
@@ -182,21 +182,66 @@ async def _ensure_config_map(
 
 
 def _status_fields(policy: Mapping[str, Any], outcome: Outcome) -> dict[str, Any]:
-    assert outcome.config is not None and outcome.spec is not None
+    assert outcome.config is not None and outcome.spec is not None and outcome.mode is not None
+    return {
+        **in_force_fields(outcome.config, outcome.mode, outcome.spec),
+        **reconcile_fields(policy, outcome),
+    }
+
+
+def in_force_fields(
+    config: BatchingConfig, mode: Mode, spec: PolicySpec, mode_reason: str | None = None
+) -> dict[str, Any]:
+    """The only writer of the config and mode in force in the status (status_owners.py):
+    reconcile calls it with the ConfigMap's values, and a tuning round through
+    `write_in_force` once its decision is in the ConfigMap, so both show one source.
+
+    Under `mode: auto` the reason is the round's choice (`mode_reason`); reconcile passes
+    none and leaves the round's reason standing."""
     fields: dict[str, Any] = {
-        "maxBatchSize": outcome.config.max_batch_size,
-        "batchTimeoutMs": outcome.config.batch_timeout_ms,
-        "numSpeculativeTokens": outcome.config.num_speculative_tokens,
-        "mode": outcome.mode,
+        "maxBatchSize": config.max_batch_size,
+        "batchTimeoutMs": config.batch_timeout_ms,
+        "numSpeculativeTokens": config.num_speculative_tokens,
+        "mode": mode,
+    }
+    if spec.batching.mode != "auto":
+        mode_reason = f"batching.mode is {spec.batching.mode}"
+    if mode_reason is not None:
+        fields["modeReason"] = mode_reason
+    return fields
+
+
+def reconcile_fields(policy: Mapping[str, Any], outcome: Outcome) -> dict[str, Any]:
+    """The status keys only reconcile writes (status_owners.py): the generation acted on,
+    and for a valid spec the Deployment's replicas and the stated SLO targets (so that
+    `kubectl get bp` shows the objective before any round has measured)."""
+    fields: dict[str, Any] = {"observedGeneration": _generation(policy)}
+    if outcome.spec is None:  # invalid: nothing else is known
+        return fields
+    return {
+        **fields,
         "replicas": outcome.replicas,
         "readyReplicas": outcome.ready_replicas,
         "selector": label_selector(builders.selector_labels(policy["metadata"]["name"])),
-        "observedGeneration": _generation(policy),
         "slo": target_fields(outcome.spec.slo),
     }
-    if outcome.spec.batching.mode != "auto":  # under auto the operator's choice says why
-        fields["modeReason"] = f"batching.mode is {outcome.spec.batching.mode}"
-    return fields
+
+
+async def write_in_force(
+    client: Client, policy: Mapping[str, Any], spec: PolicySpec, mode_reason: str | None = None
+) -> bool:
+    """Show the ConfigMap's config and mode in force in the status now (a tuning round
+    calls it after its decision, inside the policy's lock), through the same
+    `in_force_fields` reconcile uses; whether anything was written."""
+    meta = policy["metadata"]
+    data = await _config_map_data(client, meta["namespace"], meta["name"])
+    in_force = builders.parse_config_data(data)
+    if in_force is None:  # no ConfigMap yet: reconcile writes it, and the status with it
+        return False
+    mode = builders.serving_mode(spec, builders.parse_mode_data(data))
+    return await write_status(
+        client, policy, in_force_fields(spec.clamp(in_force), mode, spec, mode_reason)
+    )
 
 
 def _ready(spec: PolicySpec, outcome: Outcome) -> dict[str, str]:

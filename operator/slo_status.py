@@ -1,8 +1,10 @@
 """What status.slo and the SLOMet condition say about a policy's SLO.
 
-Pure: the tuning round (autotune.py) writes all of it from each window's signals;
-reconcile writes the stated targets as soon as a policy is valid, so that
-`kubectl get bp` shows the objective before the first round.
+Pure. One writer per key (status_owners.py): reconcile writes the stated targets
+(`target_fields`) as soon as a policy is valid, so that `kubectl get bp` shows the
+objective before the first round; the tuning round (autotune.py) writes what each
+window measured (`slo_fields`). A merge patch merges `slo` key by key, so each keeps
+the other's part.
 """
 
 from __future__ import annotations
@@ -92,8 +94,9 @@ def target_fields(slo: Slo) -> dict[str, Any]:
 
 
 def slo_fields(signals: Signals, slo: Slo) -> dict[str, Any]:
-    """status.slo: the stated targets, what the window measured, the error budget left.
-    A value the window could not measure is null, so the status never shows a stale one."""
+    """status.slo's measured part: what the window measured, the error budget left (the
+    stated targets are `target_fields`, reconcile's). A value the window could not
+    measure is null, so the status never shows a stale one."""
 
     def share(value: float | None) -> float | None:
         return None if value is None else round(value, 5)
@@ -101,7 +104,6 @@ def slo_fields(signals: Signals, slo: Slo) -> dict[str, Any]:
     ms = _ms
     budget = signals.budget_attainment
     return {
-        **target_fields(slo),
         "judged": signals.slo_judged,
         "attainment": share(signals.attainment),
         "missed": dict(signals.slo_missed) or None,

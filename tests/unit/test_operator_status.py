@@ -24,6 +24,11 @@ def judged(**fields: Any) -> Signals:
     return Signals(status="ok", window_s=60, requests=200, **fields)
 
 
+def both_parts(signals: Signals, slo: Slo) -> dict[str, Any]:
+    """status.slo as its two writers leave it: reconcile's targets, the round's measures."""
+    return {**target_fields(slo), **slo_fields(signals, slo)}
+
+
 def merged(fields: dict[str, Any]) -> dict[str, Any]:
     """The fields as a merge patch leaves them in the status: a null removes the key."""
     return {k: merged(v) if isinstance(v, dict) else v for k, v in fields.items() if v is not None}
@@ -35,7 +40,7 @@ def test_status_slo_shows_targets_observed_p99s_attainment_and_budget() -> None:
         slo_judged=200, slo_met=192, slo_missed={"all": 8, "ttft": 6, "tpot": 3},
         budget_attainment=0.97,
     )  # fmt: skip
-    fields = slo_fields(signals, LLM)
+    fields = both_parts(signals, LLM)
     assert fields == {
         "objective": "ttft<=200ms tpot<=50ms @95%",
         "ttftMs": 200.0, "tpotMs": 50.0, "e2eMs": None,
@@ -55,7 +60,7 @@ def test_status_slo_shows_targets_observed_p99s_attainment_and_budget() -> None:
 
 
 def test_a_window_without_slo_series_writes_nulls_not_stale_values() -> None:
-    fields = slo_fields(judged(p99_latency_s=0.3), Slo(e2e_s=0.5))
+    fields = both_parts(judged(p99_latency_s=0.3), Slo(e2e_s=0.5))
     assert fields["objective"] == "e2e<=500ms @99%" and fields["e2eMs"] == 500.0
     for key in ("attainment", "judged", "budgetAttainment", "errorBudgetRemaining", "missed"):
         assert fields[key] is None, key
@@ -95,6 +100,12 @@ def test_slo_met_falls_back_to_the_p99_for_a_server_without_slo_counters() -> No
     assert (thin["status"], thin["reason"]) == ("Unknown", "NoTraffic")
 
 
+def test_the_round_writes_only_the_measured_part() -> None:
+    # the targets are reconcile's (status_owners.py): the round's patch leaves them be
+    measured = slo_fields(judged(slo_judged=10, slo_met=10), LLM)
+    assert not set(measured) & set(target_fields(LLM))
+
+
 def test_the_stated_part_is_what_reconcile_writes_before_any_round() -> None:
     assert target_fields(Slo(e2e_s=0.5)) == {
         "objective": "e2e<=500ms @99%", "ttftMs": None, "tpotMs": None, "e2eMs": 500.0,
@@ -131,7 +142,7 @@ def test_each_class_shows_its_attainment_p99s_and_error_budget() -> None:
                                   budget_attainment=0.95),
         },
     )  # fmt: skip
-    fields = slo_fields(signals, TWO_CLASSES)
+    fields = both_parts(signals, TWO_CLASSES)
     assert fields["classes"] == [
         {"name": "default", "priority": 0, "objective": "ttft<=2000ms @95%",
          "attainmentTarget": 0.95},
