@@ -357,12 +357,13 @@ async def tune_once(
     status = StatusRecorder(client, policy, spec, tuner, scaler)
 
     async def record(step: TuneStep) -> None:
-        await status.record(step)
         # The config (and mode) just put in force, shown now rather than at the reconcile
         # the ConfigMap's change triggers, through reconcile's own writer of those keys;
-        # under auto with the choice's reason, in the same patch as the mode.
+        # under auto with the choice's reason, in the same patch as the mode. Before the
+        # round's record, so that whoever sees a decision sees its config in force.
         choice = step.decision.mode
         await write_in_force(client, policy, spec, None if choice is None else choice.reason)
+        await status.record(step)
 
     plugs = PlugPoints(
         source=signal_source(spec, memo, session, tuner, pods, namespace, name),

@@ -182,13 +182,15 @@ async def test_scales_out_once_the_batch_is_spent_resumes_after_a_restart_and_sc
                 kube.POLICIES, ns, "llm", lambda p: "lastScaling" in status_of(p),
                 "a scale-out", SCALE_DEADLINE_S,
             )  # fmt: skip
+            # The config in force is reconcile's key, not the round's record: waited for.
+            shown, _ = await cluster.wait_for_in_force(ns, "llm", SCALE_DEADLINE_S)
             await wait_scaled_events(cluster, ns, 1)
         stopped = await cluster.get(kube.POLICIES, ns, "llm")
         assert stopped is not None
         last = status_of(out)["lastScaling"]
         assert (last["action"], last["from"], last["to"]) == ("scale_out", 1, 2), last
         # Knobs first: the batch reached its bound before the pod count moved.
-        assert status_of(out)["maxBatchSize"] == MAX_BATCH
+        assert status_of(shown)["maxBatchSize"] == MAX_BATCH
         assert "the batch is spent" in last["reason"], last
         assert out["spec"]["replicas"] == 2
         assert autoscaling(out)["status"] == "True" and autoscaling(out)["reason"] == "Enabled"

@@ -130,6 +130,9 @@ async def test_the_loop_tunes_a_real_server_and_a_restart_resumes_from_status(
                     "a tuning change in status.history",
                     TUNE_DEADLINE_S,
                 )
+                # The config in force has its own writer (reconcile's, from the ConfigMap),
+                # apart from the round's record: wait for it, not read it beside the record.
+                shown, cm = await cluster.wait_for_in_force(ns, "llm", TUNE_DEADLINE_S)
             status = first["status"]
             change = status["history"][0]
             assert change["action"] == "grow_batch", change
@@ -140,11 +143,10 @@ async def test_the_loop_tunes_a_real_server_and_a_restart_resumes_from_status(
             assert condition(first, "SLOMet") is not None
             # The decision is in force everywhere: ConfigMap, the server, status.
             in_force = await get_batching(session, server.url)
-            cm = await cluster.get(kube.CONFIGMAPS, ns, builders.config_map_name("llm"))
-            assert cm is not None
             stored = builders.parse_config_data(cm["data"])
             assert stored is not None
-            assert in_force.max_batch_size == stored.max_batch_size == status["maxBatchSize"]
+            assert in_force.max_batch_size == stored.max_batch_size
+            assert stored.max_batch_size == shown["status"]["maxBatchSize"]
             # the round posts its Events after the status it records
             await cluster.wait_for_events(
                 ns, "llm", lambda e: e["reason"] == "Tuned", "a Tuned Event", TUNE_DEADLINE_S
@@ -171,7 +173,8 @@ async def test_the_loop_tunes_a_real_server_and_a_restart_resumes_from_status(
                     "a decision after the restart",
                     TUNE_DEADLINE_S,
                 )
-            assert resumed["status"]["maxBatchSize"] >= status["maxBatchSize"] > 1
+                resumed, _ = await cluster.wait_for_in_force(ns, "llm", TUNE_DEADLINE_S)
+            assert resumed["status"]["maxBatchSize"] >= shown["status"]["maxBatchSize"] > 1
             pushed = await get_batching(session, server.url)
             assert pushed.max_batch_size >= in_force.max_batch_size
 
@@ -212,9 +215,8 @@ async def test_unreachable_prometheus_sets_metrics_available_false_and_holds(
         found = await cluster.wait_for_condition(
             ns, "llm", "MetricsAvailable", "False", "MetricsUnavailable", TUNE_DEADLINE_S
         )
-        current = await cluster.get(kube.POLICIES, ns, "llm")
+        current, _ = await cluster.wait_for_in_force(ns, "llm", TUNE_DEADLINE_S)
     assert f"Prometheus at {dead} is unreachable" in found["message"]
-    assert current is not None
     status = current["status"]
     assert status["lastDecision"]["action"] == "hold"
     assert status["maxBatchSize"] == 1

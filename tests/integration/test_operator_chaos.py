@@ -195,12 +195,15 @@ def policy(namespace: str, **autotune: Any) -> dict[str, Any]:
 
 
 async def in_force(cluster: Cluster, namespace: str) -> tuple[int, int]:
-    """(status.maxBatchSize, the ConfigMap's max_batch_size)."""
-    found = await cluster.get(kube.POLICIES, namespace, "llm")
-    cm = await cluster.get(kube.CONFIGMAPS, namespace, builders.config_map_name("llm"))
-    assert found is not None and cm is not None
-    stored = json.loads(cm["data"][builders.CONFIG_KEY])
-    return found["status"]["maxBatchSize"], stored["max_batch_size"]
+    """(status.maxBatchSize, the ConfigMap's max_batch_size) once status shows the
+    ConfigMap's config: a round's record of its decision and the config it put in force
+    have separate writers (status_owners.py), so the second is waited for."""
+    found, cm = await cluster.wait_for_in_force(namespace, "llm", DEADLINE_S)
+    return found["status"]["maxBatchSize"], _stored_batch(cm)
+
+
+def _stored_batch(cm: dict[str, Any]) -> int:
+    return int(json.loads(cm["data"][builders.CONFIG_KEY])["max_batch_size"])
 
 
 async def next_round(world: World, what: str) -> dict[str, Any]:
@@ -299,7 +302,7 @@ async def test_a_pod_refusing_or_hanging_on_the_admin_put_is_reported_and_caught
             "the first decision", DEADLINE_S,
         )
         # The ConfigMap holds the decision, status says so, the pod still runs the old one.
-        assert first["status"]["maxBatchSize"] == MAX_BATCH
+        assert first["status"]["history"][-1]["maxBatchSize"] == MAX_BATCH
         assert await in_force(cluster, ns) == (MAX_BATCH, MAX_BATCH)
         assert world.pod.config["max_batch_size"] == 1
         refused = await wait_events(cluster, ns, "PushRefused")
@@ -386,9 +389,11 @@ async def test_api_errors_back_off_are_reported_and_converge(
 
 
 async def in_force_plain(cluster: Cluster, namespace: str) -> bool:
-    """status and the ConfigMap agree on the config in force."""
-    status_batch, cm_batch = await in_force(cluster, namespace)
-    return status_batch == cm_batch
+    """status and the ConfigMap agree on the config in force, as they are now."""
+    found = await cluster.get(kube.POLICIES, namespace, "llm")
+    cm = await cluster.get(kube.CONFIGMAPS, namespace, builders.config_map_name("llm"))
+    assert found is not None and cm is not None
+    return bool(found["status"]["maxBatchSize"] == _stored_batch(cm))
 
 
 async def test_dropped_watch_streams_are_resumed(cluster: Cluster) -> None:

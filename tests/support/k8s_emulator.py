@@ -576,6 +576,31 @@ class Cluster:
             probe, f"{what} (an Event of {namespace}/{name})", timeout, seen
         )
 
+    async def wait_for_in_force(
+        self, namespace: str, name: str, timeout: float | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The policy and its ConfigMap once the policy's status shows the ConfigMap's
+        config in force. One writer puts it there (reconcile.in_force_fields, status_owners.py),
+        after a round's own record of its decision: a test that saw the record waits here
+        for the config it put in force, rather than reading it beside the record."""
+        found: list[dict[str, Any] | None] = [None, None]
+
+        async def probe() -> tuple[dict[str, Any], dict[str, Any]] | None:
+            found[0] = await self.get(kube.POLICIES, namespace, name)
+            found[1] = await self.get(kube.CONFIGMAPS, namespace, builders.config_map_name(name))
+            policy, cm = found
+            if policy is None or cm is None:
+                return None
+            return (policy, cm) if _shows_in_force(policy, cm) else None
+
+        def seen() -> object:
+            policy, cm = found
+            return {"status": (policy or {}).get("status"), "data": (cm or {}).get("data")}
+
+        return await self.wait_until(
+            probe, f"{namespace}/{name}'s status to show its ConfigMap's config", timeout, seen
+        )
+
     async def wait_gone(
         self, kind: kube.Kind, namespace: str, name: str, timeout: float | None = None
     ) -> None:
@@ -657,6 +682,15 @@ def shorten(value: object, limit: int = 2000) -> str:
     """`value` as text for a failure message, cut to `limit` characters."""
     text = value if isinstance(value, str) else repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _shows_in_force(policy: Mapping[str, Any], cm: Mapping[str, Any]) -> bool:
+    stored = builders.parse_config_data(dict(cm.get("data") or {}))
+    status = policy.get("status") or {}
+    return stored is not None and (
+        status.get("maxBatchSize"), status.get("batchTimeoutMs"),
+        status.get("numSpeculativeTokens"),
+    ) == (stored.max_batch_size, stored.batch_timeout_ms, stored.num_speculative_tokens)
 
 
 def condition(obj: Mapping[str, Any], type_: str) -> dict[str, Any] | None:
