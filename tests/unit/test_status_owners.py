@@ -7,17 +7,18 @@ from __future__ import annotations
 import ast
 import itertools
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import yaml
-from batchpilot_operator import autotune, status_owners
+from batchpilot_operator import autotune, reconcile, status_owners
 from batchpilot_operator.policy.mode import ModeChoice, ModeState
 from batchpilot_operator.policy.round import Decision
 from batchpilot_operator.policy.types import Fleet, ReplicaState, ScaleDecision
 from batchpilot_operator.reconcile import Outcome, in_force_fields, reconcile_fields
 from batchpilot_operator.signals import ClassSignals, Signals
 from batchpilot_operator.spec import SpecError, parse_spec
-from batchpilot_operator.status_owners import OWNERS, status_paths
+from batchpilot_operator.status_owners import CONDITION_OWNERS, OWNERS, status_paths
 from batchpilot_operator.tuning_loop import ActuationReport, TuneStep
 
 from tests.support.policies import policy_object
@@ -129,3 +130,28 @@ def _status_patches(path: Path) -> list[str]:
 def test_only_write_status_patches_the_status_subresource() -> None:
     patches = [hit for p in OPERATOR.rglob("*.py") for hit in _status_patches(p)]
     assert len(patches) == 1 and patches[0].startswith("reconcile.py:"), patches
+
+
+def _condition_types(module: ModuleType) -> set[str]:
+    """The condition types `module` builds: the "type" of its dict literals."""
+    path = Path(str(module.__file__))
+    types: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Dict):
+            continue
+        for key, value in zip(node.keys, node.values, strict=True):
+            if isinstance(key, ast.Constant) and key.value == "type":
+                if isinstance(value, ast.Name):
+                    types.add(getattr(module, value.id))
+                elif isinstance(value, ast.Constant):
+                    types.add(value.value)
+    return types
+
+
+def test_each_condition_type_is_built_by_its_one_module() -> None:
+    # the modules that call write_status with conditions
+    for module in (reconcile, autotune):
+        name = module.__name__.rsplit(".", 1)[-1]
+        built = _condition_types(module)
+        owned = {type_ for type_, owner in CONDITION_OWNERS.items() if owner == name}
+        assert built == owned, f"{name} builds {sorted(built)}, owns {sorted(owned)}"
