@@ -19,9 +19,9 @@ spec change takes effect at the next one) it runs one round of
   counts no attainment),
   MetricsAvailable and Autoscaling, and Events (Tuned, PushRefused, Resynced,
   Scaled); after a round that decided the replica count, `replicaState` (the
-  rule's memory) and, on a change, `lastScaling`. Then the config in force
-  (and the mode) through reconcile's `write_in_force`: one writer per status
-  key (status_owners.py).
+  rule's memory) and, on a change, `lastScaling`. Just before it, the config
+  in force (and the mode) through reconcile's `write_in_force`: one writer per
+  status key (status_owners.py).
 
 A policy with `batching.mode: auto` also gets the mode choice inside the
 round (the `KubernetesModes` plug point): `status.mode` and
