@@ -9,14 +9,20 @@ order, first match wins, and `HOLD` where none matches:
 |---|---|---|---|
 | kv | KV at the watermark, or preempting | batch x kv_cut_factor | +1 if spent |
 | overloaded | TPOT missed, a queue | none | carrying, TPOT-scaled |
-| queueing | a target missed or TPOT tight, a queue | batch x capacity_factor, no wait | carrying |
-| filling | a queue within the SLO | batch x capacity_factor, no wait | held |
+| queueing | a target missed or TPOT tight, a queue | batch grown, no wait | carrying |
+| filling | a queue within the SLO | batch grown, no wait | held |
 | running | a target missed, no queue | budget x budget_cut, batch x backoff | TPOT-scaled or +1 |
-| headroom | p99s under (1 - band) x target | none | carrying the decode rows |
+| headroom | p99s under (1 - band) x target | batch into TPOT's room | carrying the decode rows |
 
 - A knob moves by a factor, at least one step, within its bounds; "no wait" sets the
   timeout to its lower bound (a queue fills any batch without waiting). A row whose knobs
   cannot move is *spent*.
+- *Grown*: by capacity_factor, or further to hold the queue beside the rows in flight
+  while TPOT has room for it. *TPOT's room*: `(1 - band) x target / p99`, how far the
+  steps may lengthen before TPOT's p99 passes (1 - band) of its target (a step grows at
+  most in proportion to its rows); none where TPOT is unstated, unmeasured or tight.
+  With headroom the batch grows into that room: at this load the cap costs nothing, and
+  a surge's first window finds it open.
 - No knob helps a TPOT missed while requests queue: a larger batch lengthens every step,
   a smaller one lengthens the queue; so pods only. With nothing queued, smaller prefill
   chunks (then fewer rows) shorten the steps. Either way the pods scale with how far
@@ -71,9 +77,15 @@ class Symptoms:
     tpot_tight: str | None
     queueing: bool
     headroom: bool  # every stated p99 under (1 - band) x its target, no queue, rows known
+    # what the batch may multiply by while TPOT's p99 stays within (1 - band) x its
+    # target (a step grows at most in proportion to its rows); 1 where TPOT is unstated,
+    # unmeasured or tight
+    tpot_room: float = 1.0
+    # what the batch multiplies by to hold the queue beside the rows in flight
+    queue_room: float = 1.0
 
     @classmethod
-    def of(cls, window: Window, goal: Goal) -> Symptoms:
+    def of(cls, window: Window, goal: Goal, batch: int) -> Symptoms:
         s, slo = window.signals, goal.slo
         kv = None
         if s.kv_usage is not None and s.kv_usage >= slo.kv_high_watermark:
@@ -102,7 +114,11 @@ class Symptoms:
         if tpot is not None and tpot >= room * slo.stated["tpot"]:
             target = ms(slo.stated["tpot"])
             tpot_tight = f"tpot p99 {ms(tpot)} past {room:.0%} of its target {target}"
-        return cls(kv, missed, tpot_missed, tpot_tight, queueing, headroom)
+        tpot_room = 1.0
+        if tpot is not None and tpot > 0 and tpot_tight is None:
+            tpot_room = room * slo.stated["tpot"] / tpot
+        queue_room = 1 + window.backlog / (window.pods * batch)
+        return cls(kv, missed, tpot_missed, tpot_tight, queueing, headroom, tpot_room, queue_room)
 
 
 Knob = Literal["max_batch_size", "prefill_token_budget"]
@@ -114,10 +130,12 @@ class Move:
     bounds: up for a factor over 1, down for one under."""
 
     knob: Knob
-    factor: Callable[[PolicyParams], float]
+    factor: Callable[[PolicyParams, Symptoms], float]
 
-    def apply(self, config: BatchingConfig, goal: Goal) -> BatchingConfig:
-        b, factor = goal.bounds, self.factor(goal.params)
+    def apply(self, config: BatchingConfig, goal: Goal, y: Symptoms) -> BatchingConfig:
+        b, factor = goal.bounds, self.factor(goal.params, y)
+        if factor == 1:
+            return config
         low, high = {
             "max_batch_size": (b.min_batch, b.max_batch),
             "prefill_token_budget": (b.min_prefill_budget, b.max_prefill_budget),
@@ -209,10 +227,13 @@ class Row:
     spent: str = ""  # what the reason names where the row adds pods
 
 
-BATCH_CUT_KV = Move("max_batch_size", lambda p: p.kv_cut_factor)
-BATCH_GROWTH = Move("max_batch_size", lambda p: p.capacity_factor)
-BUDGET_CUT = Move("prefill_token_budget", lambda p: p.budget_cut)
-BATCH_BACKOFF = Move("max_batch_size", lambda p: p.backoff_factor)
+BATCH_CUT_KV = Move("max_batch_size", lambda p, y: p.kv_cut_factor)
+BATCH_GROWTH = Move(
+    "max_batch_size", lambda p, y: max(p.capacity_factor, min(y.queue_room, y.tpot_room))
+)
+BATCH_INTO_ROOM = Move("max_batch_size", lambda p, y: y.tpot_room)
+BUDGET_CUT = Move("prefill_token_budget", lambda p, y: p.budget_cut)
+BATCH_BACKOFF = Move("max_batch_size", lambda p, y: p.backoff_factor)
 
 TABLE: tuple[Row, ...] = (
     Row(
@@ -247,7 +268,7 @@ TABLE: tuple[Row, ...] = (
             "every p99 with headroom, no queue: the pods that carry the decode rows in "
             f"flight within {SCALE_IN_UTILISATION:.0%} of the batch each"
         ),
-        (), carrying_rows,
+        (BATCH_INTO_ROOM,), carrying_rows,
     ),
 )  # fmt: skip
 HOLD = Row("hold", lambda y: True, lambda y: "inside the band: nothing to change", (), held)
@@ -257,7 +278,7 @@ def apply(
     row: Row, window: Window, y: Symptoms, current: BatchingConfig, goal: Goal
 ) -> tuple[BatchingConfig, int]:
     """The row's knobs (the first of its moves that moves one) and pods."""
-    tried = (move.apply(current, goal) for move in row.moves)
+    tried = (move.apply(current, goal, y) for move in row.moves)
     moved = next((c for c in tried if c != current), current)
     if row.no_wait:
         moved = replace(moved, batch_timeout_ms=goal.bounds.min_timeout_ms)
@@ -266,7 +287,7 @@ def apply(
 
 def step(window: Window, current: BatchingConfig, goal: Goal) -> Sizing:
     """The first row of `TABLE` that matches the window (else `HOLD`), applied."""
-    symptoms = Symptoms.of(window, goal)
+    symptoms = Symptoms.of(window, goal, current.max_batch_size)
     row = next((r for r in TABLE if r.when(symptoms)), HOLD)
     config, pods = apply(row, window, symptoms, current, goal)
     pods_text = "" if window.fleet is None else f", {pods} pod(s)"

@@ -13,11 +13,15 @@ as three points (window.py) and the step model `step(rows, prefill, kv)`:
    `x = min(G, lam * mean P * step)`, KV tokens per step `R * (mean P + mean O / 2)`;
    `step` is the fixed point of the three. The pod's capacity `mu` is the same with all
    B slots busy: `B / slot_s`; `rho = lam / mu`.
-2. The wait for a slot: B servers, Sakasegawa's approximation of the chance to wait,
-   `rho ** (sqrt(2 (B + 1)) - 1)`, and an exponential wait with rate
-   `B (1 - rho) / slot_s` after it, its mean scaled by Allen-Cunneen's `(1 + cv^2) / 2`
-   (cv: the spread of the steps a request holds its slot; Poisson arrivals). At
-   `rho >= 1` the queue never drains: every TTFT and end-to-end target is missed.
+2. The wait for a slot: the chance that all B slots are held, from the birth-death
+   chain of the requests a pod holds, where with n held the steps are those of n
+   slots' rows (a pod's steps lengthen with its rows, so a pod holding a third of its
+   slots at this load almost never fills them, though at the full step's pace it would
+   be two thirds busy: a fixed-speed formula such as Sakasegawa's called that a queue);
+   past B, an exponential wait with rate `B (1 - rho) / slot_s` (slot_s at the full
+   step), its mean scaled by Allen-Cunneen's `(1 + cv^2) / 2` (cv: the spread of the
+   steps a request holds its slot; Poisson arrivals). At `rho >= 1` the queue never
+   drains: every TTFT and end-to-end target is missed.
 3. The backlog: the requests that wait now drain at `mu - lam` per pod; those arriving
    meanwhile (a share `f` of the window's) wait on top up to that drain time (taken as
    uniform).
@@ -49,6 +53,7 @@ mode from the measured crossover map instead.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -132,7 +137,8 @@ class _Queue:
     lam: float
     mu: float
     slots: int
-    slot_s: float
+    slot_s: float  # the time a request holds its slot with every slot held
+    p_wait: float  # the chance that every slot is held (`_chance_to_wait`)
     wait_scale: float  # Allen-Cunneen: (1 + the slot time's squared CV) / 2
     backlog_s: float  # the backlog's drain time
     backlog_share: float  # the share of requests that meet it
@@ -157,9 +163,8 @@ class _Queue:
             return 1.0
         if rho <= 0:
             return 0.0
-        p_wait = rho ** (math.sqrt(2 * (self.slots + 1)) - 1)
         rate = self.slots * (1 - rho) / (self.slot_s * self.wait_scale)
-        return p_wait * math.exp(-rate * t)
+        return self.p_wait * math.exp(-rate * t)
 
     def tail(self, t: float) -> float:
         """P(slot wait, with the backlog's share, > t)."""
@@ -337,6 +342,14 @@ def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
     step, rows, prefill = settle(False)
     full_step, _, _ = settle(True)
     mu = slots / (hold * full_step)
+
+    def held_step(held: int) -> float:
+        """The step with `held` slots held (their decoding share as rows), beside the
+        load's prompt tokens."""
+        busy_rows = held * decoding
+        return max(1e-9, _step_s(model, busy_rows, prefill, busy_rows * kv_row, k))
+
+    p_wait = _chance_to_wait(lam, slots, hold, held_step)
     spare = mu - lam
     backlog = window.backlog / max(1, c.replicas)
     drain_s = backlog / spare if spare > 0 and backlog > 0 else 0.0
@@ -349,8 +362,7 @@ def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
     spike = max(0.0, min(float(budget), prompts[-1][1]) - prefill) * model.per_prefill_s
     # a spike delays a speculating row's step once: spread over its tokens, not its steps
     tpot = tuple(
-        step / gain
-        + spike * (1 - math.exp(-lam * max(1.0, o - 1) / gain * step)) / max(1.0, o - 1)
+        step / gain + spike * (1 - math.exp(-lam * max(1.0, o - 1) / gain * step)) / max(1.0, o - 1)
         for _, o in outputs
     )
     tail = TpotTail.of(
@@ -371,9 +383,28 @@ def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
     weights = [wo * wp for (wo, _) in outputs for (wp, _) in prompts]
     cv2 = sum(w * (h - hold) ** 2 for w, h in zip(weights, held, strict=True)) / hold**2
     return _Queue(
-        lam, mu, slots, hold * step, (1 + cv2) / 2, drain_s, share, prompts, ttft_svc,
+        lam, mu, slots, hold * full_step, p_wait, (1 + cv2) / 2, drain_s, share, prompts, ttft_svc,
         outputs, tpot, tail, step, rows,
     )  # fmt: skip
+
+
+def _chance_to_wait(lam: float, slots: int, hold: float, step_at: Callable[[int], float]) -> float:
+    """P(every slot is held) in the birth-death chain of the requests a pod holds: arrivals
+    at `lam`, and with n of its `slots` held each finishes after `hold` steps of
+    `step_at(n)`, so the chain leaves n at `n / (hold x step_at(n))`: the steps lengthen
+    with the slots held, as the pod's do. Past `slots` the chain is geometric at
+    rho = lam / mu."""
+    log_pi, logs = 0.0, [0.0]
+    for n in range(1, slots + 1):
+        log_pi += math.log(lam * hold * step_at(n) / n) if lam > 0 else -math.inf
+        logs.append(log_pi)
+    rho = lam * hold * step_at(slots) / slots
+    if rho >= 1:
+        return 1.0
+    top = max(logs)
+    weights = [math.exp(v - top) for v in logs]
+    full = weights[slots] / (1 - rho)
+    return full / (sum(weights[:slots]) + full)
 
 
 def _poisson(mean: float) -> tuple[np.ndarray, np.ndarray]:

@@ -16,7 +16,14 @@ negative cost is noise on a flat curve): every subset of the terms is solved and
 best fit whose coefficients are all non-negative wins, which is the exact
 non-negative least-squares answer for four terms. A term whose input did not vary
 across the points (a steady prompt mix) cannot be told from the fixed cost and is left
-out; the reason names the terms the fit used.
+out; the reason names the terms the fit used. Two terms whose inputs moved together
+across the points cannot be told apart either: a window's decode rows and prompt tokens per
+step both grow with its load, in the ratio of its workload's output to prompt lengths, and
+a fit that prices them apart splits one cost between them by chance (the code workload's
+windows priced a prompt token anywhere from 0 to 390 us, and its TTFT with it). Where
+they correlate by `TOGETHER` or more they are priced as one: a decode row and a prompt
+token are each one token through the same weights in one forward (attention, which
+differs, is the KV term).
 
 Points are kept per fleet size, like the old capacity line: where pods share hosts a
 pod's speed depends on how many run. The fit is *trusted* once it goes through
@@ -38,6 +45,7 @@ MAX_POINTS = 24  # per band of rows and prompt tokens, over a few fleet sizes
 TRUSTED_POINTS = 4  # windows a trusted fit goes through
 MIN_SPREAD = 1.5  # the most decode rows seen must be this many times the fewest
 VARIES = 0.1  # an input varies when its spread is at least this share of its mean
+TOGETHER = 0.9  # rows and prompt tokens correlating this much are priced as one token
 TERMS = ("rows", "prefill", "kv")
 NOISE = 1e-9  # relative to the largest step: a coefficient this negative is rounding
 
@@ -123,12 +131,13 @@ class StepModel:
     rms_error: float = 0.0  # seconds, over the points
     scope: str = ""  # empty: this fleet size's points; else which sizes' points
     flat: tuple[str, ...] = ()  # the terms whose input did not vary across the points
+    together: bool = False  # rows and prompt tokens moved together: one price per token
     max_rows: float = 0.0  # the most decode rows a step of the points held
 
     @property
     def form(self) -> tuple[str, ...]:
         """What makes two fits the same model: the points' scope and the terms used."""
-        return (self.scope, *self.used)
+        return (self.scope, *self.used, *(("together",) if self.together else ()))
 
     def step_s(self, rows: float, prefill: float, kv: float) -> float:
         return (
@@ -140,8 +149,13 @@ class StepModel:
         parts = [f"{self.fixed_s * 1000:.2f} ms"]
         names = {"rows": "row", "prefill": "prompt token", "kv": "KV token"}
         values = {"rows": self.per_row_s, "prefill": self.per_prefill_s, "kv": self.per_kv_s}
+        if self.together:
+            names["rows"] = "token (rows and prompt tokens moved together)"
         parts += [f"{values[t] * 1e6:.2f} us/{names[t]}" for t in TERMS if t in self.used]
-        free = [t for t in TERMS if t not in self.used and t not in self.flat]
+        free = [
+            t for t in TERMS
+            if t not in self.used and t not in self.flat and not (self.together and t == "prefill")
+        ]  # fmt: skip
         left = f"; {', '.join(self.flat)} did not vary" if self.flat else ""
         left += f"; {', '.join(free)} cost nothing measurable" if free else ""
         scope = f" {self.scope}" if self.scope else ""
@@ -153,11 +167,16 @@ def fit(points: Sequence[StepPoint]) -> StepModel | None:
     if len(points) < 2:
         return None
     x = np.array([p.inputs() for p in points], dtype=float)
+    rows = x[:, 0].copy()
     y = np.array([p.step_s for p in points], dtype=float)
     varied = [
         i for i in range(len(TERMS))
         if np.ptp(x[:, i]) > VARIES * max(abs(float(np.mean(x[:, i]))), 1e-12)
     ]  # fmt: skip
+    together = 0 in varied and 1 in varied and np.corrcoef(x[:, 0], x[:, 1])[0, 1] >= TOGETHER
+    if together:  # one column of tokens, priced once (see the module docstring)
+        x[:, 0] += x[:, 1]
+        varied.remove(1)
     best: tuple[float, np.ndarray, tuple[int, ...]] | None = None
     for size in range(len(varied), -1, -1):
         for subset in itertools.combinations(varied, size):
@@ -178,7 +197,8 @@ def fit(points: Sequence[StepPoint]) -> StepModel | None:
     values = [0.0, 0.0, 0.0]
     for i, c in zip(subset, coef[1:], strict=True):
         values[i] = float(c)
-    rows = x[:, 0]
+    if together:
+        values[1] = values[0]
     spread = float(np.min(rows)) > 0 and float(np.max(rows)) >= MIN_SPREAD * float(np.min(rows))
     return StepModel(
         fixed_s=float(coef[0]),
@@ -189,6 +209,9 @@ def fit(points: Sequence[StepPoint]) -> StepModel | None:
         used=tuple(TERMS[i] for i in subset),
         trusted=len(points) >= TRUSTED_POINTS and spread,
         rms_error=math.sqrt(sse / len(points)),
-        flat=tuple(TERMS[i] for i in range(len(TERMS)) if i not in varied),
+        flat=tuple(
+            TERMS[i] for i in range(len(TERMS)) if i not in varied and not (together and i == 1)
+        ),
+        together=together,
         max_rows=float(np.max(rows)),
     )

@@ -182,13 +182,38 @@ CASES = [
     # served 20: (30 + 40 / 30) / (0.8 x 20) -> two pods, beside the larger batch
     Case(
         "a queue within the SLO with TPOT tight: a larger batch and the pods that carry it",
-        {"tpot_p99_s": 0.018, "ttft_p99_s": 0.1, "queue_wait_p99_s": 0.1, "waiting": 40.0,
-         "arrival_rate": 30.0},
+        {
+            "tpot_p99_s": 0.018,
+            "ttft_p99_s": 0.1,
+            "queue_wait_p99_s": 0.1,
+            "waiting": 40.0,
+            "arrival_rate": 30.0,
+        },
         "queueing",
         12,
         timeout=0.0,
         pods=2,
         slo=TPOT,
+    ),
+    # TPOT 5 ms against 20: a step may grow 0.8 x 20 / 5 = 3.2x before it passes 80 %
+    # of its target; the rows hold no queue, so the cap costs nothing at this load and
+    # carries a surge's first window: 8 -> 26
+    Case(
+        "headroom with TPOT to spare grows the batch into its room",
+        {"tpot_p99_s": 0.005, "ttft_p99_s": 0.1, "mean_batch_size": 2.0},
+        "headroom",
+        26,
+        slo=TPOT,
+    ),
+    # 40 wait beside the 8 rows in flight: 6x the batch holds them, TPOT's room (4 ms
+    # against 20: 0.8 x 20 / 4 = 4x) allows 4x: 32, one pod carries the load at it
+    Case(
+        "queueing with TPOT to spare grows the batch to the queue, within TPOT's room",
+        {"ttft_p99_s": 2.0, "queue_wait_p99_s": 1.8, "tpot_p99_s": 0.004, "waiting": 40.0},
+        "queueing",
+        32,
+        timeout=0.0,
+        slo=Slo(ttft_s=0.5, tpot_s=0.02),
     ),
     Case(
         "headroom without rows to size by holds the pods",

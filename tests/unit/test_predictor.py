@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from batchpilot_operator.policy.predictor import Candidate, predict, predict_config
+from batchpilot_operator.policy.predictor import Candidate, _queue, predict, predict_config
 from batchpilot_operator.policy.step_model import fit
 from batchpilot_operator.policy.types import ReplicaState
 from batchpilot_operator.policy.window import Window
@@ -86,3 +86,19 @@ def test_predictions_are_sane_and_more_pods_never_hurt(
     assert one.tpot_p99_s > 0 and one.ttft_p99_s > 0
     assert more.ttft_p99_s <= one.ttft_p99_s * (1 + 1e-9)
     assert more.attainment >= one.attainment - 1e-9
+
+
+def test_the_chance_to_wait_follows_the_slots_a_pod_holds_at_its_load() -> None:
+    # The steps lengthen with the rows: at 8 req/s a pod holds about 12 of its 64 slots,
+    # though at the full step's pace it would be 0.68 busy; it all but never fills them.
+    # Near its capacity it fills them often, and past it every request waits.
+    def queue(rate: float):
+        w = Window.of(window(rate), SLO, None, None, ReplicaState())
+        q = _queue(w, MODEL, Candidate(64, 0.0, 1024, 1))
+        assert q is not None
+        return q
+
+    light, near, past = queue(8.0), queue(11.0), queue(12.0)
+    assert light.rho > 0.6 and light.rows < 64 / 4 and light.p_wait < 1e-6
+    assert 0.01 < near.p_wait < 1 and near.rows > light.rows
+    assert past.rho >= 1 and past.wait_tail(10.0) == 1.0

@@ -85,3 +85,26 @@ def test_a_window_gives_its_mean_step_and_bands_keep_one_point_each() -> None:
             many = remember(many, StepPoint(rows, 10, 10, 0.01, pods))
     assert len(many) == MAX_POINTS
     assert {p.pods for p in of_fleet(many, 3)} == {3}
+
+
+def test_rows_and_prompt_tokens_that_move_together_are_priced_as_one_token() -> None:
+    # A load rising through one workload: prompt tokens a step a steady share of the rows
+    # (code's windows: 0.35-0.41 of them), every token at 200 us. Priced apart, the split
+    # between rows and prompt tokens is any the noise picks; priced as one, a prompt's
+    # cost (its TTFT) is the token's.
+    share = (0.35, 0.39, 0.34, 0.36, 0.41)
+    rising = [
+        StepPoint(r, s * r, 0.0, 0.0015 + 0.0002 * (r + s * r), 1)
+        for r, s in zip((2, 3, 4, 9, 17), share, strict=True)
+    ]
+    model = fit(rising)
+    assert model is not None and model.together and model.trusted
+    assert model.per_row_s == model.per_prefill_s == pytest.approx(0.0002, rel=1e-6)
+    assert model.step_s(1, 300, 0) == pytest.approx(0.0015 + 0.0002 * 301, rel=1e-6)
+    assert "us/token (rows and prompt tokens moved together)" in model.describe()
+    assert "prefill" not in model.describe()
+
+
+def test_rows_and_prompt_tokens_that_vary_apart_keep_their_own_prices() -> None:
+    model = fit(points())
+    assert model is not None and not model.together
