@@ -500,10 +500,11 @@ def predict_config(
 ) -> Prediction | None:
     """What the rule predicts for `config` on `replicas` pods at this window's demand,
     with the step model fitted through `points` (the rule's memory: `PolicyMemory.points`)
-    at the window's fleet size; None without a fit or lengths. For comparing predicted
+    at the window's fleet size; None without a trusted fit (the rule steps by its
+    fallback until then) or lengths. For comparing predicted
     against measured per window (bench/tuner.py)."""
     model = fit_for(points, signals.pods)
-    if model is None:
+    if model is None or not model.trusted:
         return None
     window = replace(
         Window.of(signals, slo, None, None, ReplicaState()),

@@ -66,6 +66,8 @@ def test_predict_config_needs_a_fit_at_the_windows_fleet_size() -> None:
     assert got is not None and got.candidate.replicas == 3
     assert got.ttft_p99_s == predicted(10.0, pods=3).ttft_p99_s
     assert predict_config(window(10.0, pods=2), config, 3, SLO, points(pods=1)) is None
+    # two windows fit a plane the rule does not trust yet: no prediction to judge it by
+    assert predict_config(window(10.0, pods=1), config, 3, SLO, points(pods=1)[:2]) is None
     no_lengths = window(10.0, output_tokens_p50=None, output_tokens_p90=None,
                         output_tokens_p99=None, tokens_per_s=0.0)  # fmt: skip
     assert predict_config(no_lengths, config, 1, SLO, points()) is None
