@@ -41,6 +41,12 @@ order, first match wins, and `HOLD` where none matches:
   x the share of the window its pods step) at most `SCALE_IN_UTILISATION` of the batch
   each, never more than the fleet has.
 
+- Every row's knobs, `hold`'s too, carry speculative decoding's k as data, not a row:
+  `speculation.draft_length`, the shortest k within 5 % of the most tokens per second a
+  row at the window's measured step, from the acceptance measured (or remembered) and the
+  step fit's price of a token, trusted or not (a draft token is computed as a prompt
+  token); the k in force where either is unknown. The reason says the rates where k moves.
+
 The replica stabilization (replicas.py) decides when the fleet moves to the pods a row
 names.
 """
@@ -55,6 +61,8 @@ from typing import Literal
 from batchpilot_operator.policy.reasons import action_of, knob_change, ms
 from batchpilot_operator.policy.replicas import Need
 from batchpilot_operator.policy.sizing import Sizing
+from batchpilot_operator.policy.speculation import Draft, draft_length
+from batchpilot_operator.policy.step_model import StepModel, point_of
 from batchpilot_operator.policy.types import (
     SCALE_IN_UTILISATION,
     SCALE_OUT_UTILISATION,
@@ -83,10 +91,18 @@ class Symptoms:
     tpot_room: float = 1.0
     # what the batch multiplies by to hold the queue beside the rows in flight
     queue_room: float = 1.0
+    # the k every row's knobs carry (speculation.draft_length); None: the k in force
+    draft: Draft | None = None
 
     @classmethod
-    def of(cls, window: Window, goal: Goal, batch: int) -> Symptoms:
-        s, slo = window.signals, goal.slo
+    def of(
+        cls,
+        window: Window,
+        goal: Goal,
+        current: BatchingConfig,
+        model: StepModel | None = None,
+    ) -> Symptoms:
+        s, slo, batch = window.signals, goal.slo, current.max_batch_size
         kv = None
         if s.kv_usage is not None and s.kv_usage >= slo.kv_high_watermark:
             kv = f"KV usage {s.kv_usage:.2f} >= watermark {slo.kv_high_watermark:.2f}"
@@ -118,7 +134,14 @@ class Symptoms:
         if tpot is not None and tpot > 0 and tpot_tight is None:
             tpot_room = room * slo.stated["tpot"] / tpot
         queue_room = 1 + window.backlog / (window.pods * batch)
-        return cls(kv, missed, tpot_missed, tpot_tight, queueing, headroom, tpot_room, queue_room)
+        b = goal.bounds
+        draft = draft_length(
+            window.acceptance, model, point_of(s), current.num_speculative_tokens,
+            b.min_speculative_tokens, b.max_speculative_tokens,
+        )  # fmt: skip
+        return cls(
+            kv, missed, tpot_missed, tpot_tight, queueing, headroom, tpot_room, queue_room, draft
+        )
 
 
 Knob = Literal["max_batch_size", "prefill_token_budget"]
@@ -277,23 +300,33 @@ HOLD = Row("hold", lambda y: True, lambda y: "inside the band: nothing to change
 def apply(
     row: Row, window: Window, y: Symptoms, current: BatchingConfig, goal: Goal
 ) -> tuple[BatchingConfig, int]:
-    """The row's knobs (the first of its moves that moves one) and pods."""
+    """The row's knobs (the first of its moves that moves one), k (every row's: the
+    symptoms' draft length), and pods."""
     tried = (move.apply(current, goal, y) for move in row.moves)
     moved = next((c for c in tried if c != current), current)
     if row.no_wait:
         moved = replace(moved, batch_timeout_ms=goal.bounds.min_timeout_ms)
+    if y.draft is not None:
+        moved = replace(moved, num_speculative_tokens=y.draft.k)
     return moved, row.pods(window, y, moved, current, goal)
 
 
-def step(window: Window, current: BatchingConfig, goal: Goal) -> Sizing:
-    """The first row of `TABLE` that matches the window (else `HOLD`), applied."""
-    symptoms = Symptoms.of(window, goal, current.max_batch_size)
+def step(
+    window: Window, current: BatchingConfig, goal: Goal, model: StepModel | None = None
+) -> Sizing:
+    """The first row of `TABLE` that matches the window (else `HOLD`), applied. `model`:
+    the step fit, trusted or not (it prices the draft tokens); None: none formed."""
+    symptoms = Symptoms.of(window, goal, current, model)
     row = next((r for r in TABLE if r.when(symptoms)), HOLD)
     config, pods = apply(row, window, symptoms, current, goal)
     pods_text = "" if window.fleet is None else f", {pods} pod(s)"
     if pods > _desired(window):
         pods_text = f"; {row.spent}{pods_text}"
-    reason = f"[{row.name}] {row.why(symptoms)}: {knob_change(current, config)}{pods_text}"
+    draft = symptoms.draft
+    k_text = (
+        f" ({draft.why})" if draft is not None and draft.k != current.num_speculative_tokens else ""
+    )
+    reason = f"[{row.name}] {row.why(symptoms)}: {knob_change(current, config)}{k_text}{pods_text}"
     need = None if window.fleet is None or goal.replicas is None else Need(pods, reason)
     action = "kv_guard" if row.name == "kv" and config != current else action_of(current, config)
     return Sizing(config, action, reason, need)

@@ -156,7 +156,9 @@ def _size(
         return replace(chosen, reason=f"predicted ({model.describe()}{err}): {chosen.reason}"), (
             errors
         )
-    stepped = fallback.step(window, current, goal)
+    # the fit prices the draft tokens for the fallback's k even where it is not trusted to
+    # predict the p99s: a step's cost a token is what it measured, however few its points
+    stepped = fallback.step(window, current, goal, model)
     return replace(stepped, reason=f"fallback ({why}): {stepped.reason}"), errors
 
 

@@ -11,6 +11,8 @@ import pytest
 from batchpilot_operator.policy.fallback import HOLD, TABLE, Symptoms
 from batchpilot_operator.policy.memory import PolicyMemory
 from batchpilot_operator.policy.round import decide
+from batchpilot_operator.policy.speculation import accepted_share
+from batchpilot_operator.policy.step_model import StepPoint
 from batchpilot_operator.policy.types import Bounds, Fleet, Goal, ReplicaBounds, ReplicaState
 from batchpilot_operator.policy.window import Window
 from batchpilot_operator.signals import Signals, misses_are_evidence, status_detail, traffic_status
@@ -322,3 +324,64 @@ def test_a_wait_that_is_most_of_the_ttft_is_queueing_though_long_answers_hide_it
     assert Window.of(s, chat, None, None, ReplicaState()).queueing()
     # an end-to-end SLO reads the wait against its own p99
     assert not Window.of(s, Slo(e2e_s=10.0), None, None, ReplicaState()).queueing()
+
+
+# Every row's knobs carry k (speculation.draft_length): the window's step on a plane of
+# 1.5 ms fixed and 0.2 ms a token (8 rows at k 4 beside 20 prompt tokens: 13.5 ms), the
+# fit through it untrusted (one load level: the rows did not vary) but pricing a prompt
+# token; the numbers per k are test_speculation.py's at 8 rows.
+K = 4
+SPECULATING = replace(CURRENT, num_speculative_tokens=K)
+SPEC_BOUNDS = replace(WIDE, min_speculative_tokens=0, max_speculative_tokens=K)
+
+
+def _plane_s(rows: float, prefill: float) -> float:
+    return 0.0015 + 0.0002 * (rows + prefill)
+
+
+# one point a band of prompt tokens (step_model.remember keeps one a band)
+SEEN = tuple(StepPoint(8, p, 1000, _plane_s(8, p), 1) for p in (20, 40, 100))
+
+
+def _speculating(acceptance: float | None, **values: object) -> Signals:
+    steps, rows, prefill = 1000.0, 8.0, 8.0 * K + 20
+    drafts = 100.0 if acceptance is not None else 0.0
+    accepted = drafts * accepted_share(acceptance, K) if acceptance is not None else 0.0
+    return signals(steps=steps, step_seconds=steps * _plane_s(rows, prefill),
+                   step_decode_rows=steps * rows, step_prefill_tokens=steps * prefill,
+                   step_kv_tokens=steps * 1000, spec_draft_tokens_per_s=drafts,
+                   spec_accepted_tokens_per_s=accepted, output_tokens_p50=64.0,
+                   **values)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "acceptance", "window", "row", "batch", "k"),
+    [
+        ("inside the band, free-form: no draft", 0.2, {"p99_latency_s": 0.9}, "hold", 8, 0),
+        ("inside the band, copy-heavy: a draft of 2", 0.7, {"p99_latency_s": 0.9}, "hold", 8, 2),
+        # the row's own knob moves and k with it
+        (
+            "KV full, free-form: a smaller batch and no draft",
+            0.2,
+            {"kv_usage": 0.95, "p99_latency_s": 0.1},
+            "kv",
+            6,
+            0,
+        ),
+        # no drafts verified: no acceptance measured (none remembered), k kept
+        ("no acceptance measured: k kept", None, {"p99_latency_s": 0.9}, "hold", 8, K),
+    ],
+)
+def test_every_row_carries_the_draft_length(
+    name: str, acceptance: float | None, window: dict[str, object], row: str, batch: int, k: int
+) -> None:
+    goal = Goal(E2E, SPEC_BOUNDS)
+    d = decide(_speculating(acceptance, **window), SPECULATING, goal,
+               PolicyMemory(points=SEEN))  # fmt: skip
+    assert d.reason.startswith("fallback (step fit not trusted yet") and f"[{row}]" in d.reason
+    assert (d.config.max_batch_size, d.config.num_speculative_tokens) == (batch, k), d.reason
+    if k != K:
+        assert f"k {K} -> {k} (k {k}: " in d.reason and "tokens/s a row" in d.reason
+        assert d.action == ("kv_guard" if row == "kv" else "set_speculation")
+    else:
+        assert "k " not in d.reason.split("]", 1)[1]

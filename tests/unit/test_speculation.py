@@ -14,11 +14,13 @@ from batchpilot_operator.policy.predictor import Candidate, predict, predict_con
 from batchpilot_operator.policy.round import decide
 from batchpilot_operator.policy.speculation import (
     accepted_share,
+    draft_length,
+    draft_token_s,
     measured_acceptance,
     per_token_acceptance,
     tokens_per_step,
 )
-from batchpilot_operator.policy.step_model import fit
+from batchpilot_operator.policy.step_model import StepModel, StepPoint, fit
 from batchpilot_operator.policy.types import Bounds, Goal, ReplicaState
 from batchpilot_operator.policy.window import Window
 from batchpilot_operator.signals import Signals
@@ -172,3 +174,67 @@ def test_the_chooser_decides_k_from_the_prediction(
     if action == "set_speculation":
         assert f"k {k_in_force} -> {k_chosen}" in decision.reason
     assert decision.memory.acceptance == pytest.approx(acceptance, abs=1e-6)
+
+
+# The draft length from measured quantities: a step of 1.5 ms fixed and 0.2 ms a token
+# (a row's newest and each prompt or draft token alike), k = 4 in force. A row's step at
+# k is the measured one with k - 4 draft tokens a row more: at 8 rows 13.5 ms less 1.6 ms
+# a draft token less; at 1 row 2.5 ms less 0.2 ms.
+PRICED = StepModel(fixed_s=0.0015, per_row_s=0.0002, per_prefill_s=0.0002, per_kv_s=0.0,
+                   points=3, used=("prefill",), trusted=False, flat=("rows", "kv"))  # fmt: skip
+BUSY = StepPoint(rows=8, prefill=8 * K + 20, kv=1000, step_s=0.0015 + 0.0002 * (8 + 8 * K + 20))
+IDLE = StepPoint(rows=1, prefill=1 * K, kv=100, step_s=0.0015 + 0.0002 * (1 + K))
+
+
+@pytest.mark.parametrize(
+    ("name", "a", "point", "low", "high", "k"),
+    [
+        # 1/7.1 ms = 141 tokens/s a row at k 0, 1.2/8.7 ms = 138 at k 1, 1.25/13.5 = 93 at 4
+        ("free-form at 8 rows: the drafts cost more than they give", 0.2, BUSY, 0, K, 0),
+        # k 2: 2.19/10.3 ms = 213, k 3: 2.53/11.9 = 213 (the most), k 1: 1.7/8.7 = 195; the
+        # shortest within 5 % of the most is k 2
+        ("copy-heavy at 8 rows: the shortest draft near the most", 0.7, BUSY, 0, K, 2),
+        # the fixed cost dominates one row's step: k 1's 1.2 tokens in 1.9 ms (632/s) beat
+        # k 0's one in 1.7 ms (588/s) by more than 5 %
+        ("free-form at one row: one draft token pays for its step", 0.2, IDLE, 0, K, 1),
+        # within the bounds: k 3 (1.248/11.9 ms = 105) over k 4 (93)
+        ("the bounds: the best k inside them", 0.2, BUSY, 3, K, 3),
+    ],
+)
+def test_the_draft_length_gives_a_row_the_most_tokens_a_second(
+    name: str, a: float, point: StepPoint, low: int, high: int, k: int
+) -> None:
+    draft = draft_length(a, PRICED, point, K, low, high)
+    assert draft.k == k, draft.why
+    assert f"acceptance {a:.2f}" in draft.why and "200 us" in draft.why
+
+
+@pytest.mark.parametrize(
+    ("name", "a", "model", "point"),
+    [
+        ("no acceptance measured", None, PRICED, BUSY),
+        ("no step fit", 0.2, None, BUSY),
+        ("no operating point", 0.2, PRICED, None),
+        (
+            "neither rows nor prompt tokens varied: no token price",
+            0.2,
+            replace(PRICED, flat=("rows", "prefill", "kv"), used=()),
+            BUSY,
+        ),
+    ],
+)
+def test_with_nothing_measured_the_draft_length_is_kept(
+    name: str, a: float | None, model: StepModel | None, point: StepPoint | None
+) -> None:
+    draft = draft_length(a, model, point, K, 0, K)
+    assert draft.k == K and draft.why == ""
+    # kept inside the bounds all the same
+    assert draft_length(a, model, point, K, 0, 2).k == 2
+
+
+def test_a_rows_price_covers_its_draft_where_prompt_tokens_did_not_vary() -> None:
+    """A row at k = 4 computes five tokens: its price over five is a draft token's."""
+    rows_only = replace(PRICED, per_row_s=0.001, per_prefill_s=0.0, used=("rows",),
+                        flat=("prefill", "kv"))  # fmt: skip
+    assert draft_token_s(rows_only, K) == pytest.approx(0.0002)
+    assert draft_token_s(PRICED, K) == pytest.approx(0.0002)
