@@ -108,11 +108,13 @@ class Symptoms:
             kv = f"KV usage {s.kv_usage:.2f} >= watermark {slo.kv_high_watermark:.2f}"
         elif s.preemption_rate > 0:
             kv = f"{s.preemption_rate:.2f} preemptions/s"
-        pressure = window.pressure()
+        bound = window.binding()
+        pressure = None if bound is None else (bound[1], bound[2])
         missed = None
-        if pressure is not None and pressure[1] > 1:
-            name = pressure[0]
-            missed = f"{name} p99 {ms(window.observed()[name])} > target {ms(slo.stated[name])}"
+        if bound is not None and bound[2] > 1:
+            view, name = bound[0], bound[1]
+            seen, target = ms(view.observed[name]), ms(view.targets[name])
+            missed = f"{view.label(name)} p99 {seen} > target {target}"
         elif pressure is None and window.misses_are_evidence():
             judged, missed_n = s.slo_judged, s.slo_missed.get("all", 0)
             missed = f"{missed_n:.0f} of {judged:.0f} judged requests missed"
@@ -125,14 +127,15 @@ class Symptoms:
             and window.mean_rows() is not None
         )
         tpot_missed = missed is not None and pressure is not None and pressure[0] == "tpot"
-        tpot, room = window.observed().get("tpot"), 1 - goal.params.band
+        # TPOT's room is the tightest class's: a longer step lengthens every class's tokens
+        tightest, room = window.tightest_tpot(), 1 - goal.params.band
+        tpot, tpot_target = tightest if tightest is not None else (None, 0.0)
         tpot_tight = None
-        if tpot is not None and tpot >= room * slo.stated["tpot"]:
-            target = ms(slo.stated["tpot"])
-            tpot_tight = f"tpot p99 {ms(tpot)} past {room:.0%} of its target {target}"
+        if tpot is not None and tpot >= room * tpot_target:
+            tpot_tight = f"tpot p99 {ms(tpot)} past {room:.0%} of its target {ms(tpot_target)}"
         tpot_room = 1.0
         if tpot is not None and tpot > 0 and tpot_tight is None:
-            tpot_room = room * slo.stated["tpot"] / tpot
+            tpot_room = room * tpot_target / tpot
         queue_room = 1 + window.backlog / (window.pods * batch)
         b = goal.bounds
         draft = draft_length(
@@ -195,7 +198,9 @@ def tpot_scaled(window: Window, goal: Goal) -> int:
     """The pods in proportion to how far TPOT's p99 is past its target, as an HPA's
     replica calculator scales on a metric: the prompts computed beside each answer's
     decode steps, which lengthen them, spread over that many more pods."""
-    ratio = window.observed()["tpot"] / goal.slo.stated["tpot"]
+    tightest = window.tightest_tpot()
+    assert tightest is not None  # TPOT missed: some view measured it
+    ratio = tightest[0] / tightest[1]
     return math.ceil(_desired(window) * ratio - 1e-9)
 
 

@@ -19,7 +19,13 @@ Pure. From the window's `Signals`, the goal and the rule's memory:
 - `queue_grows`: more than a request a pod waits at the window's end and clearly
   fewer finished than arrived: evidence, whatever the window's count of finished
   requests;
-- `has_evidence`: enough traffic to judge, or more misses judged than chance allows.
+- `has_evidence`: enough traffic to judge, or more misses judged than chance allows;
+- the SLO as judged (`views`, `binding`): where the policy states classes and the
+  window carries them, each class's own p99s against its own targets and its own
+  attainment (the default class, the top-level targets, where it had traffic), since
+  one class's long requests inflate the totals' p99 against another's target; else the
+  totals against the top-level targets. The binding view (the highest ratio) is the
+  window's pressure. `observed()` stays the totals': the predictor's view.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from batchpilot_operator.policy.types import ARRIVAL_HISTORY, Fleet, ReplicaBounds, ReplicaState
-from batchpilot_operator.signals import Signals, misses_are_evidence
+from batchpilot_operator.signals import ClassSignals, Signals, misses_are_evidence
 from batchpilot_operator.slo import Slo
+from batchpilot_server.batching_config import DEFAULT_CLASS
 
 QUEUE_SHARE = 0.5  # queue wait >= this share of a p99: queueing is half the story
 GROWTH_SHARE = 0.05  # finished under (1 - share) x arrivals: the queue grows
@@ -51,6 +58,48 @@ class Forecast:
         if self.rise_per_s <= 0:
             return f"{self.now_rps:.2f} req/s"
         return f"{self.now_rps:.2f} req/s, rising to {self.rps:.2f} req/s in {self.lead_s:.0f} s"
+
+
+@dataclass(frozen=True)
+class SloView:
+    """One SLO as the window judged it: a class's (or the totals') p99s of its stated
+    targets, those targets and its attainment objective, and the share of its judged
+    requests that met every target."""
+
+    name: str | None  # the class; None: the totals against the top-level targets
+    targets: dict[str, float]  # seconds, by short name (ttft, tpot, e2e)
+    objective: float  # the attainment to meet
+    observed: dict[str, float]  # the p99 of each target measured
+    attainment: float | None  # None: nothing judged
+
+    def pressure(self) -> tuple[str, float] | None:
+        """The target whose p99 is closest to (or furthest past) it, and that ratio; None
+        where none is measured. Where at least the objective's share of the judged
+        requests met every target the SLO holds: a p99 past its target is the allowed
+        misses, so the ratio is at most 1."""
+        ratios = {k: v / self.targets[k] for k, v in self.observed.items()}
+        if not ratios:
+            return None
+        worst = max(ratios, key=lambda k: ratios[k])
+        if self.attainment is not None and self.attainment >= self.objective:
+            return worst, min(1.0, ratios[worst])
+        return worst, ratios[worst]
+
+    def label(self, target: str) -> str:
+        """How a reason names one of its targets: `ttft`, or `class batch: e2e`."""
+        return target if self.name is None else f"class {self.name}: {target}"
+
+
+def _measured(targets: dict[str, float], ttft: float | None, tpot: float | None,
+              e2e: float | None) -> dict[str, float]:  # fmt: skip
+    values = {"ttft": ttft, "tpot": tpot, "e2e": e2e}
+    return {k: v for k, v in values.items() if k in targets and v is not None}
+
+
+def _class_view(name: str, targets: dict[str, float], objective: float,
+                seen: ClassSignals) -> SloView:  # fmt: skip
+    observed = _measured(targets, seen.ttft_p99_s, seen.tpot_p99_s, seen.p99_latency_s)
+    return SloView(name, targets, objective, observed, seen.attainment)
 
 
 @dataclass(frozen=True)
@@ -141,24 +190,49 @@ class Window:
         return self.signals.ok or self.misses_are_evidence()
 
     def observed(self) -> dict[str, float]:
-        """The window's p99 of each stated target (those measured)."""
+        """The window's total p99 of each stated top-level target (those measured): every
+        class's requests together, as the predictor sees them."""
         s = self.signals
-        values = {"ttft": s.ttft_p99_s, "tpot": s.tpot_p99_s, "e2e": s.p99_latency_s}
-        return {k: v for k, v in values.items() if k in self.slo.stated and v is not None}
+        return _measured(self.slo.stated, s.ttft_p99_s, s.tpot_p99_s, s.p99_latency_s)
+
+    def totals(self) -> SloView:
+        """The totals against the top-level targets."""
+        slo = self.slo
+        return SloView(None, slo.stated, slo.attainment, self.observed(), self.signals.attainment)
+
+    def views(self) -> tuple[SloView, ...]:
+        """Each stated class the window carries (the default class, the top-level targets,
+        first), against its own targets; the totals alone where the policy states no
+        classes or the window carries none of them."""
+        seen, slo = self.signals.classes, self.slo
+        stated = [(DEFAULT_CLASS, slo.stated, slo.attainment),
+                  *((c.name, c.stated, c.attainment) for c in slo.classes)]  # fmt: skip
+        views = tuple(
+            _class_view(name, targets, objective, seen[name])
+            for name, targets, objective in stated
+            if name in seen
+        )
+        return views if slo.classes and views else (self.totals(),)
+
+    def binding(self) -> tuple[SloView, str, float] | None:
+        """The view under the most pressure, its target and ratio (`SloView.pressure`);
+        the first on a tie (the default class, then the classes in order); None where no
+        view measured a p99."""
+        pressed = [(view, *p) for view in self.views() if (p := view.pressure()) is not None]
+        return max(pressed, key=lambda b: b[2]) if pressed else None
 
     def pressure(self) -> tuple[str, float] | None:
-        """The stated target whose observed p99 is closest to (or furthest past) its
-        target, and that ratio; None where none is measured. Where the pods judged the
-        window's requests and at least the objective's share met every target, the SLO
-        holds: a p99 past its target is the allowed misses, so the ratio is at most 1."""
-        ratios = {k: v / self.slo.stated[k] for k, v in self.observed().items()}
-        if not ratios:
-            return None
-        worst = max(ratios, key=lambda k: ratios[k])
-        attained = self.signals.attainment
-        if attained is not None and attained >= self.slo.attainment:
-            return worst, min(1.0, ratios[worst])
-        return worst, ratios[worst]
+        """The binding view's target and ratio (`binding`)."""
+        bound = self.binding()
+        return None if bound is None else (bound[1], bound[2])
+
+    def tightest_tpot(self) -> tuple[float, float] | None:
+        """The TPOT p99 and target of the view whose p99 is furthest into its target
+        (the attainment aside: a longer step lengthens every class's tokens); None where
+        no view states and measured TPOT."""
+        pairs = [(v.observed["tpot"], v.targets["tpot"]) for v in self.views()
+                 if "tpot" in v.observed]  # fmt: skip
+        return max(pairs, key=lambda p: p[0] / p[1]) if pairs else None
 
 
 # Lengths as (share of requests, tokens) over quantile slices, finest at the short end

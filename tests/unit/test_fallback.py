@@ -15,8 +15,14 @@ from batchpilot_operator.policy.speculation import accepted_share
 from batchpilot_operator.policy.step_model import StepPoint
 from batchpilot_operator.policy.types import Bounds, Fleet, Goal, ReplicaBounds, ReplicaState
 from batchpilot_operator.policy.window import Window
-from batchpilot_operator.signals import Signals, misses_are_evidence, status_detail, traffic_status
-from batchpilot_operator.slo import Slo
+from batchpilot_operator.signals import (
+    ClassSignals,
+    Signals,
+    misses_are_evidence,
+    status_detail,
+    traffic_status,
+)
+from batchpilot_operator.slo import Slo, SloClass
 from batchpilot_server.batching_config import BatchingConfig
 
 E2E = Slo(e2e_s=1.0)
@@ -26,6 +32,23 @@ NARROW = Bounds(8, 8, 0.0, 200.0, min_prefill_budget=256, max_prefill_budget=409
 FLEET = ReplicaBounds(1, 4, scale_down_stabilization_s=0.0)
 CURRENT = BatchingConfig(max_batch_size=8, batch_timeout_ms=10.0, prefill_token_budget=2048)
 AT_FLOOR = replace(CURRENT, prefill_token_budget=256)
+# bench/slo_classes.py's shape: chat (TTFT 1 s, TPOT 20 ms) beside long prompts judged
+# end to end; the top-level targets are the interactive class's.
+INTERACTIVE = SloClass("interactive", 10, ttft_s=1.0, tpot_s=0.02)
+BATCH = SloClass("batch", 0, e2e_s=300.0)
+CLASSES = Slo(ttft_s=1.0, tpot_s=0.02, classes=(INTERACTIVE, BATCH))
+
+
+def seen(name: str, judged: float, met: float, **p99s: float) -> ClassSignals:
+    return ClassSignals(name, slo_judged=judged, slo_met=met, **p99s)  # type: ignore[arg-type]
+
+
+# The interactive class within its targets (TPOT 16 ms: at 80 % of 20, no room to grow),
+# the batch one well within 300 s, while the batch prompts' prefill puts the totals'
+# TTFT p99 at 5 s: five times the interactive target no class misses.
+CHAT_OK = seen("interactive", 580, 580, ttft_p99_s=0.7, tpot_p99_s=0.016)
+BATCH_OK = seen("batch", 20, 20, p99_latency_s=40.0)
+INFLATED = {"ttft_p99_s": 5.0, "tpot_p99_s": 0.016, "p99_latency_s": 40.0}
 
 
 def signals(**values: object) -> Signals:
@@ -47,6 +70,7 @@ class Case:
     bounds: Bounds = WIDE
     current: BatchingConfig = CURRENT
     extra: dict[str, object] = field(default_factory=dict)
+    says: str = ""  # what the reason must say (the binding class's miss)
 
 
 # Why each row gives what it gives: the batch 8 in force moves by the row's factor
@@ -231,7 +255,90 @@ CASES = [
         8,
         slo=Slo(tpot_s=0.02, attainment=0.95),
     ),
-]
+    # SLO classes: each class's p99s against its own targets, the highest ratio binding.
+    Case(
+        "the batch class inflates the totals' TTFT, no class misses: hold",
+        {**INFLATED, "classes": {"interactive": CHAT_OK, "batch": BATCH_OK}},
+        "hold",
+        8,
+        slo=CLASSES,
+    ),
+    Case(
+        "without classes stated the totals' TTFT is the miss, as before",
+        {**INFLATED, "classes": {"interactive": CHAT_OK, "batch": BATCH_OK}},
+        "running",
+        8,
+        budget=512,
+        slo=Slo(ttft_s=1.0, tpot_s=0.02),
+        says="[running] ttft p99 5000 ms > target 1000 ms",
+    ),
+    Case(
+        "classes stated but none in the window: the totals, as before",
+        INFLATED,
+        "running",
+        8,
+        budget=512,
+        slo=CLASSES,
+        says="[running] ttft p99 5000 ms > target 1000 ms",
+    ),
+    Case(
+        "the interactive class misses TTFT while requests queue: queueing names it",
+        {**INFLATED, "queue_wait_p99_s": 3.0, "classes": {
+            "interactive": seen("interactive", 580, 500, ttft_p99_s=1.4, tpot_p99_s=0.012),
+            "batch": BATCH_OK}},
+        "queueing",
+        12,
+        timeout=0.0,
+        slo=CLASSES,
+        says="[queueing] class interactive: ttft p99 1400 ms > target 1000 ms",
+    ),
+    Case(
+        "a class past its p99 with its own attainment met holds",
+        {**INFLATED, "classes": {
+            "interactive": seen("interactive", 580, 578, ttft_p99_s=1.3, tpot_p99_s=0.016),
+            "batch": BATCH_OK}},
+        "hold",
+        8,
+        slo=CLASSES,
+    ),
+    # The totals' p99s are within the top-level targets (which state no end to end):
+    # only the batch class's own e2e shows its miss.
+    Case(
+        "the batch class misses its end to end while the totals hold: running names it",
+        {"ttft_p99_s": 0.7, "tpot_p99_s": 0.012, "p99_latency_s": 400.0, "classes": {
+            "interactive": seen("interactive", 580, 580, ttft_p99_s=0.7, tpot_p99_s=0.012),
+            "batch": seen("batch", 20, 10, p99_latency_s=400.0)}},
+        "running",
+        8,
+        budget=512,
+        slo=CLASSES,
+        says="class batch: e2e p99 400000 ms > target 300000 ms",
+    ),
+    # interactive TPOT 1.5x its target, batch e2e 2x: the batch class binds, so the row
+    # cuts the budget and adds no TPOT-scaled pods (interactive binding would give 2)
+    Case(
+        "two classes missing: the furthest past its target binds",
+        {**INFLATED, "classes": {
+            "interactive": seen("interactive", 580, 400, ttft_p99_s=0.7, tpot_p99_s=0.03),
+            "batch": seen("batch", 20, 10, p99_latency_s=600.0)}},
+        "running",
+        8,
+        budget=512,
+        slo=CLASSES,
+        says="class batch: e2e p99 600000 ms",
+    ),
+    Case(
+        "the default class's requests judged against the top-level targets",
+        {**INFLATED, "classes": {
+            "default": seen("default", 100, 50, ttft_p99_s=2.0, tpot_p99_s=0.012),
+            "interactive": CHAT_OK, "batch": BATCH_OK}},
+        "running",
+        8,
+        budget=512,
+        slo=CLASSES,
+        says="class default: ttft p99 2000 ms > target 1000 ms",
+    ),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -243,6 +350,7 @@ def test_the_fallback_table(case: Case) -> None:
     assert d.reason.startswith("fallback (") and f"[{case.row}]" in d.reason
     got = (d.config.max_batch_size, d.config.batch_timeout_ms, d.config.prefill_token_budget)
     assert got == (case.batch, case.timeout, case.budget), d.reason
+    assert case.says in d.reason, d.reason
     assert d.scale is not None and f", {case.pods} pod(s)" in d.reason
     assert d.scale.replicas == case.pods, d.scale.reason
 
