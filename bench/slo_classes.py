@@ -20,8 +20,10 @@ against separate (their ratio: separate / shared). Targets: each share
 >= 0.95, ratio >= 1.3, <= 1 interactive window missed in the burst, no batch request
 lost, none refused.
 
-The tuner is not class-aware yet: it tunes on the totals (every class's requests
-together, the top-level targets), and the classes only order service in the pods.
+The tuner's window reads the classes (docs/tuning.md "SLO classes"): the fallback
+table's pressure is the binding class's, each class's p99s against its own targets.
+The predicted choice is still on the totals (every class's lengths together, judged
+against the top-level targets): the signals carry no lengths per class.
 
 Writes the `slo-classes` section of docs/benchmarks.md (full mode only); prints one JSON
 line last.
@@ -307,10 +309,12 @@ def markdown(
         f"run). Every pool tuned by the tuning loop (knobs and 1..{llm.MAX_REPLICAS} "
         "replicas, bench/tuner_llm.py's options).",
         "",
-        "**The tuner is not class-aware yet**: it tunes on the totals (every class's "
-        "requests, the top-level targets); the classes only order service in the pods "
-        "(priority first, the age bound). Replica-seconds are counted over the load, not "
-        "the drain. Steady windows: those after the first "
+        "**The tuner is class-aware in part**: the fallback table reads the binding "
+        "class's pressure (each class's p99s against its own targets); the predicted "
+        "choice is still on the totals (every class's lengths, judged against the "
+        "top-level targets: the signals carry no lengths per class). The pods order "
+        "service by class (priority first, the age bound). Replica-seconds are counted "
+        "over the load, not the drain. Steady windows: those after the first "
         f"{llm.WARMUP_INTERVALS} ({CADENCE.interval_s:g} s each) that judged a request of "
         "the class. Misses by target: the class's requests that missed each target in "
         "those windows. Every pool keeps at least one pod (the tuner's lower bound), so "
