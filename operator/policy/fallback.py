@@ -129,10 +129,11 @@ class Symptoms:
         tpot_missed = missed is not None and pressure is not None and pressure[0] == "tpot"
         # TPOT's room is the tightest class's: a longer step lengthens every class's tokens
         tightest, room = window.tightest_tpot(), 1 - goal.params.band
-        tpot, tpot_target = tightest if tightest is not None else (None, 0.0)
+        label, tpot, tpot_target = tightest if tightest is not None else ("tpot", None, 0.0)
         tpot_tight = None
         if tpot is not None and tpot >= room * tpot_target:
-            tpot_tight = f"tpot p99 {ms(tpot)} past {room:.0%} of its target {ms(tpot_target)}"
+            target = ms(tpot_target)
+            tpot_tight = f"{label} p99 {ms(tpot)} past {room:.0%} of its target {target}"
         tpot_room = 1.0
         if tpot is not None and tpot > 0 and tpot_tight is None:
             tpot_room = room * tpot_target / tpot
@@ -200,7 +201,7 @@ def tpot_scaled(window: Window, goal: Goal) -> int:
     decode steps, which lengthen them, spread over that many more pods."""
     tightest = window.tightest_tpot()
     assert tightest is not None  # TPOT missed: some view measured it
-    ratio = tightest[0] / tightest[1]
+    ratio = tightest[1] / tightest[2]
     return math.ceil(_desired(window) * ratio - 1e-9)
 
 

@@ -226,13 +226,13 @@ class Window:
         bound = self.binding()
         return None if bound is None else (bound[1], bound[2])
 
-    def tightest_tpot(self) -> tuple[float, float] | None:
-        """The TPOT p99 and target of the view whose p99 is furthest into its target
-        (the attainment aside: a longer step lengthens every class's tokens); None where
-        no view states and measured TPOT."""
-        pairs = [(v.observed["tpot"], v.targets["tpot"]) for v in self.views()
+    def tightest_tpot(self) -> tuple[str, float, float] | None:
+        """How a reason names it, the TPOT p99 and the target of the view whose p99 is
+        furthest into its target (the attainment aside: a longer step lengthens every
+        class's tokens); None where no view states and measured TPOT."""
+        tpots = [(v.label("tpot"), v.observed["tpot"], v.targets["tpot"]) for v in self.views()
                  if "tpot" in v.observed]  # fmt: skip
-        return max(pairs, key=lambda p: p[0] / p[1]) if pairs else None
+        return max(tpots, key=lambda t: t[1] / t[2]) if tpots else None
 
 
 # Lengths as (share of requests, tokens) over quantile slices, finest at the short end

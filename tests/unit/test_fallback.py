@@ -327,6 +327,21 @@ CASES = [
         slo=CLASSES,
         says="class batch: e2e p99 600000 ms",
     ),
+    # The interactive class's TPOT (18 ms) past 80 % of its 20 ms while the totals' (10
+    # ms) has room: the steps may not lengthen, so the queue takes pods as well as the
+    # batch (no growth credit: 20 finished, 0.8 x 20 a pod -> two), not `filling`'s one
+    Case(
+        "a queue with the interactive class's TPOT tight though the totals' has room",
+        {**INFLATED, "tpot_p99_s": 0.010, "queue_wait_p99_s": 3.0, "classes": {
+            "interactive": seen("interactive", 580, 580, ttft_p99_s=0.7, tpot_p99_s=0.018),
+            "batch": BATCH_OK}},
+        "queueing",
+        12,
+        timeout=0.0,
+        pods=2,
+        slo=CLASSES,
+        says="class interactive: tpot p99 18 ms past 80% of its target 20 ms",
+    ),
     Case(
         "the default class's requests judged against the top-level targets",
         {**INFLATED, "classes": {
