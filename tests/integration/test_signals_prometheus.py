@@ -66,8 +66,11 @@ async def test_p99_agrees_with_the_load_generator_and_the_tuner_rides_out_an_out
                     )
                 )
                 assert report.ok >= 100, report.errors_by_status
-                measured = report.latency_s["p99"]
-                assert measured is not None
+                # The p99 as histogram_quantile ranks it: the ceil(0.99 n)-th smallest
+                # (the load generator's interpolated p99 sits a rank lower, which at a
+                # few hundred requests can be two buckets below where the top two land)
+                latencies = [r.latency_s for r in report.results if r.ok]
+                measured = float(np.percentile(latencies, 99, method="inverted_cdf"))
 
                 # The direct scrape sees exactly the requests that finished.
                 scraped = await scrape.read(time.monotonic() - started + 1.0)
