@@ -91,6 +91,9 @@ class Symptoms:
     tpot_room: float = 1.0
     # what the batch multiplies by to hold the queue beside the rows in flight
     queue_room: float = 1.0
+    # the tightest view's TPOT p99 over its target (`Window.tightest_tpot`); None: no
+    # view states and measured TPOT
+    tpot_ratio: float | None = None
     # the k every row's knobs carry (speculation.draft_length); None: the k in force
     draft: Draft | None = None
 
@@ -137,6 +140,7 @@ class Symptoms:
         tpot_room = 1.0
         if tpot is not None and tpot > 0 and tpot_tight is None:
             tpot_room = room * tpot_target / tpot
+        tpot_ratio = None if tpot is None else tpot / tpot_target
         queue_room = 1 + window.backlog / (window.pods * batch)
         b = goal.bounds
         draft = draft_length(
@@ -144,8 +148,9 @@ class Symptoms:
             b.min_speculative_tokens, b.max_speculative_tokens,
         )  # fmt: skip
         return cls(
-            kv, missed, tpot_missed, tpot_tight, queueing, headroom, tpot_room, queue_room, draft
-        )
+            kv, missed, tpot_missed, tpot_tight, queueing, headroom, tpot_room, queue_room,
+            tpot_ratio, draft,
+        )  # fmt: skip
 
 
 Knob = Literal["max_batch_size", "prefill_token_budget"]
@@ -195,26 +200,26 @@ def more_where_spent(
     return _desired(window) + (moved == c)
 
 
-def tpot_scaled(window: Window, goal: Goal) -> int:
+def tpot_scaled(window: Window, y: Symptoms) -> int:
     """The pods in proportion to how far TPOT's p99 is past its target, as an HPA's
     replica calculator scales on a metric: the prompts computed beside each answer's
     decode steps, which lengthen them, spread over that many more pods."""
-    tightest = window.tightest_tpot()
-    assert tightest is not None  # TPOT missed: some view measured it
-    ratio = tightest[1] / tightest[2]
-    return math.ceil(_desired(window) * ratio - 1e-9)
+    assert y.tpot_ratio is not None  # TPOT missed: some view measured it
+    return math.ceil(_desired(window) * y.tpot_ratio - 1e-9)
 
 
 def more_where_spent_or_tpot(
     window: Window, y: Symptoms, moved: BatchingConfig, c: BatchingConfig, goal: Goal
 ) -> int:
-    return tpot_scaled(window, goal) if y.tpot_missed else _desired(window) + (moved == c)
+    if y.tpot_missed:
+        return tpot_scaled(window, y)
+    return more_where_spent(window, y, moved, c, goal)
 
 
 def carrying_and_tpot(
     window: Window, y: Symptoms, moved: BatchingConfig, c: BatchingConfig, goal: Goal
 ) -> int:
-    return max(carrying(window, y, moved, c, goal), tpot_scaled(window, goal))
+    return max(carrying(window, y, moved, c, goal), tpot_scaled(window, y))
 
 
 def carrying(
