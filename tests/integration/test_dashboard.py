@@ -215,6 +215,10 @@ async def test_every_query_returns_data(
         await asyncio.to_thread(prom.wait_for_targets_up)
         for server in servers.values():
             await asyncio.to_thread(put_batching, server, {"slo": asdict(SLO.targets())})
+        # Round robin hands `dyn` every other arrival, 6/s: at the 10 ms default timeout its
+        # dynamic batches were mostly of one request, and a fast machine saw no batch of two
+        # (slot waste 0). At 250 ms a batch gathers each arrival its timeout covers.
+        await asyncio.to_thread(put_batching, servers["dyn"], {"batch_timeout_ms": 250})
         spec = LoadSpec(
             urls=[s.url for s in servers.values()],
             rate=12.0,
