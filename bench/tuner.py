@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -418,27 +418,31 @@ def llm_results(
             )
         )  # fmt: skip
         references.append((scenario, llm.cold_start(configs[best], scenario), curve, seed))
-    for result, reference in zip(out, run_all(references, workers), strict=True):
+    cold = run_all(references, workers, "cold-start runs")
+    for result, reference in zip(out, cold, strict=True):
         result.cold = _sim(reference)
     return out
 
 
-def run_all(jobs: Sequence[Task], workers: int) -> list[Outcome]:
+def run_all(jobs: Sequence[Task], workers: int, what: str = "simulation jobs") -> list[Outcome]:
     """Every job's result, in the jobs' order; progress on stderr as they finish."""
     # The longest runs first (the fleets', then each scenario's tuner), so no core idles
     # at the end waiting for one.
     order = sorted(range(len(jobs)), key=lambda i: -_cost(jobs[i]))
     results: list[Outcome | None] = [None] * len(jobs)
+    print(f"bench/tuner.py: {len(jobs)} {what} on {workers} workers", file=sys.stderr, flush=True)
     started, shown = time.monotonic(), 0.0
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        done = pool.map(_play, [jobs[i] for i in order], chunksize=1)
-        for count, (i, result) in enumerate(zip(order, done, strict=True), start=1):
-            results[i] = result
+        # submitted longest first; counted as they finish, so that the long first ones do
+        # not hold back the count of the short ones finishing beside them
+        futures = {pool.submit(_play, jobs[i]): i for i in order}
+        for count, future in enumerate(as_completed(futures), start=1):
+            results[futures[future]] = future.result()
             elapsed = time.monotonic() - started
             if elapsed - shown >= PROGRESS_S or count == len(jobs):
                 shown = elapsed
                 print(
-                    f"bench/tuner.py: {count}/{len(jobs)} simulation jobs done, "
+                    f"bench/tuner.py: {count}/{len(jobs)} {what} done, "
                     f"{elapsed / 60:.1f} min", file=sys.stderr, flush=True,
                 )  # fmt: skip
     return [r for r in results if r is not None]

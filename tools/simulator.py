@@ -582,8 +582,10 @@ class SimulatedServer:
         if not plan.size:
             return
         self.step_plan = plan  # computed at its end: `postprocess` advances its rows
-        seconds = self._step_s(plan)
-        self._observe(plan, seconds)
+        # counted once: the timing, the counters and the step record all read them
+        prefill_tokens, kv_tokens = _prefill_tokens(plan), _kv_tokens(plan)
+        seconds = self._step_s(plan, prefill_tokens, kv_tokens)
+        self._observe(plan, seconds, prefill_tokens, kv_tokens)
         self.step_end = now + seconds
 
     def _finish(self, end: float) -> None:
@@ -617,18 +619,18 @@ class SimulatedServer:
             tokens += drawn
         return tokens + [SAMPLED_TOKEN] * len(plan.decode)
 
-    def _step_s(self, plan: StepPlan) -> float:
+    def _step_s(self, plan: StepPlan, prefill_tokens: int, kv_tokens: int) -> float:
         """The prefill forward as a step of its prompt tokens, the decode forward as a
         step of its rows, plus attention over the KV tokens every row attends to."""
         curve = self.fleet.curve
-        seconds = curve.kv_token_s * _kv_tokens(plan)
+        seconds = curve.kv_token_s * kv_tokens
         if plan.prefill or plan.verify:
-            seconds += curve.step_s(_prefill_tokens(plan))
+            seconds += curve.step_s(prefill_tokens)
         if plan.decode:
             seconds += curve.step_s(len(plan.decode))
         return seconds
 
-    def _observe(self, plan: StepPlan, seconds: float) -> None:
+    def _observe(self, plan: StepPlan, seconds: float, prefill_tokens: int, kv_tokens: int) -> None:
         """What the engine's observer records for a step."""
         iv = self.fleet.current
         iv.preemptions += len(plan.preempted)
@@ -641,7 +643,7 @@ class SimulatedServer:
         iv.step_decode_rows += len(plan.decode) + len(plan.verify)
         iv.step_prefill_tokens += sum(plan.chunks or []) + drafted
         iv.spec_draft_tokens += drafted
-        iv.step_kv_tokens += _kv_tokens(plan)
+        iv.step_kv_tokens += kv_tokens
         for seq in plan.first_scheduled:
             iv.queue_waits.append((seq.first_scheduled or seq.arrival) - seq.arrival)
             if self.fleet.classed:
@@ -650,8 +652,8 @@ class SimulatedServer:
             self.fleet.record_batches(plan.batch_size, 1)
         iv.kv_max = max(iv.kv_max, self.pool.usage_ratio)
         self.last_step = StepRecord(
-            len(plan.prefill), _prefill_tokens(plan),
-            len(plan.decode), _kv_tokens(plan), seconds,
+            len(plan.prefill), prefill_tokens,
+            len(plan.decode), kv_tokens, seconds,
         )  # fmt: skip
 
     def _fast_forward(self, decode: list[Sequence], now: float) -> None:
@@ -662,11 +664,11 @@ class SimulatedServer:
             self.fleet.opt.mode == "continuous" and len(decode) != self.scheduler.num_running
         ):
             return
-        steps = self._repeats(decode, now)
+        context = sum(seq.num_tokens for seq in decode)  # what the next step attends to
+        first_s, growth_s = self._ff_costs(decode, context)
+        steps = self._repeats(decode, now, first_s, growth_s)
         if steps <= 0:
             return
-        first_s, growth_s = self._ff_costs(decode)
-        context = sum(seq.num_tokens for seq in decode)
         for seq in decode:
             self.pool.grow(seq.block_table, seq.num_tokens + steps - 1)
             # each step computes the newest token and samples the next: as `postprocess`
@@ -685,19 +687,18 @@ class SimulatedServer:
         self.step_end = now + seconds
         self.forwarding = True
 
-    def _ff_costs(self, decode: list[Sequence]) -> tuple[float, float]:
+    def _ff_costs(self, decode: list[Sequence], context: int) -> tuple[float, float]:
         """A repeated decode step's seconds (the first of them) and how much each later one
-        adds (attention over one more token a row)."""
+        adds (attention over one more token a row); `context`: the rows' tokens so far."""
         curve = self.fleet.curve
-        context = sum(seq.num_tokens for seq in decode)  # what the next step attends to
         return (
             curve.step_s(len(decode)) + curve.kv_token_s * context,
             curve.kv_token_s * len(decode),
         )
 
-    def _repeats(self, decode: list[Sequence], now: float) -> int:
-        """How many of the next steps plan exactly `decode` again and finish nothing."""
-        first_s, growth_s = self._ff_costs(decode)
+    def _repeats(self, decode: list[Sequence], now: float, first_s: float, growth_s: float) -> int:
+        """How many of the next steps plan exactly `decode` again and finish nothing, each
+        taking `first_s` and `growth_s` more than the one before (`_ff_costs`)."""
         limit = min(seq.params.max_tokens - seq.num_output for seq in decode) - 1
         until = [self.fleet.current.end_s]
         if self.fleet.opt.mode == "continuous":
