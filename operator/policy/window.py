@@ -302,6 +302,11 @@ def arrivals_now(signals: Signals, memory: ReplicaState) -> float:
     if signals.arrival_rate is None or len(memory.arrivals) < 2:
         return rate
     (before_at, before), (at, _) = memory.arrivals[-2:]
+    # Exact where the arrivals were steady over the round before's half. Within a half
+    # after a step up, that round's rate is under the shared part's, and this reads high
+    # by up to (span - gap) / span of the step (a third at three intervals): a pod sooner
+    # in a rise, for a round. Prometheus reads the half exactly; the scrape source and
+    # the simulator from a round's snapshot, up to an interval further back.
     gap, span = at - before_at, signals.window_s / 2
     if not 0 < gap < span:
         return rate  # the half spans no more than the newest interval
