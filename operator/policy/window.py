@@ -3,10 +3,11 @@
 Pure. From the window's `Signals`, the goal and the rule's memory:
 
 - demand: `arrival_rps` (arrivals alone, where measured, else finished), the
-  `forecast_rps` a pod started now would meet (now's arrivals plus the median rise of
-  the last rounds over the lead time: the last scale-out's start-up and a round; one
-  jump is no trend), and `demand_with_backlog_rps` (the forecast plus the backlog
-  drained within one window);
+  `forecast_rps` a pod started now would meet (now's arrivals, `arrivals_now`: the
+  window's, or the newest interval's where higher, plus the median rise of the last
+  rounds over the lead time: the last scale-out's start-up and a round; one jump is no
+  trend), and `demand_with_backlog_rps` (the forecast plus the backlog drained within
+  one window);
 - the lengths' shape: prompt and output tokens over quantile slices, from the p10, p50,
   p90 and p99 the pods' histograms give (`length_grid`); where a quantile is missing its
   neighbour stands in;
@@ -123,8 +124,11 @@ class Window:
         replicas: ReplicaBounds | None,
         memory: ReplicaState,
     ) -> Window:
+        """The window's quantities; `memory` holds this round's arrivals already
+        (replicas.py `observe`)."""
         pods = max(1, signals.pods or (fleet.ready if fleet is not None else 1))
-        return cls(signals, slo, pods, forecast(signals.demand_rate, memory), fleet, replicas)
+        now_rps = arrivals_now(signals, memory)
+        return cls(signals, slo, pods, forecast(now_rps, memory), fleet, replicas)
 
     @property
     def arrival_rps(self) -> float:
@@ -279,3 +283,32 @@ def forecast(now_rps: float, memory: ReplicaState) -> Forecast:
     gap = (history[-1][0] - history[0][0]) / (len(history) - 1)
     startup = memory.startup_s if memory.startup_s is not None else gap
     return Forecast(now_rps, max(0.0, statistics.median(rises)), gap + startup)
+
+
+def arrivals_now(signals: Signals, memory: ReplicaState) -> float:
+    """The demand the pods must carry now: the window's arrivals, or the newest interval's
+    where they are higher.
+
+    The arrival rate spans the newer half of the window. Where that half reaches back past
+    the round before (a window of three intervals or more), a rise within the newest
+    interval shows in it only in part: a fleet sized for it is sized for a load partly from
+    before the rise, and a scale-in in a surge's first round takes away a pod the surge
+    needs. The newest interval's rate is what is left of the half's arrivals once the part
+    it shares with the round before is taken at the rate that round measured. A fall is
+    not taken: the window's arrivals stay the demand until the window shows it, which is
+    the evidence a scale-in waits for (the newest interval alone is a shorter, noisier
+    count)."""
+    rate = signals.demand_rate
+    if signals.arrival_rate is None or len(memory.arrivals) < 2:
+        return rate
+    (before_at, before), (at, _) = memory.arrivals[-2:]
+    # Exact where the arrivals were steady over the round before's half. Within a half
+    # after a step up, that round's rate is under the shared part's, and this reads high
+    # by up to (span - gap) / span of the step (a third at three intervals): a pod sooner
+    # in a rise, for a round. Prometheus reads the half exactly; the scrape source and
+    # the simulator from a round's snapshot, up to an interval further back.
+    gap, span = at - before_at, signals.window_s / 2
+    if not 0 < gap < span:
+        return rate  # the half spans no more than the newest interval
+    newest = (rate * span - before * (span - gap)) / gap
+    return max(rate, newest)

@@ -3,15 +3,16 @@ when it falls back to the table, with the reason saying why."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
+import pytest
 from batchpilot_operator.policy.choice import knob_candidates
 from batchpilot_operator.policy.memory import FitErrors, PolicyMemory
 from batchpilot_operator.policy.replicas import observe
 from batchpilot_operator.policy.round import decide
 from batchpilot_operator.policy.step_model import fit
 from batchpilot_operator.policy.types import Bounds, Fleet, Goal, ReplicaBounds, ReplicaState
-from batchpilot_operator.policy.window import forecast
+from batchpilot_operator.policy.window import Window, arrivals_now, forecast
 from batchpilot_operator.slo import Slo
 from batchpilot_server.batching_config import BatchingConfig
 from hypothesis import given, settings
@@ -194,3 +195,46 @@ def test_the_fit_is_judged_at_the_arrivals_the_window_saw_not_the_forecast() -> 
     decision = decide(seen(8.0), CURRENT, GOAL, memory, fleet=Fleet(1, 1), now=now)
     assert decision.memory.errors.values and decision.memory.errors.values[-1] < 0.01
     assert decision.reason.startswith("predicted")
+
+
+@dataclass(frozen=True)
+class Arrivals:
+    name: str
+    before: float  # req/s the last three rounds measured, 15 s apart
+    older: float  # req/s over the window's newer half but its newest 15 s
+    newest: float  # req/s over its newest 15 s
+    now_rps: float  # the demand the round sizes for
+    pods: int  # from a fleet of two, the stabilization spent
+
+
+# The demo's cadence: a round every 15 s over a 90 s window, whose arrival rate spans
+# its newer 45 s. On this fit one pod carries 2 req/s (and 6), two 8 to 14.
+ARRIVALS = [
+    Arrivals("quiet throughout: one pod carries it", 2.0, 2.0, 2.0, 2.0, 1),
+    # The half's mean is (30 x 2 + 15 x 10) / 45 = 4.67 req/s, which one pod carries; the
+    # newest interval's 10 do not fit it, and the median rise of the rounds is none.
+    Arrivals("the newest interval surged: no scale-in", 2.0, 2.0, 10.0, 10.0, 2),
+    # (30 x 12 + 15 x 2) / 45 = 8.67 req/s: the fall counts once the window shows it.
+    Arrivals("the newest interval fell: the window's arrivals stand", 12.0, 12.0, 2.0, 8.67, 2),
+]
+
+
+@pytest.mark.parametrize("case", ARRIVALS, ids=[c.name for c in ARRIVALS])
+def test_a_decision_sizes_for_the_newest_intervals_arrivals_where_higher(case: Arrivals) -> None:
+    now, interval, span = 1e4, 15.0, 45.0
+    half = (case.older * (span - interval) + case.newest * interval) / span
+    signals = seen(half, pods=2, window_s=2 * span)
+    history = tuple((now - k * interval, case.before) for k in (3, 2, 1))
+    memory = replace(trusted(2), replicas=ReplicaState(arrivals=history, since=now - 1000))
+    decision = decide(signals, CURRENT, GOAL, memory, fleet=Fleet(2, 2), now=now)
+    assert decision.reason.startswith("predicted")
+    assert decision.scale is not None and decision.scale.replicas == case.pods, decision.reason
+    window = Window.of(signals, SLO, Fleet(2, 2), GOAL.replicas, decision.memory.replicas)
+    assert window.forecast.now_rps == pytest.approx(case.now_rps, abs=0.01)
+
+
+def test_a_window_of_two_intervals_sizes_for_its_newer_half_alone() -> None:
+    # The newer half is the newest interval (the CRD's default 60 s window at 30 s): no
+    # part of it is shared with the round before, so its rate is the demand as it is.
+    history = ReplicaState(arrivals=((1e4 - 30, 2.0), (1e4, 10.0)))
+    assert arrivals_now(window(10.0, window_s=60.0), history) == 10.0
