@@ -2,7 +2,8 @@
 
 Pure. Candidates span the bounds: batch sizes at the powers of two between the bounds
 (with the bounds and the batch in force) up to `REACH` times the batch in force (or the
-most decode rows the fit's windows held, if more), the timeout's lower bound and the one in
+most decode rows the fit's windows held, if more; no further than those where the fit
+priced neither a row nor its KV), the timeout's lower bound and the one in
 force, prefill budgets at the powers of two between the bounds (with both bounds and
 the one in force), speculative draft lengths k at both bounds and the one in force (the
 predictor weighs a draft's verified tokens against the tokens it gains), on every pod
@@ -48,7 +49,9 @@ from batchpilot_server.batching_config import BatchingConfig
 # The fit is a plane through the operating points seen: a batch past this many times the
 # batch in force (or the most decode rows a step held) is beyond what it describes (a
 # flat fit would call batch 64 as cheap as batch 8), so the choice reaches that far a
-# round at most, as the fallback grows the batch by a factor.
+# round at most, as the fallback grows the batch by a factor. Where the fit priced
+# neither a row nor the KV its rows attend (both came out free), it says nothing of
+# what more rows cost, and the choice reaches no further than the batch in force.
 REACH = 2.0
 
 
@@ -78,7 +81,9 @@ def knob_candidates(
 ) -> list[tuple[int, float, int, int]]:
     """(batch, timeout, budget, k) within the bounds and the fit's reach (see the module
     docstring)."""
-    reach = math.ceil(REACH * max(current.max_batch_size, model.max_rows))
+    priced = "rows" in model.used or "kv" in model.used
+    seen = max(current.max_batch_size, model.max_rows)
+    reach = math.ceil(REACH * seen) if priced else seen
     batches = [
         b for b in _powers(bounds.min_batch, bounds.max_batch, current.max_batch_size)
         if b <= reach

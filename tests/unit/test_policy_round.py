@@ -10,7 +10,7 @@ from batchpilot_operator.policy.choice import knob_candidates
 from batchpilot_operator.policy.memory import FitErrors, PolicyMemory
 from batchpilot_operator.policy.replicas import observe
 from batchpilot_operator.policy.round import decide
-from batchpilot_operator.policy.step_model import fit
+from batchpilot_operator.policy.step_model import StepPoint, fit
 from batchpilot_operator.policy.types import Bounds, Fleet, Goal, ReplicaBounds, ReplicaState
 from batchpilot_operator.policy.window import Window, arrivals_now, forecast
 from batchpilot_operator.slo import Slo
@@ -82,18 +82,18 @@ def test_where_every_candidate_misses_everything_the_choice_moves_to_the_most_ca
     assert decision.config.max_batch_size > small.max_batch_size
 
 
-def test_the_choice_reaches_at_most_twice_the_rows_its_fit_has_seen() -> None:
+def test_a_fit_whose_rows_look_free_reaches_no_further_than_the_rows_it_saw() -> None:
     # A fit whose points held up to 16 decode rows (tests/support/policy.py's) describes
-    # steps up to there: from batch 8, no candidate past 32 even where the rows look free
-    # (twice the rows seen; twice the batch in force would be 16).
+    # steps up to there, and where the rows look free, no further: from batch 8, no
+    # candidate past 16 (a priced fit would reach twice the rows seen, 32).
     flat = tuple(replace(p, step_s=0.01) for p in points())  # a step that costs the same
     memory = PolicyMemory(points=flat)
     small = BatchingConfig(max_batch_size=8, batch_timeout_ms=0.0, prefill_token_budget=1024)
     busy = seen(25.0, requests=1500.0, waiting=5.0, kv_usage=None)  # no KV bound either
     decision = decide(busy, small, GOAL, memory, fleet=Fleet(1, 1), now=1e4)
     assert decision.reason.startswith("predicted") and "rows, kv cost nothing" in decision.reason
-    assert decision.config.max_batch_size == 32  # one pod at batch 64 only past the reach
-    assert decision.prediction is not None and decision.prediction.candidate.replicas == 2
+    assert decision.config.max_batch_size == 16  # past the rows seen, "free" is a guess
+    assert decision.prediction is not None and decision.prediction.candidate.replicas >= 2
 
 
 def test_preemptions_exclude_the_batch_in_force_and_above() -> None:
@@ -183,6 +183,20 @@ def test_the_reach_counts_from_the_batch_in_force_where_steps_held_fewer_rows() 
     assert model is not None and model.max_rows == 3.0
     batches = {b for b, *_ in knob_candidates(BOUNDS, CURRENT, model)}
     assert max(batches) == 2 * CURRENT.max_batch_size
+
+
+def test_a_fit_that_found_rows_free_reaches_no_further_than_the_batch_in_force() -> None:
+    # Few decode rows a step on a slow model (SmolLM2 on 2 cores, rows 1-3): their cost
+    # hides in the noise of a 30 ms step, and the fit prices neither rows nor KV. Batch
+    # 16 would be "free" capacity, twice batch 8's: the demo's chooser called one pod
+    # 47% busy under a surge one pod could not carry.
+    # (the noise reads as a step a little shorter with more rows: the fit prices them 0)
+    flat = [StepPoint(r, p, 600 * r, 0.032 + 0.0001 * p - 0.0002 * r, 1)
+            for r, p in ((1, 10), (2, 80), (3, 30), (1.5, 160))]  # fmt: skip
+    model = fit(flat)
+    assert model is not None and model.used == ("prefill",) and model.trusted
+    batches = {b for b, *_ in knob_candidates(BOUNDS, CURRENT, model)}
+    assert max(batches) == CURRENT.max_batch_size
 
 
 def test_the_fit_is_judged_at_the_arrivals_the_window_saw_not_the_forecast() -> None:
