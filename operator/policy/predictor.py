@@ -271,7 +271,7 @@ class TpotTail:
         k_max = math.ceil(float(np.max(m)) + 6 * math.sqrt(float(np.max(m))) + 6)
         k = np.arange(k_max + 1, dtype=float)[None, None, :, None]
         log_fact = np.concatenate(([0.0], np.cumsum(np.log(np.arange(1, k_max + 1)))))
-        with np.errstate(divide="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore"):  # m = 0: where() takes k == 0
             log_pk = k * np.log(m) - m - log_fact[None, None, :, None]
         pk = np.where(m > 0, np.exp(log_pk), (k == 0).astype(float))
 
