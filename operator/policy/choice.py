@@ -13,12 +13,9 @@ For each, the predictor gives the attainment at the window's demand; a candidate
 - its predicted misses are at most `margin_share` of the misses the attainment allows
   (the stated margin: at 0.99 and a half, predicted attainment >= 0.995),
 - its predicted peak KV use stays under the watermark (where the window tells the
-  pool's size),
+  pool's size), and
 - it does not preempt: where the window saw preemptions, no batch at or above the one in
-  force is eligible, and
-- each pod is predicted at most `SCALE_OUT_UTILISATION` busy (as the fallback sizes a
-  scale-out): near saturation a fit a tenth optimistic is a queue that never drains, which
-  lax targets would still call met.
+  force is eligible.
 
 Fewest pods first; among those, the highest goodput per pod (at one pod count that is
 the highest attainment, rounded to 0.001 so that noise moves nothing); then the fewest
@@ -45,7 +42,7 @@ from batchpilot_operator.policy.reasons import action_of, knob_change, targets
 from batchpilot_operator.policy.replicas import Need
 from batchpilot_operator.policy.sizing import Sizing
 from batchpilot_operator.policy.step_model import StepModel
-from batchpilot_operator.policy.types import SCALE_OUT_UTILISATION, Bounds, Goal
+from batchpilot_operator.policy.types import Bounds, Goal
 from batchpilot_operator.policy.window import Window
 from batchpilot_server.batching_config import BatchingConfig
 
@@ -137,7 +134,7 @@ def choose(window: Window, model: StepModel, current: BatchingConfig, goal: Goal
             moved = sum((batch != current.max_batch_size, timeout != current.batch_timeout_ms,
                          budget != current.prefill_token_budget,
                          k != current.num_speculative_tokens))  # fmt: skip
-            meets = feasible and attainment >= needed and rho <= SCALE_OUT_UTILISATION
+            meets = feasible and attainment >= needed
             tier.append(_Scored(candidate, attainment, rho, feasible, meets, moved))
         eligible = [s for s in tier if s.eligible]
         if eligible:
