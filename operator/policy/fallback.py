@@ -111,25 +111,24 @@ class Symptoms:
             kv = f"KV usage {s.kv_usage:.2f} >= watermark {slo.kv_high_watermark:.2f}"
         elif s.preemption_rate > 0:
             kv = f"{s.preemption_rate:.2f} preemptions/s"
-        bound = window.binding()
-        pressure = None if bound is None else (bound[1], bound[2])
+        bound = window.binding()  # (view, target, ratio) under the most pressure
         missed = None
         if bound is not None and bound[2] > 1:
-            view, name = bound[0], bound[1]
+            view, name, _ = bound
             seen, target = ms(view.observed[name]), ms(view.targets[name])
             missed = f"{view.label(name)} p99 {seen} > target {target}"
-        elif pressure is None and window.misses_are_evidence():
+        elif bound is None and window.misses_are_evidence():
             judged, missed_n = s.slo_judged, s.slo_missed.get("all", 0)
             missed = f"{missed_n:.0f} of {judged:.0f} judged requests missed"
         queueing = window.queueing()
         headroom = (
-            pressure is not None
-            and pressure[1] < 1 - goal.params.band
+            bound is not None
+            and bound[2] < 1 - goal.params.band
             and not window.queue_grows
             and not queueing
             and window.mean_rows() is not None
         )
-        tpot_missed = missed is not None and pressure is not None and pressure[0] == "tpot"
+        tpot_missed = missed is not None and bound is not None and bound[1] == "tpot"
         # TPOT's room is the tightest class's: a longer step lengthens every class's tokens
         tightest, room = window.tightest_tpot(), 1 - goal.params.band
         label, tpot, tpot_target = tightest if tightest is not None else ("tpot", None, 0.0)

@@ -25,7 +25,7 @@ Pure. From the window's `Signals`, the goal and the rule's memory:
   window carries them, each class's own p99s against its own targets and its own
   attainment (the default class, the top-level targets, where it had traffic), since
   one class's long requests inflate the totals' p99 against another's target; else the
-  totals against the top-level targets. The binding view (the highest ratio) is the
+  totals against the top-level targets. The binding view (`binding`: the highest ratio) is the
   window's pressure. `observed()` stays the totals': the predictor's view.
 """
 
@@ -224,11 +224,6 @@ class Window:
         view measured a p99."""
         pressed = [(view, *p) for view in self.views() if (p := view.pressure()) is not None]
         return max(pressed, key=lambda b: b[2]) if pressed else None
-
-    def pressure(self) -> tuple[str, float] | None:
-        """The binding view's target and ratio (`binding`)."""
-        bound = self.binding()
-        return None if bound is None else (bound[1], bound[2])
 
     def tightest_tpot(self) -> tuple[str, float, float] | None:
         """How a reason names it, the TPOT p99 and the target of the view whose p99 is
