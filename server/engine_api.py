@@ -198,6 +198,8 @@ class EngineStats:
     kv_blocks_used: int
     steps: int = 0  # engine steps run so far (each runs a prefill and/or a decode forward)
     preemptions: int = 0  # sequences evicted for KV space so far
+    # the waiting requests by SLO class (the classes with none waiting left out)
+    waiting_by_class: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_usage_ratio(self) -> float:

@@ -20,6 +20,9 @@ HOSTAGE = "batchpilot_hostage_seconds"
 KV_CACHE_USAGE = "batchpilot_kv_cache_usage_ratio"
 REQUESTS_RUNNING = "batchpilot_requests_running"
 REQUESTS_WAITING = "batchpilot_requests_waiting"
+# The waiting requests by SLO class (label class): the queue a class waits behind is
+# its own and the higher classes', which are served first.
+REQUESTS_WAITING_BY_CLASS = "batchpilot_requests_waiting_by_class"
 REQUESTS_TOTAL = "batchpilot_requests_total"  # label outcome: ok|rejected|timeout|error
 # Every generation request as it arrives, before admission: the load the fleet is offered.
 REQUESTS_ARRIVED_TOTAL = "batchpilot_requests_arrived_total"

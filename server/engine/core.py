@@ -148,6 +148,7 @@ class Engine:
                 kv_blocks_used=pool.num_used if pool else 0,
                 steps=scheduler.steps if scheduler else 0,
                 preemptions=scheduler.preemptions if scheduler else 0,
+                waiting_by_class=scheduler.waiting_by_class() if scheduler else {},
             )
 
     # ---- lifecycle --------------------------------------------------------

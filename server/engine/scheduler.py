@@ -25,7 +25,7 @@ import heapq
 import itertools
 import math
 from abc import ABC, abstractmethod
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -68,6 +68,10 @@ class Scheduler(Protocol):
     def num_waiting(self) -> int: ...
     @property
     def num_running(self) -> int: ...
+    def waiting_by_class(self) -> dict[str, int]:
+        """The waiting requests per SLO class (the classes with none waiting left out)."""
+        ...
+
     @property
     def steps(self) -> int:
         """Steps planned so far; a token event carries the step that made it."""
@@ -167,6 +171,9 @@ class QueueScheduler(ABC):
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def waiting_by_class(self) -> dict[str, int]:
+        return dict(Counter(seq.slo_class for seq in self.waiting))
 
     @property
     @abstractmethod

@@ -145,6 +145,13 @@ class ServerMetrics:
         self.kv_usage = gauge(names.KV_CACHE_USAGE, "Used / total KV cache blocks.")
         self.running = gauge(names.REQUESTS_RUNNING, "Sequences being generated.")
         self.waiting = gauge(names.REQUESTS_WAITING, "Requests waiting to be scheduled.")
+        self._waiting_by_class = Gauge(
+            names.REQUESTS_WAITING_BY_CLASS,
+            "Requests waiting to be scheduled, by SLO class.",
+            [*labels, names.CLASS_LABEL],
+            registry=self.registry,
+        )
+        self._classes: set[str] = set()  # every class known: each reads 0 while none waits
         requests = Counter(
             names.REQUESTS_TOTAL.removesuffix("_total"),
             "Completion requests by outcome.",
@@ -294,6 +301,11 @@ class ServerMetrics:
                 )
         for latency in (self.request_duration, self.ttft, self.inter_token, self.request_tpot):
             latency.open(slo_class)
+        self._classes.add(slo_class)
+        self._waiting_child(slo_class)
+
+    def _waiting_child(self, slo_class: str) -> Gauge:
+        return self._waiting_by_class.labels(**self._values, **{names.CLASS_LABEL: slo_class})
 
     def set_config(self, config: BatchingConfig) -> None:
         for slo_class in config.slo.classes:
@@ -309,6 +321,10 @@ class ServerMetrics:
         """The text format, with the engine gauges read at scrape time."""
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
+        # a class once seen waiting stays known: its gauge must fall back to 0 with it
+        self._classes.update(stats.waiting_by_class)
+        for slo_class in self._classes:
+            self._waiting_child(slo_class).set(stats.waiting_by_class.get(slo_class, 0))
         self.kv_usage.set(stats.kv_usage_ratio)
         if self.vllm is not None:
             self.vllm.read(stats)

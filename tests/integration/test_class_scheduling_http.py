@@ -1,6 +1,7 @@
 """Scheduling by SLO class over real HTTP to a real server: with the batch full of
 low-priority work and more of it queued, a high-priority request that arrives last is
-served first once a slot frees, in both modes. Orders, not timings, are asserted."""
+served first once a slot frees, in both modes; meanwhile /metrics counts the waiting
+requests by class. Orders and counts, not timings, are asserted."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from batchpilot_server import metric_names as names
 from batchpilot_server.http.slo_class import OBJECTIVE_HEADER
 
-from tests.support.servers import scrape, serve_in_process
+from tests.support.servers import labelled, scrape, serve_in_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -74,6 +75,13 @@ async def test_a_later_high_priority_request_is_served_before_queued_low_ones(mo
             tasks.append(asyncio.create_task(post(session, url, f"batch-{n}", "batch")))
             await until(session, url, names.REQUESTS_WAITING, n, tasks)
         tasks.append(asyncio.create_task(post(session, url, "chat", "chat")))
+        await until(session, url, names.REQUESTS_WAITING, 3, tasks)
+        waiting = await labelled(session, url, names.REQUESTS_WAITING_BY_CLASS, names.CLASS_LABEL)
         await asyncio.gather(*tasks)
+        after = await labelled(session, url, names.REQUESTS_WAITING_BY_CLASS, names.CLASS_LABEL)
     # chat arrived last, behind two queued batch requests, and took the first free slot
     assert done == ["batch-0", "chat", "batch-1", "batch-2"]
+    # while batch-0 held the slot: two batch requests and chat waited (the default class
+    # and, once served, every class read 0)
+    assert waiting == {("default",): 0, ("chat",): 1, ("batch",): 2}
+    assert after == {("default",): 0, ("chat",): 0, ("batch",): 0}
