@@ -77,6 +77,8 @@ CLASS_QUANTILES: dict[str, str] = {
     "p99_latency_s": names.REQUEST_DURATION,
 }
 CLASS_HISTOGRAMS = tuple(CLASS_QUANTILES.values())
+# ClassSignals.waiting: this gauge's value now per SLO class, summed over the pods.
+CLASS_WAITING = names.REQUESTS_WAITING_BY_CLASS
 
 # The series each kind of source reads.
 HISTOGRAMS = tuple(dict.fromkeys(
@@ -110,6 +112,8 @@ class WindowTotals:
     class_slo: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)
     # class -> met / judged over the budget window
     class_budget_attainment: dict[str, float] = field(default_factory=dict)
+    # class -> CLASS_WAITING now, summed over pods
+    class_waiting: dict[str, float] = field(default_factory=dict)
 
 
 def signals_from(
@@ -157,9 +161,13 @@ def signals_from(
 
 
 def class_signals(totals: WindowTotals) -> dict[str, ClassSignals]:
-    """Each SLO class the window's series name: its judgement and p99s, by name."""
+    """Each SLO class the window's series name: its judgement, p99s and waiting
+    requests, by name."""
     names_seen = sorted(
-        set(totals.class_slo) | set(totals.class_buckets) | set(totals.class_budget_attainment)
+        set(totals.class_slo)
+        | set(totals.class_buckets)
+        | set(totals.class_budget_attainment)
+        | set(totals.class_waiting)
     )
     classes = {}
     for name in names_seen:
@@ -176,6 +184,7 @@ def class_signals(totals: WindowTotals) -> dict[str, ClassSignals]:
                 for field_name, histogram in CLASS_QUANTILES.items()
             },
             budget_attainment=totals.class_budget_attainment.get(name),
+            waiting=totals.class_waiting.get(name),
         )
     return classes
 

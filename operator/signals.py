@@ -36,6 +36,9 @@ class ClassSignals:
     tpot_p99_s: float | None = None
     p99_latency_s: float | None = None
     budget_attainment: float | None = None  # over the SLO's budget window
+    # the class's requests waiting now, summed over pods; None: no pod exports the
+    # waiting gauge by class (an older server)
+    waiting: float | None = None
 
     @property
     def attainment(self) -> float | None:

@@ -25,6 +25,7 @@ import aiohttp
 from batchpilot_operator.signal_fields import (
     ARRIVALS,
     CLASS_HISTOGRAMS,
+    CLASS_WAITING,
     COUNTERS,
     GAUGES,
     HISTOGRAMS,
@@ -95,6 +96,7 @@ def queries(
         f"(increase({names.REQUESTS_SLO_TOTAL}{sel}[{w}]))",
         "class_budget": f"sum by ({by_class}, result) "
         f"(increase({names.REQUESTS_SLO_TOTAL}{{{selector},{every}}}[{budget}]))",
+        "class_waiting": f"sum by ({by_class}) ({CLASS_WAITING}{sel})",
     }
 
 
@@ -236,6 +238,9 @@ def _class_totals(answers: Mapping[str, list[Sample]]) -> dict[str, Any]:
             name: by_result.get("met", 0.0) / judged
             for name, by_result in budget.items()
             if (judged := sum(by_result.values())) > 0
+        },
+        "class_waiting": {
+            labels[label]: n for labels, n in answers.get("class_waiting", []) if labels.get(label)
         },
     }
 

@@ -26,6 +26,7 @@ import aiohttp
 from batchpilot_operator.signal_fields import (
     ARRIVALS,
     CLASS_HISTOGRAMS,
+    CLASS_WAITING,
     COUNTERS,
     GAUGES,
     HISTOGRAMS,
@@ -60,6 +61,7 @@ class Totals:
     # By SLO class (the `class` label): class -> histogram -> le -> n, for CLASS_HISTOGRAMS
     class_buckets: dict[str, dict[str, dict[float, float]]] = field(default_factory=dict)
     class_slo: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)
+    class_waiting: dict[str, float] = field(default_factory=dict)  # class -> CLASS_WAITING
 
     def minus(self, earlier: Totals) -> Totals:
         """Increase since `earlier`; a value that went down restarted from zero."""
@@ -84,6 +86,7 @@ class Totals:
                 name: _increases(per, earlier.class_slo.get(name, {}))
                 for name, per in self.class_slo.items()
             },
+            class_waiting=dict(self.class_waiting),
         )
 
 
@@ -120,6 +123,8 @@ def parse_metrics(text: str) -> Totals:
                 _add(totals.counts, name, value)
             elif name in GAUGES:
                 _add(totals.gauges, name, value)
+            elif name == CLASS_WAITING and slo_class:
+                _add(totals.class_waiting, slo_class, value)
             elif name == names.REQUESTS_SLO_TOTAL:
                 key = (sample.labels.get("result", ""), sample.labels.get("target", ""))
                 totals.slo[key] = totals.slo.get(key, 0.0) + value
@@ -229,6 +234,9 @@ class ScrapeSource:
         totals = _window_totals(deltas, window_s)
         totals.now = {g: sum(t.gauges.get(g, 0.0) for t in now.per_server.values())
                       for g in GAUGES}  # fmt: skip
+        for server in now.per_server.values():
+            for name, n in server.class_waiting.items():
+                _add(totals.class_waiting, name, n)
         totals.peaks = self._peaks(baseline.at)
         totals.arrival_rate = self._arrival_rate(baseline, now)
         totals.budget_attainment, totals.class_budget_attainment = self._budget_attainment(now)

@@ -336,6 +336,7 @@ class ClassInterval:
     ttfts: list[float] = field(default_factory=list)
     tpots: list[float] = field(default_factory=list)
     queue_waits: list[float] = field(default_factory=list)  # arrival to first scheduled
+    waiting_at_end: int = 0  # the class's requests waiting as the interval ends
 
     @property
     def attainment(self) -> float | None:
@@ -1066,6 +1067,10 @@ class SimulatedFleet:
         live = [s for s in self.servers if s.live]
         iv.waiting_at_end = sum(s.scheduler.num_waiting for s in live)
         iv.running_at_end = sum(s.scheduler.num_running for s in live)
+        if self.classed:
+            for server in live:
+                for name, n in server.scheduler.waiting_by_class().items():
+                    self.class_iv(name).waiting_at_end += n
         iv.p99_s = float(np.percentile(iv.latencies, 99)) if iv.latencies else None
         iv.pods = self._serving_through(iv)
         self.intervals.append(iv)
@@ -1180,7 +1185,8 @@ CLASS_SAMPLES = {
 
 def _class_totals(window: list[Interval]) -> dict[str, Any]:
     """WindowTotals' per-class fields (the series' `class` label), as the pods export
-    them: each class's latency buckets and its SLO verdicts."""
+    them: each class's latency buckets, its SLO verdicts and its requests waiting at the
+    window's end (0 for a class none of which waits, as a pod's gauge reads)."""
     buckets: dict[str, dict[str, dict[float, float]]] = {}
     slo: dict[str, dict[tuple[str, str], float]] = {}
     for name in sorted({name for iv in window for name in iv.classes}):
@@ -1195,7 +1201,9 @@ def _class_totals(window: list[Interval]) -> dict[str, Any]:
             for histogram, attr in CLASS_SAMPLES.items()
             if (values := [x for p in parts for x in getattr(p, attr)])
         }
-    return {"class_buckets": buckets, "class_slo": slo}
+    last = window[-1].classes
+    waiting = {name: float(last[name].waiting_at_end if name in last else 0) for name in slo}
+    return {"class_buckets": buckets, "class_slo": slo, "class_waiting": waiting}
 
 
 def _prefill_tokens(plan: StepPlan) -> int:

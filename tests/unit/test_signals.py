@@ -237,14 +237,16 @@ def test_the_prometheus_queries_sum_over_the_class_label() -> None:
     for key, query in queries('policy="p"', 60.0).items():
         assert query.startswith(("sum", "count(", "max(")) or " / " in query
         if key.startswith("class_"):
-            assert query.startswith(f"sum by ({names.CLASS_LABEL}, "), key
+            assert query.startswith(f"sum by ({names.CLASS_LABEL}"), key
         else:
             assert names.CLASS_LABEL not in query, key
 
 
-def two_class_page(metrics: ServerMetrics, chat: int, batch: int) -> str:
+def two_class_page(
+    metrics: ServerMetrics, chat: int, batch: int, waiting: dict[str, int] | None = None
+) -> str:
     """`chat` chat requests (fast, all met) and `batch` batch requests (slow, one in four
-    missing e2e) more on the page."""
+    missing e2e) more on the page; `waiting`: the engine's waiting requests by class."""
     for _ in range(chat):
         metrics.ttft.observe(0.1, "chat")
         metrics.request_duration.observe(0.5, "chat")
@@ -254,7 +256,10 @@ def two_class_page(metrics: ServerMetrics, chat: int, batch: int) -> str:
         metrics.request_duration.observe(40.0, "batch")
         met = i % 4 != 0
         metrics.count_slo({"e2e": met, names.SLO_ALL: met}, "batch")
-    return metrics.exposition(EngineStats(0, 0, 10, 0)).decode()
+    by_class = waiting or {}
+    stats = EngineStats(running=0, waiting=sum(by_class.values()), kv_blocks_total=10,
+                        kv_blocks_used=0, waiting_by_class=by_class)  # fmt: skip
+    return metrics.exposition(stats).decode()
 
 
 def test_the_scrape_reads_each_class_beside_the_totals() -> None:
@@ -273,6 +278,31 @@ def test_the_scrape_reads_each_class_beside_the_totals() -> None:
     assert batch.p99_latency_s is not None and bucket_of(batch.p99_latency_s) == bucket_of(40.0)
     assert chat.tpot_p99_s is None  # nothing observed
     assert signals.classes["default"].slo_judged == 0
+
+
+async def test_the_scrape_reads_each_class_waiting_now_summed_over_pods(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The waiting gauge by class is read at the window's end, not as an increase: the
+    chat class's requests waiting at the first scrape were scheduled since (its gauge
+    back at 0); the batch class's wait on both pods."""
+    pods = {url: ServerMetrics(model="tiny", mode="continuous") for url in ("http://a", "http://b")}
+    waiting = {"http://a": {"chat": 3}, "http://b": {"batch": 1}}
+    clock = [0.0]
+
+    async def page(url: str) -> str:
+        return two_class_page(pods[url], 10, 10, waiting=waiting[url])
+
+    async with aiohttp.ClientSession() as session:
+        source = ScrapeSource(list(pods), session, clock=lambda: clock[0])
+        monkeypatch.setattr(source, "_fetch", page)
+        await source.scrape()
+        waiting = {"http://a": {"batch": 4}, "http://b": {"batch": 3}}
+        clock[0] = 60.0
+        signals = await source.read(60.0)
+    assert signals.waiting == 7
+    by_class = {name: c.waiting for name, c in signals.classes.items()}
+    assert by_class == {"chat": 0.0, "batch": 7.0, "default": 0.0}
 
 
 def test_prometheus_answers_by_class_become_each_class_signals() -> None:
@@ -297,8 +327,13 @@ def test_prometheus_answers_by_class_become_each_class_signals() -> None:
         ({label: "chat", "result": "met"}, 99.0), ({label: "chat", "result": "missed"}, 1.0),
         ({label: "batch", "result": "missed"}, 4.0),
     ]  # fmt: skip
+    answers["class_waiting"] = [
+        ({label: "chat"}, 0.0), ({label: "batch"}, 40.0),
+        ({}, 5.0),  # an older server's series, without the label: totals only
+    ]  # fmt: skip
     signals = signals_from(prometheus_totals(answers, 60.0), min_requests=1)
     chat, batch = signals.classes["chat"], signals.classes["batch"]
+    assert (chat.waiting, batch.waiting) == (0.0, 40.0)
     assert (chat.attainment, batch.attainment, batch.slo_missed) == (1.0, 0.5, {"all": 1, "e2e": 1})
     assert (chat.budget_attainment, batch.budget_attainment) == (0.99, 0.0)
     assert chat.ttft_p99_s is not None and chat.ttft_p99_s <= 0.25
