@@ -21,7 +21,10 @@ against separate (their ratio: separate / shared). Targets: each share
 lost, none refused.
 
 The tuner's window reads the classes (docs/tuning.md "SLO classes"): the fallback
-table's pressure is the binding class's, each class's p99s against its own targets.
+table's pressure is the binding class's, each class's p99s against its own targets,
+and its queue symptom the queue that class waits behind (the classes of its priority or
+higher): the batch class's queue in a burst does not make the interactive class's TPOT
+miss `overloaded`.
 The predicted choice is still on the totals (every class's lengths together, judged
 against the top-level targets): the signals carry no lengths per class.
 

@@ -47,6 +47,12 @@ order, first match wins, and `HOLD` where none matches:
   step fit's price of a token, trusted or not (a draft token is computed as a prompt
   token); the k in force where either is unknown. The reason says the rates where k moves.
 
+- *A queue* is the one the binding class waits behind (window.py `queueing`, with the
+  binding view): the requests of its priority or higher, since a higher class is served
+  first and a lower class's queue lengthens only its own wait. So a TPOT missed by a
+  high class while only a lower class queues is `running` (a smaller batch), not
+  `overloaded`. Without classes, the whole queue.
+
 The replica stabilization (replicas.py) decides when the fleet moves to the pods a row
 names.
 """
@@ -120,7 +126,8 @@ class Symptoms:
         elif bound is None and window.misses_are_evidence():
             judged, missed_n = s.slo_judged, s.slo_missed.get("all", 0)
             missed = f"{missed_n:.0f} of {judged:.0f} judged requests missed"
-        queueing = window.queueing()
+        # the queue the binding class waits behind: a lower class's is its own to wait in
+        queueing = window.queueing(bound[0] if bound is not None else None)
         headroom = (
             bound is not None
             and bound[2] < 1 - goal.params.band

@@ -16,7 +16,13 @@ Pure. From the window's `Signals`, the goal and the rule's memory:
   (`mean_rows`: the step counters, else the mean batch size);
 - `queueing`: the wait for a slot is half the p99 it is part of (TTFT's where TTFT is
   a stated target: an end-to-end p99 of long answers hides a queue that breaks it), or
-  the queue grows;
+  the queue grows. For a class's view (the fallback reads the binding one's) the queue
+  is the one its class waits behind, `waiting_ahead`: the requests of its priority or
+  higher, since the schedulers serve a higher class first and a lower class's queue
+  lengthens only its own wait. There a queue needs more than a request a pod waiting
+  ahead, growing or with the wait half the p99: the queue-wait p99 is every class's
+  together, and without that a lower class's minutes of waiting would pass for the
+  view's own;
 - `queue_grows`: more than a request a pod waits at the window's end and clearly
   fewer finished than arrived: evidence, whatever the window's count of finished
   requests;
@@ -150,8 +156,24 @@ class Window:
     def queue_grows(self) -> bool:
         """More than a request a pod waits at the window's end, and the pods finished
         clearly less than arrived (by `GROWTH_SHARE`: not the noise of a steady load)."""
+        return self._grows(self.signals.waiting)
+
+    def _grows(self, waiting: float) -> bool:
         s = self.signals
-        return s.waiting > self.pods and s.finished_rate < (1 - GROWTH_SHARE) * s.demand_rate
+        return waiting > self.pods and s.finished_rate < (1 - GROWTH_SHARE) * s.demand_rate
+
+    def waiting_ahead(self, view: SloView) -> float | None:
+        """The requests waiting now that `view`'s class waits behind: those of the classes
+        of its priority or higher (a class the policy does not state counts as ahead).
+        None for the totals' view, or where a class's waiting is not exported (an older
+        server): the queue cannot be split by class."""
+        seen = self.signals.classes
+        known = {name: c.waiting for name, c in seen.items() if c.waiting is not None}
+        if view.name is None or not seen or len(known) < len(seen):
+            return None
+        priority = {DEFAULT_CLASS: 0, **{c.name: c.priority for c in self.slo.classes}}
+        floor = priority.get(view.name, 0)
+        return sum(n for name, n in known.items() if priority.get(name, floor) >= floor)
 
     def measured_per_pod_rps(self) -> float | None:
         """What each pod finished over the share of the window it was busy."""
@@ -171,13 +193,22 @@ class Window:
             return s.step_decode_rows / s.steps
         return s.mean_batch_size
 
-    def queueing(self) -> bool:
+    def queueing(self, view: SloView | None = None) -> bool:
         """The wait for a slot is half the p99 it is part of (TTFT where that is a stated
-        target, else end to end), or the queue grows."""
+        target, else end to end), or the queue grows. With a class's `view`, whose queue
+        splits by class: only where more than a request a pod waits ahead of that class
+        (see the module docstring)."""
+        ahead = None if view is None else self.waiting_ahead(view)
+        if ahead is not None:
+            return ahead > self.pods and (self._grows(ahead) or self._wait_is_half())
+        return self.queue_grows or self._wait_is_half()
+
+    def _wait_is_half(self) -> bool:
+        """The queue-wait p99 is at least `QUEUE_SHARE` of the p99 it is part of."""
         s = self.signals
         ttft = s.ttft_p99_s if "ttft" in self.slo.stated else None
         p99 = (ttft if ttft is not None else s.p99_latency_s) or 0.0
-        return self.queue_grows or (s.queue_wait_p99_s or 0.0) >= QUEUE_SHARE * p99 > 0
+        return (s.queue_wait_p99_s or 0.0) >= QUEUE_SHARE * p99 > 0
 
     def misses_are_evidence(self) -> bool:
         """A window too thin for p99s whose pods judged more misses than chance allows (a

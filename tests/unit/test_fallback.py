@@ -39,8 +39,9 @@ BATCH = SloClass("batch", 0, e2e_s=300.0)
 CLASSES = Slo(ttft_s=1.0, tpot_s=0.02, classes=(INTERACTIVE, BATCH))
 
 
-def seen(name: str, judged: float, met: float, **p99s: float) -> ClassSignals:
-    return ClassSignals(name, slo_judged=judged, slo_met=met, **p99s)  # type: ignore[arg-type]
+def seen(name: str, judged: float, met: float, **values: float) -> ClassSignals:
+    """A class's signals: its judgement, and p99s and waiting requests by field name."""
+    return ClassSignals(name, slo_judged=judged, slo_met=met, **values)  # type: ignore[arg-type]
 
 
 # The interactive class within its targets (TPOT 16 ms: at 80 % of 20, no room to grow),
@@ -49,6 +50,10 @@ def seen(name: str, judged: float, met: float, **p99s: float) -> ClassSignals:
 CHAT_OK = seen("interactive", 580, 580, ttft_p99_s=0.7, tpot_p99_s=0.016)
 BATCH_OK = seen("batch", 20, 20, p99_latency_s=40.0)
 INFLATED = {"ttft_p99_s": 5.0, "tpot_p99_s": 0.016, "p99_latency_s": 40.0}
+# 40 requests wait at the window's end, arrivals over what finished, and the wait is
+# most of the totals' TTFT: a queue by every measure of the totals.
+CLASS_QUEUE = {**INFLATED, "queue_wait_p99_s": 3.0, "waiting": 40.0, "arrival_rate": 30.0}
+SLOW_CHAT = {"ttft_p99_s": 0.7, "tpot_p99_s": 0.03}
 
 
 def signals(**values: object) -> Signals:
@@ -341,6 +346,49 @@ CASES = [
         pods=2,
         slo=CLASSES,
         says="class interactive: tpot p99 18 ms past 80% of its target 20 ms",
+    ),
+    # The interactive class (priority 10) misses TPOT (30 ms against 20: 1.5x, so two
+    # pods TPOT-scaled) while 40 requests wait and the wait is most of the totals' TTFT.
+    # The schedulers serve the higher class first: where the 40 are all the batch
+    # class's, the interactive class has no queue, and the smaller batch that shortens
+    # its steps only lengthens the batch class's wait (the budget at its floor: 8 -> 5).
+    Case(
+        "the interactive class misses TPOT, only the batch class waits: a smaller batch",
+        {**CLASS_QUEUE, "classes": {
+            "interactive": seen("interactive", 580, 400, waiting=0.0, **SLOW_CHAT),
+            "batch": seen("batch", 20, 20, waiting=40.0, p99_latency_s=40.0)}},
+        "running",
+        5,
+        budget=256,
+        pods=2,
+        slo=CLASSES,
+        current=AT_FLOOR,
+        says="[running] class interactive: tpot p99 30 ms > target 20 ms",
+    ),
+    Case(
+        "the interactive class misses TPOT and its own requests wait: overloaded",
+        {**CLASS_QUEUE, "classes": {
+            "interactive": seen("interactive", 580, 400, waiting=40.0, **SLOW_CHAT),
+            "batch": seen("batch", 20, 20, waiting=0.0, p99_latency_s=40.0)}},
+        "overloaded",
+        8,
+        budget=256,
+        pods=2,
+        slo=CLASSES,
+        current=AT_FLOOR,
+        says="[overloaded] class interactive: tpot p99 30 ms > target 20 ms",
+    ),
+    Case(
+        "pods that export no waiting by class: the whole queue counts, overloaded",
+        {**CLASS_QUEUE, "classes": {
+            "interactive": seen("interactive", 580, 400, **SLOW_CHAT),
+            "batch": seen("batch", 20, 20, p99_latency_s=40.0)}},
+        "overloaded",
+        8,
+        budget=256,
+        pods=2,
+        slo=CLASSES,
+        current=AT_FLOOR,
     ),
     Case(
         "the default class's requests judged against the top-level targets",
