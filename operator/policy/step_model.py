@@ -25,6 +25,13 @@ they correlate by `TOGETHER` or more they are priced as one: a decode row and a 
 token are each one token through the same weights in one forward (attention, which
 differs, is the KV term).
 
+For the same reason a decode row never costs less than a prompt token: where both vary
+apart, the fit prices every token (rows and prompt tokens) at one price and a row at what
+it adds beyond that (its sampling, its own bookkeeping), each non-negative. A fit left
+free to price them apart found a row free on a real server whose few rows a step hid
+their cost in the step's noise (SmolLM2's demo, 1-3 rows a 30 ms step), and took one pod
+for a load it could not carry.
+
 Points are kept per fleet size, like the old capacity line: where pods share hosts a
 pod's speed depends on how many run. The fit is *trusted* once it goes through
 `TRUSTED_POINTS` windows whose decode rows span `MIN_SPREAD`x: fewer, or one load
@@ -173,10 +180,13 @@ def fit(points: Sequence[StepPoint]) -> StepModel | None:
         i for i in range(len(TERMS))
         if np.ptp(x[:, i]) > VARIES * max(abs(float(np.mean(x[:, i]))), 1e-12)
     ]  # fmt: skip
-    together = 0 in varied and 1 in varied and np.corrcoef(x[:, 0], x[:, 1])[0, 1] >= TOGETHER
+    both = 0 in varied and 1 in varied
+    together = both and np.corrcoef(x[:, 0], x[:, 1])[0, 1] >= TOGETHER
     if together:  # one column of tokens, priced once (see the module docstring)
         x[:, 0] += x[:, 1]
         varied.remove(1)
+    elif both:  # a row costs a prompt token and what it adds beyond one (see the docstring)
+        x[:, 1] += x[:, 0]
     best: tuple[float, np.ndarray, tuple[int, ...]] | None = None
     for size in range(len(varied), -1, -1):
         for subset in itertools.combinations(varied, size):
@@ -199,6 +209,14 @@ def fit(points: Sequence[StepPoint]) -> StepModel | None:
         values[i] = float(c)
     if together:
         values[1] = values[0]
+    elif both:  # the token price is a row's too
+        values[0] += values[1]
+        subset = (0, *subset) if 1 in subset and 0 not in subset else subset
+    # priced: a term whose cost over the inputs seen is more than rounding (an exact
+    # flat curve solves every term at noise around zero)
+    seen = np.array([p.inputs() for p in points], dtype=float).max(axis=0)
+    floor = NOISE * float(np.max(np.abs(y)))
+    used = tuple(TERMS[i] for i in subset if values[i] * float(seen[i]) > floor)
     spread = float(np.min(rows)) > 0 and float(np.max(rows)) >= MIN_SPREAD * float(np.min(rows))
     return StepModel(
         fixed_s=float(coef[0]),
@@ -206,7 +224,7 @@ def fit(points: Sequence[StepPoint]) -> StepModel | None:
         per_prefill_s=values[1],
         per_kv_s=values[2],
         points=len(points),
-        used=tuple(TERMS[i] for i in subset),
+        used=used,
         trusted=len(points) >= TRUSTED_POINTS and spread,
         rms_error=math.sqrt(sse / len(points)),
         flat=tuple(

@@ -10,7 +10,7 @@ from batchpilot_operator.policy.choice import knob_candidates
 from batchpilot_operator.policy.memory import FitErrors, PolicyMemory
 from batchpilot_operator.policy.replicas import observe
 from batchpilot_operator.policy.round import decide
-from batchpilot_operator.policy.step_model import StepPoint, fit
+from batchpilot_operator.policy.step_model import StepPoint, fit, point_of
 from batchpilot_operator.policy.types import Bounds, Fleet, Goal, ReplicaBounds, ReplicaState
 from batchpilot_operator.policy.window import Window, arrivals_now, forecast
 from batchpilot_operator.slo import Slo
@@ -86,12 +86,15 @@ def test_a_fit_whose_rows_look_free_reaches_no_further_than_the_rows_it_saw() ->
     # A fit whose points held up to 16 decode rows (tests/support/policy.py's) describes
     # steps up to there, and where the rows look free, no further: from batch 8, no
     # candidate past 16 (a priced fit would reach twice the rows seen, 32).
-    flat = tuple(replace(p, step_s=0.01) for p in points())  # a step that costs the same
+    busy = seen(25.0, requests=1500.0, waiting=5.0, kv_usage=None)  # no KV bound either
+    same = point_of(busy)
+    assert same is not None
+    flat = tuple(replace(p, step_s=same.step_s) for p in points())  # every step the same
     memory = PolicyMemory(points=flat)
     small = BatchingConfig(max_batch_size=8, batch_timeout_ms=0.0, prefill_token_budget=1024)
-    busy = seen(25.0, requests=1500.0, waiting=5.0, kv_usage=None)  # no KV bound either
     decision = decide(busy, small, GOAL, memory, fleet=Fleet(1, 1), now=1e4)
-    assert decision.reason.startswith("predicted") and "rows, kv cost nothing" in decision.reason
+    assert decision.reason.startswith("predicted")
+    assert "rows, prefill, kv cost nothing" in decision.reason
     assert decision.config.max_batch_size == 16  # past the rows seen, "free" is a guess
     assert decision.prediction is not None and decision.prediction.candidate.replicas >= 2
 
@@ -187,14 +190,15 @@ def test_the_reach_counts_from_the_batch_in_force_where_steps_held_fewer_rows() 
 
 def test_a_fit_that_found_rows_free_reaches_no_further_than_the_batch_in_force() -> None:
     # Few decode rows a step on a slow model (SmolLM2 on 2 cores, rows 1-3): their cost
-    # hides in the noise of a 30 ms step, and the fit prices neither rows nor KV. Batch
-    # 16 would be "free" capacity, twice batch 8's: the demo's chooser called one pod
-    # 47% busy under a surge one pod could not carry.
+    # hides in the noise of a 30 ms step. Where the prompt tokens are priced, a row takes
+    # their price (test_step_model.py); where nothing is, batch 16 would be "free"
+    # capacity, twice batch 8's: the demo's chooser called one pod 47% busy under a
+    # surge one pod could not carry.
     # (the noise reads as a step a little shorter with more rows: the fit prices them 0)
-    flat = [StepPoint(r, p, 600 * r, 0.032 + 0.0001 * p - 0.0002 * r, 1)
-            for r, p in ((1, 10), (2, 80), (3, 30), (1.5, 160))]  # fmt: skip
+    flat = [StepPoint(r, p, 600 * r, 0.032 - 0.0002 * r, 1)
+            for r, p in ((1, 10), (2, 80), (3, 160), (1.5, 30))]  # fmt: skip
     model = fit(flat)
-    assert model is not None and model.used == ("prefill",) and model.trusted
+    assert model is not None and model.used == () and model.trusted
     batches = {b for b, *_ in knob_candidates(BOUNDS, CURRENT, model)}
     assert max(batches) == CURRENT.max_batch_size
 

@@ -32,7 +32,10 @@ def test_the_fit_recovers_known_coefficients() -> None:
         st.floats(0.0, 0.05), st.floats(0.0, 0.001), st.floats(0.0, 1e-4), st.floats(0.0, 1e-5)
     )
 )
-def test_any_non_negative_plane_is_recovered(plane: tuple[float, float, float, float]) -> None:
+def test_any_physical_plane_is_recovered(costs: tuple[float, float, float, float]) -> None:
+    # physical: nothing negative, and a row at least a prompt token (its extra >= 0)
+    fixed, row_extra, prompt_token, kv = costs
+    plane = (fixed, prompt_token + row_extra, prompt_token, kv)
     model = fit(points(plane=plane))
     assert model is not None
     for rows, prefill, kv in [(3, 100, 700), (12, 20, 4000)]:
@@ -51,6 +54,19 @@ def test_noise_that_reads_as_a_negative_cost_is_fitted_as_none() -> None:
     # the rows varied: the reason says they cost nothing measurable, not that they stood
     assert "rows cost nothing measurable" in model.describe()
     assert "rows" not in model.flat and model.max_rows == 8
+
+
+def test_a_row_is_never_priced_below_a_prompt_token() -> None:
+    # A real server's few rows a step (1-3 in a 30 ms step) hide their cost in the noise:
+    # free to, the fit prices a row at nothing while prompt tokens cost 50 us each. The
+    # row is one token through the same weights, so it is priced at least as one.
+    hidden = [(1, 40), (2, 200), (3, 90), (1.5, 300)]  # rows, prompt tokens a step
+    model = fit([StepPoint(r, p, 0.0, 0.03 + 50e-6 * p, 1) for r, p in hidden])
+    assert model is not None and model.trusted and not model.together
+    assert model.per_prefill_s > 0
+    assert model.per_row_s >= model.per_prefill_s
+    assert "rows cost nothing" not in model.describe()
+    assert model.step_s(32, 0, 0) - model.step_s(1, 0, 0) >= 31 * model.per_prefill_s
 
 
 def test_a_term_that_did_not_vary_is_left_out_and_named() -> None:
