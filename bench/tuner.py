@@ -11,7 +11,7 @@ Reported: goodput ratio tuner/oracle, the share of post-convergence
 intervals whose p99 meets the SLO, and the intervals the tuner needs to
 re-converge after the 3x load step. Targets: >= 0.95, >= 99%, <= 5.
 
-Real part (unless --skip-real): two `batchpilot serve` processes with the
+Real part (unless --skip-real; alone with --real-only): two `batchpilot serve` processes with the
 tiny model under the same time-varying load from the load generator, one
 left at the default config, one tuned live by the local tuner with scrape
 signals; their goodput and p99 side by side.
@@ -706,8 +706,18 @@ def main(argv: list[str]) -> int:
         "--llm-only", action="store_true",
         help="only the LLM (TTFT+TPOT) scenarios; writes their table to docs/tuning.md",
     )  # fmt: skip
+    ap.add_argument(
+        "--real-only", action="store_true",
+        help="only the real-server part; writes its section of docs/benchmarks.md",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     started = time.monotonic()
+    if args.real_only:
+        real = run_real(args.real_seconds)
+        replace_section(BENCHMARKS_MD, "tuner-real", real_markdown(real))
+        seconds = round(time.monotonic() - started, 1)
+        print(json.dumps({"bench": "tuner", "real": real["summary"], "seconds": seconds}))
+        return 0
     curve = StepCurve.load()
     llm_curve = llm.llm_curve(curve)
     setup, fleet_setup = Setup.from_curve(curve), fleet.FleetSetup.from_curve(curve)
