@@ -28,11 +28,17 @@ as three points (window.py) and the step model `step(rows, prefill, kv)`:
 4. TTFT of a prompt of P tokens: the slot wait, plus T (taken as added to every first
    token), plus its prefill steps, each carrying its chunk and the others' prefill.
    The TPOT target is judged on its distribution (`TpotTail`): the decode step plus the
-   prompts of the requests arriving during the second half of its own prefill and
-   while it decodes, at most G a step: a bigger budget gives lower TTFT and higher
-   TPOT. End to end: TTFT plus `(O - 1)` x the mean TPOT (the step at load, plus one
-   prefill chunk of the longest prompts (`min(G, P99)`) beyond the mean, spread over its
-   O - 1 tokens where an arrival lands during its decode).
+   prompts of the requests arriving at its pod during the second half of its own
+   prefill and while it decodes, at most G a step: a bigger budget gives lower TTFT
+   and higher TPOT. The balancer sends each request to a pod holding the fewest, so
+   an arrival joins a running request's pod only where every pod holds one: at
+   `lam` times the chance that the fleet holds N - 1 others (Poisson at the fleet's
+   `N lam` over the time a request holds its slot): on rag's four pods at 3% busy a
+   twentieth of an even random split's rate (one request in a hundred decodes beside
+   a prompt, not one in ten: the simulator measured none in three windows of four).
+   End to end: TTFT plus `(O - 1)` x the mean TPOT (the step at load, plus one prefill
+   chunk of the longest prompts (`min(G, P99)`) beyond the mean, spread over its O - 1
+   tokens where an arrival lands beside its decode, at the same rate).
 5. Attainment: one less the share that misses each stated target, summed (a union
    bound: conservative where misses overlap). p99s are read off the same tails.
 6. KV: the peak rows (`R + 3 sqrt(R)`, at most B) times the mean KV tokens a row holds,
@@ -218,7 +224,8 @@ class TpotTail:
     A request of O tokens decodes for n = O - 1 steps. Each step costs the decode part
     at this load (`decode_s`), plus the prompt tokens computed beside it: those of the
     requests arriving while it decodes or during the second half of its own prefill,
-    k of them (Poisson, `arrivals_per_s` x (half its prefill + n decode steps)): of
+    k of them (Poisson, `arrivals_per_s` x (half its prefill + n decode steps), the
+    rate the balancer sends to its pod while it runs: `_joins_its_pod`): of
     those landing during its prefill, the late ones are computed beside its first
     decode steps and the early ones mostly before them. Half is the share that matched
     the simulator's measured miss (rag: 0.028 predicted, 0.020 measured; chat: 0.005,
@@ -359,10 +366,12 @@ def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
         + n * _step_s(model, rows, min(float(budget), p / n + prefill), rows * kv_row, k)
         for (_, p), n in zip(prompts, chunks, strict=True)
     )
+    beside = lam * _joins_its_pod(lam * c.replicas * hold * step, c.replicas)
     spike = max(0.0, min(float(budget), prompts[-1][1]) - prefill) * model.per_prefill_s
     # a spike delays a speculating row's step once: spread over its tokens, not its steps
     tpot = tuple(
-        step / gain + spike * (1 - math.exp(-lam * max(1.0, o - 1) / gain * step)) / max(1.0, o - 1)
+        step / gain
+        + spike * (1 - math.exp(-beside * max(1.0, o - 1) / gain * step)) / max(1.0, o - 1)
         for _, o in outputs
     )
     tail = TpotTail.of(
@@ -374,7 +383,7 @@ def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
         decode_s=_step_s(model, rows, 0.0, rows * kv_row, k),
         per_prefill_s=model.per_prefill_s,
         budget=float(budget),
-        arrivals_per_s=lam,
+        arrivals_per_s=beside,
         outputs=outputs,
         prompts=prompts,
         tokens_per_step=gain,
@@ -405,6 +414,17 @@ def _chance_to_wait(lam: float, slots: int, hold: float, step_at: Callable[[int]
     weights = [math.exp(v - top) for v in logs]
     full = weights[slots] / (1 - rho)
     return full / (sum(weights[:slots]) + full)
+
+
+def _joins_its_pod(held: float, pods: int) -> float:
+    """The chance that an arrival joins a given running request's pod rather than another,
+    over the even split's 1 / `pods`, behind a least-outstanding balancer: the fleet holds
+    that request and `held` others (Poisson: each is held a while, the pods serving side
+    by side), kept even across the pods; the arrival goes to a pod holding the fewest, so
+    to that request's only where every pod holds one (at least `pods - 1` others), and
+    then as often as to any other. One pod: always."""
+    values, chances = _poisson(held)
+    return float(np.sum(chances[values >= pods - 1]))
 
 
 def _poisson(mean: float) -> tuple[np.ndarray, np.ndarray]:
