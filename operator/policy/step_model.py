@@ -23,7 +23,12 @@ a fit that prices them apart splits one cost between them by chance (the code wo
 windows priced a prompt token anywhere from 0 to 390 us, and its TTFT with it). Where
 they correlate by `TOGETHER` or more they are priced as one: a decode row and a prompt
 token are each one token through the same weights in one forward (attention, which
-differs, is the KV term).
+differs, is the KV term). Where the KV tokens a step attends moved with those tokens too
+(a workload's contexts hold steady as its load moves: KV is rows times a steady
+context), attention cannot be told from the weights either, and a fit free to split
+them put the whole cost on either by chance: code's windows at two pods priced a prompt
+token at 0-19 us in 9 of 14 fits, all of it on the KV, and predicted a TTFT of 2-10 ms
+for 56-81 measured. Then the tokens carry the attention at the contexts the points saw.
 
 For the same reason a decode row never costs less than a prompt token: where both vary
 apart, the fit prices every token (rows and prompt tokens) at one price and a row at what
@@ -138,13 +143,15 @@ class StepModel:
     rms_error: float = 0.0  # seconds, over the points
     scope: str = ""  # empty: this fleet size's points; else which sizes' points
     flat: tuple[str, ...] = ()  # the terms whose input did not vary across the points
-    together: bool = False  # rows and prompt tokens moved together: one price per token
+    # the terms that moved with the rows, priced with them as one token: "prefill", and
+    # "kv" where the KV tokens moved with both
+    together: tuple[str, ...] = ()
     max_rows: float = 0.0  # the most decode rows a step of the points held
 
     @property
     def form(self) -> tuple[str, ...]:
         """What makes two fits the same model: the points' scope and the terms used."""
-        return (self.scope, *self.used, *(("together",) if self.together else ()))
+        return (self.scope, *self.used, *(f"with {t}" for t in self.together))
 
     def step_s(self, rows: float, prefill: float, kv: float) -> float:
         return (
@@ -157,11 +164,16 @@ class StepModel:
         names = {"rows": "row", "prefill": "prompt token", "kv": "KV token"}
         values = {"rows": self.per_row_s, "prefill": self.per_prefill_s, "kv": self.per_kv_s}
         if self.together:
-            names["rows"] = "token (rows and prompt tokens moved together)"
+            moved = (
+                "rows, prompt tokens and KV tokens"
+                if "kv" in self.together
+                else "rows and prompt tokens"
+            )
+            names["rows"] = f"token ({moved} moved together)"
         parts += [f"{values[t] * 1e6:.2f} us/{names[t]}" for t in TERMS if t in self.used]
         free = [
             t for t in TERMS
-            if t not in self.used and t not in self.flat and not (self.together and t == "prefill")
+            if t not in self.used and t not in self.flat and t not in self.together
         ]  # fmt: skip
         left = f"; {', '.join(self.flat)} did not vary" if self.flat else ""
         left += f"; {', '.join(free)} cost nothing measurable" if free else ""
@@ -181,10 +193,16 @@ def fit(points: Sequence[StepPoint]) -> StepModel | None:
         if np.ptp(x[:, i]) > VARIES * max(abs(float(np.mean(x[:, i]))), 1e-12)
     ]  # fmt: skip
     both = 0 in varied and 1 in varied
-    together = both and np.corrcoef(x[:, 0], x[:, 1])[0, 1] >= TOGETHER
-    if together:  # one column of tokens, priced once (see the module docstring)
+    together: tuple[str, ...] = ()
+    if both and np.corrcoef(x[:, 0], x[:, 1])[0, 1] >= TOGETHER:
+        # one column of tokens, priced once, with the KV where it moved along too (see
+        # the module docstring)
         x[:, 0] += x[:, 1]
         varied.remove(1)
+        together = ("prefill",)
+        if 2 in varied and np.corrcoef(x[:, 0], x[:, 2])[0, 1] >= TOGETHER:
+            varied.remove(2)
+            together = ("prefill", "kv")
     elif both:  # a row costs a prompt token and what it adds beyond one (see the docstring)
         x[:, 1] += x[:, 0]
     best: tuple[float, np.ndarray, tuple[int, ...]] | None = None
@@ -228,7 +246,7 @@ def fit(points: Sequence[StepPoint]) -> StepModel | None:
         trusted=len(points) >= TRUSTED_POINTS and spread,
         rms_error=math.sqrt(sse / len(points)),
         flat=tuple(
-            TERMS[i] for i in range(len(TERMS)) if i not in varied and not (together and i == 1)
+            TERMS[i] for i in range(len(TERMS)) if i not in varied and TERMS[i] not in together
         ),
         together=together,
         max_rows=float(np.max(rows)),

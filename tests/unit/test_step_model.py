@@ -121,6 +121,24 @@ def test_rows_and_prompt_tokens_that_move_together_are_priced_as_one_token() -> 
     assert "prefill" not in model.describe()
 
 
+def test_kv_that_moves_with_the_tokens_is_priced_with_them() -> None:
+    # code's windows at two pods: rows, prompt tokens and the KV the rows attend all grow
+    # with the load (KV: the rows times a steady context). Split three ways, the fit put
+    # every cost on the KV by chance and called a prompt token free (TTFT 2-10 ms predicted,
+    # 56-81 measured); as one token, a prompt carries the attention its rows saw.
+    share, context = (0.35, 0.39, 0.34, 0.36, 0.41), (400, 380, 410, 395, 405)
+    rising = [
+        StepPoint(r, s * r, c * r, 0.0014 + 0.00016 * (r + s * r) + 0.15e-6 * c * r, 2)
+        for r, s, c in zip((2, 3, 4, 9, 17), share, context, strict=True)
+    ]
+    model = fit(rising)
+    assert model is not None and model.trusted and model.together == ("prefill", "kv")
+    assert model.per_kv_s == 0 and model.per_prefill_s == model.per_row_s >= 0.00016
+    assert model.step_s(1, 300, 0) >= 0.0014 + 0.00016 * 301
+    assert "us/token (rows, prompt tokens and KV tokens moved together)" in model.describe()
+    assert "kv" not in model.flat and "did not vary" not in model.describe()
+
+
 def test_rows_and_prompt_tokens_that_vary_apart_keep_their_own_prices() -> None:
     model = fit(points())
     assert model is not None and not model.together
