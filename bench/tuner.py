@@ -12,9 +12,9 @@ intervals whose p99 meets the SLO, and the intervals the tuner needs to
 re-converge after the 3x load step. Targets: >= 0.95, >= 99%, <= 5.
 
 Real part (unless --skip-real; alone with --real-only): two `batchpilot serve` processes with the
-tiny model under the same time-varying load from the load generator, one
-left at the default config, one tuned live by the local tuner with scrape
-signals; their goodput and p99 side by side.
+tiny model under the same time-varying load from the load generator (half the default
+config's measured capacity, then 1.5 times it), one left at the default config, one
+tuned live by the local tuner with scrape signals; their goodput and p99 side by side.
 
 LLM part (bench/tuner_llm.py): chat, retrieval-augmented and code-completion workloads
 with TTFT+TPOT targets under steady, 3x step, diurnal and bursty load, the tuner
@@ -541,9 +541,11 @@ def real_markdown(real: dict[str, Any]) -> str:
         "### Real servers (bench/tuner.py)",
         "",
         f"Tiny model, continuous mode, {REAL_SLO_S:g} s p99 SLO, both started at the default "
-        "config, the same load against each, a 3x step a third of the way in; the tuner "
-        f"decides every {REAL_INTERVAL_S:g} s from scrape signals: goodput tuned/default "
-        f"{real['summary']['goodput_ratio_tuned_over_default']}.",
+        "config, the same Poisson load against each, sized from the default's measured "
+        f"capacity ({real['capacity_rps']} req/s at batch {BatchingConfig().max_batch_size}, "
+        f"both servers closed-loop at once): {REAL_PHASES[0]:g}x for the first third, then "
+        f"{REAL_PHASES[1]:g}x; the tuner decides every {REAL_INTERVAL_S:g} s from scrape "
+        f"signals: goodput tuned/default {real['summary']['goodput_ratio_tuned_over_default']}.",
         "",
         "| server | config at end | goodput req/s | p99 s | ok | errors |",
         "|---|---|---|---|---|---|",
@@ -596,9 +598,31 @@ REAL_TOKEN = "bench-tuner-token"
 REAL_READY_TIMEOUT_S = 90.0  # the tiny model is built in seconds; the machine may be busy
 
 
-def real_rate(seconds: float) -> Callable[[float], float]:
-    """Moderate load for the first third, then three times as much."""
-    return lambda t: 5.0 if t < seconds / 3 else 15.0
+REAL_PHASES = (0.5, 1.5)  # of the default's measured capacity: the first third, then after
+REAL_PROBE_WAVES = 8  # closed-loop waves of a batch each, both servers at once
+REAL_PROMPTS, REAL_OUTPUTS = LengthDist("uniform", 8, 32), LengthDist("uniform", 16, 112)
+
+
+def real_rate(seconds: float, capacity_rps: float) -> Callable[[float], float]:
+    """Half of what the default carries for the first third, then 1.5 times it: a load
+    the default cannot carry and a larger batch can, on any CPU (fixed rates left a fast
+    machine's default with room, and nothing to tune)."""
+    low, high = (share * capacity_rps for share in REAL_PHASES)
+    return lambda t: low if t < seconds / 3 else high
+
+
+def real_spec(url: str, **load: Any) -> LoadSpec:
+    return LoadSpec(urls=[url], prompt_len=REAL_PROMPTS, output_len=REAL_OUTPUTS, seed=11, **load)
+
+
+async def default_capacity(servers: list[ServerProcess]) -> float:
+    """Requests per second a server finishes at the default batch, every slot busy (a
+    closed loop of a batch of clients), both servers at once: the contention of the run."""
+    batch = BatchingConfig().max_batch_size
+    requests = REAL_PROBE_WAVES * batch
+    load = {"arrival": "concurrency", "concurrency": batch, "num_requests": requests}
+    reports = await asyncio.gather(*(run_load(real_spec(s.url, **load)) for s in servers))
+    return min(report.requests_per_s for report in reports)
 
 
 def start_real_server(
@@ -649,12 +673,10 @@ async def _real(seconds: float, workdir: Path) -> dict[str, Any]:
         async with aiohttp.ClientSession() as session:
             for server in servers:
                 await wait_ready(server, session, REAL_READY_TIMEOUT_S)
+            capacity = await default_capacity(servers)
+            schedule = real_rate(seconds, capacity)
             load = [
-                LoadSpec(
-                    urls=[server.url], rate_schedule=real_rate(seconds), duration_s=seconds,
-                    prompt_len=LengthDist("uniform", 8, 32),
-                    output_len=LengthDist("uniform", 16, 112), seed=11,
-                )
+                real_spec(server.url, rate_schedule=schedule, duration_s=seconds)
                 for server in servers
             ]
             stop = asyncio.Event()
@@ -677,6 +699,7 @@ async def _real(seconds: float, workdir: Path) -> dict[str, Any]:
         "default": default,
         "tuned": tuned,
         "decisions": [f"{s.decision.action}: {s.decision.reason}" for s in steps],
+        "capacity_rps": round(capacity, 2),
         "summary": {
             "goodput_ratio_tuned_over_default": None if ratio is None else round(ratio, 3),
             "p99_default_s": default["p99_s"],
