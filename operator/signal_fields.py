@@ -24,17 +24,21 @@ from batchpilot_operator.signals import (
 )
 from batchpilot_server import metric_names as names
 
+# Field -> (histogram, quantile) of the lengths: the totals' and each class's.
+LENGTHS: dict[str, tuple[str, float]] = {
+    **{f"output_tokens_p{round(q * 100)}": (names.REQUEST_GENERATION_TOKENS, q)
+       for q in LENGTH_QUANTILES},
+    **{f"prompt_tokens_p{round(q * 100)}": (names.REQUEST_PROMPT_TOKENS, q)
+       for q in LENGTH_QUANTILES},
+}  # fmt: skip
 # Field -> (histogram, quantile): read from the window's bucket increases.
 QUANTILES: dict[str, tuple[str, float]] = {
     "p99_latency_s": (names.REQUEST_DURATION, 0.99),
     "queue_wait_p99_s": (names.QUEUE_WAIT, 0.99),
     "ttft_p99_s": (names.TIME_TO_FIRST_TOKEN, 0.99),
     "tpot_p99_s": (names.REQUEST_TIME_PER_OUTPUT_TOKEN, 0.99),
-    **{f"output_tokens_p{round(q * 100)}": (names.REQUEST_GENERATION_TOKENS, q)
-       for q in LENGTH_QUANTILES},
-    **{f"prompt_tokens_p{round(q * 100)}": (names.REQUEST_PROMPT_TOKENS, q)
-       for q in LENGTH_QUANTILES},
-}  # fmt: skip
+    **LENGTHS,
+}
 # Field -> histogram: its mean over the window (increase of _sum over increase of _count).
 MEANS: dict[str, str] = {
     "mean_batch_size": names.BATCH_SIZE,
@@ -70,13 +74,15 @@ ARRIVALS = names.REQUESTS_ARRIVED_TOTAL
 # pods: the pods exporting the config they run, one series each.
 POD_SERIES = names.CONFIG_MAX_BATCH_SIZE
 
-# ClassSignals field -> histogram: its p99 per SLO class, by the `class` label.
-CLASS_QUANTILES: dict[str, str] = {
-    "ttft_p99_s": names.TIME_TO_FIRST_TOKEN,
-    "tpot_p99_s": names.REQUEST_TIME_PER_OUTPUT_TOKEN,
-    "p99_latency_s": names.REQUEST_DURATION,
+# ClassSignals field -> (histogram, quantile) per SLO class, by the `class` label: its
+# p99s, and its lengths (the predictor judges each class's tails by its own).
+CLASS_QUANTILES: dict[str, tuple[str, float]] = {
+    "ttft_p99_s": (names.TIME_TO_FIRST_TOKEN, 0.99),
+    "tpot_p99_s": (names.REQUEST_TIME_PER_OUTPUT_TOKEN, 0.99),
+    "p99_latency_s": (names.REQUEST_DURATION, 0.99),
+    **LENGTHS,
 }
-CLASS_HISTOGRAMS = tuple(CLASS_QUANTILES.values())
+CLASS_HISTOGRAMS = tuple(dict.fromkeys(h for h, _ in CLASS_QUANTILES.values()))
 # ClassSignals.waiting: this gauge's value now per SLO class, summed over the pods.
 CLASS_WAITING = names.REQUESTS_WAITING_BY_CLASS
 
@@ -161,7 +167,7 @@ def signals_from(
 
 
 def class_signals(totals: WindowTotals) -> dict[str, ClassSignals]:
-    """Each SLO class the window's series name: its judgement, p99s and waiting
+    """Each SLO class the window's series name: its judgement, p99s, lengths and waiting
     requests, by name."""
     names_seen = sorted(
         set(totals.class_slo)
@@ -180,8 +186,8 @@ def class_signals(totals: WindowTotals) -> dict[str, ClassSignals]:
             slo_met=met,
             slo_missed={target: n for (result, target), n in slo.items() if result == "missed"},
             **{
-                field_name: bucket_quantile(0.99, buckets.get(histogram, {}))
-                for field_name, histogram in CLASS_QUANTILES.items()
+                field_name: bucket_quantile(q, buckets.get(histogram, {}))
+                for field_name, (histogram, q) in CLASS_QUANTILES.items()
             },
             budget_attainment=totals.class_budget_attainment.get(name),
             waiting=totals.class_waiting.get(name),

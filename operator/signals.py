@@ -39,6 +39,16 @@ class ClassSignals:
     # the class's requests waiting now, summed over pods; None: no pod exports the
     # waiting gauge by class (an older server)
     waiting: float | None = None
+    # Its finished requests' output and prompt tokens at LENGTH_QUANTILES, as the totals'
+    # (None: an older server, whose length histograms carry no class).
+    output_tokens_p10: float | None = None
+    output_tokens_p50: float | None = None
+    output_tokens_p90: float | None = None
+    output_tokens_p99: float | None = None
+    prompt_tokens_p10: float | None = None
+    prompt_tokens_p50: float | None = None
+    prompt_tokens_p90: float | None = None
+    prompt_tokens_p99: float | None = None
 
     @property
     def attainment(self) -> float | None:

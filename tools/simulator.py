@@ -337,6 +337,8 @@ class ClassInterval:
     tpots: list[float] = field(default_factory=list)
     queue_waits: list[float] = field(default_factory=list)  # arrival to first scheduled
     waiting_at_end: int = 0  # the class's requests waiting as the interval ends
+    prompts: list[int] = field(default_factory=list)  # each finished request's prompt
+    outputs: list[int] = field(default_factory=list)  # and its tokens
 
     @property
     def attainment(self) -> float | None:
@@ -973,7 +975,7 @@ class SimulatedFleet:
             if self.classed:
                 good = not missed_targets(times, self._goal_targets(seq.slo_class))
                 iv.good += good
-                self._class_done(seq.slo_class, times, good)
+                self._class_done(seq, times, good)
                 self._judge(missed_targets(times, self._class_table()[seq.slo_class][1]),
                             seq.slo_class)  # fmt: skip
             else:
@@ -1022,14 +1024,16 @@ class SimulatedFleet:
         """The current interval's part for class `name`."""
         return self.current.classes.setdefault(name, ClassInterval())
 
-    def _class_done(self, name: str, times: RequestTimes, good: bool) -> None:
-        part = self.class_iv(name)
+    def _class_done(self, seq: Sequence, times: RequestTimes, good: bool) -> None:
+        part = self.class_iv(seq.slo_class)
         part.completed += 1
         part.good += good
         part.latencies.append(times.e2e_s)
         part.ttfts.append(times.ttft_s)
         if times.tpot_s is not None:
             part.tpots.append(times.tpot_s)
+        part.prompts.append(seq.num_prompt)
+        part.outputs.append(seq.num_output)
 
     def _judge(self, missed: list[str], slo_class: str | None = None) -> None:
         """The pods' verdict on one request, in the totals and (classed) in its class."""
@@ -1175,18 +1179,21 @@ def _window_totals(window: list[Interval], interval_s: float) -> WindowTotals:
     )
 
 
-# ClassInterval's samples behind each histogram the signals read by class
+# ClassInterval's samples behind each histogram the signals read by class, and its bounds
 CLASS_SAMPLES = {
-    names.TIME_TO_FIRST_TOKEN: "ttfts",
-    names.REQUEST_TIME_PER_OUTPUT_TOKEN: "tpots",
-    names.REQUEST_DURATION: "latencies",
+    names.TIME_TO_FIRST_TOKEN: ("ttfts", BUCKET_BOUNDS),
+    names.REQUEST_TIME_PER_OUTPUT_TOKEN: ("tpots", BUCKET_BOUNDS),
+    names.REQUEST_DURATION: ("latencies", BUCKET_BOUNDS),
+    names.REQUEST_GENERATION_TOKENS: ("outputs", GENERATION_TOKEN_BOUNDS),
+    names.REQUEST_PROMPT_TOKENS: ("prompts", GENERATION_TOKEN_BOUNDS),
 }
 
 
 def _class_totals(window: list[Interval]) -> dict[str, Any]:
     """WindowTotals' per-class fields (the series' `class` label), as the pods export
-    them: each class's latency buckets, its SLO verdicts and its requests waiting at the
-    window's end (0 for a class none of which waits, as a pod's gauge reads)."""
+    them: each class's latency and length buckets, its SLO verdicts and its requests
+    waiting at the window's end (0 for a class none of which waits, as a pod's gauge
+    reads)."""
     buckets: dict[str, dict[str, dict[float, float]]] = {}
     slo: dict[str, dict[tuple[str, str], float]] = {}
     for name in sorted({name for iv in window for name in iv.classes}):
@@ -1197,8 +1204,8 @@ def _class_totals(window: list[Interval]) -> dict[str, Any]:
                 verdicts["missed", target] = verdicts.get(("missed", target), 0.0) + count
         slo[name] = verdicts
         buckets[name] = {
-            histogram: _cumulative_buckets(values, BUCKET_BOUNDS)
-            for histogram, attr in CLASS_SAMPLES.items()
+            histogram: _cumulative_buckets(values, bounds)
+            for histogram, (attr, bounds) in CLASS_SAMPLES.items()
             if (values := [x for p in parts for x in getattr(p, attr)])
         }
     last = window[-1].classes

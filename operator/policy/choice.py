@@ -11,14 +11,18 @@ count the goal allows (only the pods there are where the rule does not own the c
 For each, the predictor gives the attainment at the window's demand; a candidate is *eligible* when
 
 - its predicted misses are at most `margin_share` of the misses the attainment allows
-  (the stated margin: at 0.99 and a half, predicted attainment >= 0.995),
+  (the stated margin: at 0.99 and a half, predicted attainment >= 0.995); where the
+  predictor judges SLO classes apart (predictor.py `class_loads`), every class's
+  predicted misses against its own attainment, so that one class's long requests do
+  not spend another's margin; the reason names the binding class (the least room),
 - its predicted peak KV use stays under the watermark (where the window tells the
   pool's size), and
 - it does not preempt: where the window saw preemptions, no batch at or above the one in
   force is eligible.
 
 Fewest pods first; among those, the highest goodput per pod (at one pod count that is
-the highest attainment, rounded to 0.001 so that noise moves nothing); then the fewest
+the highest attainment, over the classes weighted by their requests where they are
+judged apart, rounded to 0.001 so that noise moves nothing); then the fewest
 knobs moved from the config in force; then the smaller batch, budget and k. Where no
 candidate on any pod count is eligible, the one with the highest attainment on the
 most pods is taken (then the lowest predicted utilisation: where every candidate is
@@ -34,9 +38,10 @@ from dataclasses import dataclass
 
 from batchpilot_operator.policy.predictor import (
     Candidate,
-    attainment_of,
+    Judgement,
     kv_use,
     predict,
+    scores_of,
 )
 from batchpilot_operator.policy.reasons import action_of, knob_change, targets
 from batchpilot_operator.policy.replicas import Need
@@ -61,8 +66,9 @@ class _Scored:
     attainment: float
     utilisation: float  # predicted rho: arrivals over what a pod carries
     feasible: bool  # within the KV watermark and not preempting
-    eligible: bool  # feasible and meets the attainment with the margin
+    eligible: bool  # feasible and meets the attainment with the margin (every class's)
     moved: int  # knobs moved from the config in force
+    binding: Judgement  # the SLO with the least room: a class's, or the totals'
 
     def key(self) -> tuple[float, ...]:
         c = self.candidate
@@ -115,8 +121,7 @@ def pod_counts(window: Window) -> list[int]:
 
 def choose(window: Window, model: StepModel, current: BatchingConfig, goal: Goal) -> Sizing:
     """The chosen candidate's knobs and pods; see the module docstring."""
-    slo, p = goal.slo, goal.params
-    needed = 1 - p.margin_share * slo.allowed_miss_share
+    slo, margin = goal.slo, goal.params.margin_share
     preempting = window.signals.preemption_rate > 0
     knobs = knob_candidates(goal.bounds, current, model)
     best: _Scored | None = None
@@ -124,18 +129,21 @@ def choose(window: Window, model: StepModel, current: BatchingConfig, goal: Goal
         tier: list[_Scored] = []
         for batch, timeout, budget, k in knobs:
             candidate = Candidate(batch, timeout, budget, pods, k)
-            scored = attainment_of(window, model, candidate)
-            assert scored is not None  # the round's gate: the window has lengths
-            attainment, rho, rows = scored
-            kv = kv_use(window, candidate, rows)
+            scores = scores_of(window, model, candidate)
+            assert scores is not None  # the round's gate: the window has lengths
+            kv = kv_use(window, candidate, scores.rows)
             feasible = (kv is None or kv <= slo.kv_high_watermark) and not (
                 preempting and batch >= current.max_batch_size
             )
             moved = sum((batch != current.max_batch_size, timeout != current.batch_timeout_ms,
                          budget != current.prefill_token_budget,
                          k != current.num_speculative_tokens))  # fmt: skip
-            meets = feasible and attainment >= needed
-            tier.append(_Scored(candidate, attainment, rho, feasible, meets, moved))
+            judged = scores.judgements
+            meets = feasible and all(j.attainment >= j.needed(margin) for j in judged)
+            binding = min(judged, key=lambda j: j.room(margin))
+            tier.append(
+                _Scored(candidate, scores.attainment, scores.rho, feasible, meets, moved, binding)
+            )
         eligible = [s for s in tier if s.eligible]
         if eligible:
             best = min(eligible, key=_Scored.key)
@@ -145,12 +153,7 @@ def choose(window: Window, model: StepModel, current: BatchingConfig, goal: Goal
     chosen = best.candidate
     prediction = predict(window, model, chosen)
     config = chosen.config(current)
-    verdict = (
-        f"meets attainment {slo.attainment:g} with the margin (>= {needed:.4f})"
-        if best.eligible
-        else f"the best there is: no candidate on up to {chosen.replicas} pod(s) meets "
-        f"attainment {slo.attainment:g} ({targets(slo.stated)})"
-    )
+    verdict = _verdict(best, margin)
     seen = prediction.describe(slo) if prediction is not None else ""
     reason = (
         f"{knob_change(current, config)} on {chosen.replicas} pod(s): predicted {seen}; {verdict}"
@@ -159,3 +162,26 @@ def choose(window: Window, model: StepModel, current: BatchingConfig, goal: Goal
     need = Need(chosen.replicas, reason) if owns_pods else None
     return Sizing(config, action_of(current, config), reason, need, prediction=prediction)
 
+
+def _verdict(best: _Scored, margin: float) -> str:
+    """Whether the chosen candidate meets the SLO with the margin, naming the binding
+    class where classes are judged apart."""
+    b, pods = best.binding, best.candidate.replicas
+    needed = b.needed(margin)
+    if b.name is None:
+        if best.eligible:
+            return f"meets attainment {b.objective:g} with the margin (>= {needed:.4f})"
+        return (
+            f"the best there is: no candidate on up to {pods} pod(s) meets attainment "
+            f"{b.objective:g} ({targets(b.targets)})"
+        )
+    binds = (
+        f"class {b.name} binds: predicted attainment {b.attainment:.3f} against "
+        f"{b.objective:g} ({targets(b.targets)})"
+    )
+    if best.eligible:
+        return f"every class meets its attainment with the margin; {binds}, >= {needed:.4f}"
+    return (
+        f"the best there is: no candidate on up to {pods} pod(s) meets every class's "
+        f"attainment; {binds}"
+    )

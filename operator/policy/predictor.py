@@ -52,6 +52,25 @@ at the window's per-token acceptance `a` (`Window.acceptance`: measured under th
 force, else the last measured; unknown: no gain). A request then holds its slot for
 `(O - 1) / g` decode steps, and its TPOT is the step over g.
 
+SLO classes (`class_loads`): where the policy states classes and the window carries each
+class's own lengths (`ClassSignals`), each class's tails are judged with its own prompts
+and answers against its own targets, and its attainment against its own objective; the
+queue (arrivals, the step at load, the slot wait, the backlog, the prompts arriving
+beside a decode) stays the totals', every class's requests together, since they share
+the pods' slots and steps. A batch class's long prompts then lengthen the steps and the
+slots held, as they do, without their prefill being judged against a chat class's TTFT.
+The slot wait is the FIFO wait for every class, though the schedulers serve a higher
+class first: conservative for the higher class (the one whose tight targets bind; its
+real wait is shorter), and short by at most the age bound (`--class-max-wait-s`, 30 s
+by default) for a lower one, whose targets are the loose ones (a batch class's
+minutes). Modelling the priority queue would need each class's arrivals and holding
+times apart, which a window's totals do not give per class; the conservative side is
+the one that keeps the SLO. The overall attainment (`attainment`, the choice's
+ranking) is the classes' weighted by their share of the window's judged requests.
+Where the policy states no classes, or a class the window judged has no lengths of its
+own (an older server), the totals are judged against the top-level targets, as
+without classes.
+
 Mode differences (dynamic batches wait to fill) are not modelled; `mode.py` chooses the
 mode from the measured crossover map instead.
 """
@@ -67,9 +86,9 @@ from batchpilot_operator.policy.speculation import measured_acceptance, tokens_p
 from batchpilot_operator.policy.step_model import StepModel, StepPoint, fit_for
 from batchpilot_operator.policy.types import ReplicaState
 from batchpilot_operator.policy.window import Lengths, Window, length_grid, mean_length
-from batchpilot_operator.signals import Signals
+from batchpilot_operator.signals import ClassSignals, Signals
 from batchpilot_operator.slo import Slo
-from batchpilot_server.batching_config import BatchingConfig
+from batchpilot_server.batching_config import DEFAULT_CLASS, BatchingConfig
 
 QUANTILE = 0.99
 FIXED_POINT_ROUNDS = 30
@@ -121,6 +140,9 @@ class Prediction:
     per_pod_rps: float  # mu
     step_s: float  # the step at this load
     kv_use: float | None  # predicted peak KV usage (share of the pool); None: unknown
+    # each SLO class judged on its own lengths and targets (`class_loads`); empty where the
+    # totals are judged against the top-level targets
+    classes: tuple[ClassPrediction, ...] = ()
 
     @property
     def goodput_per_pod(self) -> float:
@@ -131,9 +153,70 @@ class Prediction:
         return {"ttft": self.ttft_p99_s, "tpot": self.tpot_p99_s, "e2e": self.e2e_p99_s}[target]
 
     def describe(self, slo: Slo) -> str:
-        shown = ", ".join(f"{name} p99 {_ms(self.p99(name))}" for name in slo.stated)
         kv = "" if self.kv_use is None else f", KV {self.kv_use:.2f}"
+        if self.classes:
+            shown = "; ".join(c.describe() for c in self.classes)
+            return f"{shown}; {self.utilisation:.0%} busy{kv}"
+        shown = ", ".join(f"{name} p99 {_ms(self.p99(name))}" for name in slo.stated)
         return f"{shown}, attainment {self.attainment:.3f}, {self.utilisation:.0%} busy{kv}"
+
+
+@dataclass(frozen=True)
+class ClassPrediction:
+    """One SLO class's predicted p99s of its stated targets and its attainment."""
+
+    name: str
+    p99s: dict[str, float]
+    attainment: float
+
+    def describe(self) -> str:
+        shown = ", ".join(f"{name} p99 {_ms(p99)}" for name, p99 in self.p99s.items())
+        return f"class {self.name}: {shown}, attainment {self.attainment:.3f}"
+
+
+@dataclass(frozen=True)
+class ClassLoad:
+    """One SLO class as the predictor judges it: its stated targets (seconds), the
+    attainment to meet, its share of the window's judged requests, and its own lengths."""
+
+    name: str
+    targets: dict[str, float]
+    objective: float
+    share: float
+    prompts: Lengths
+    outputs: Lengths
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """One SLO's predicted attainment against its objective: a class's (`name`), or the
+    totals' against the top-level targets (None)."""
+
+    name: str | None
+    attainment: float
+    objective: float
+    targets: dict[str, float]  # its stated targets, seconds
+
+    def needed(self, margin_share: float) -> float:
+        """The attainment that meets the objective with the margin: the predicted misses
+        at most `margin_share` of those the objective allows."""
+        return 1 - margin_share * (1 - self.objective)
+
+    def room(self, margin_share: float) -> float:
+        """How far the attainment is past `needed`, in the misses the objective allows:
+        the least room binds."""
+        return (self.attainment - self.needed(margin_share)) / (1 - self.objective)
+
+
+@dataclass(frozen=True)
+class Scores:
+    """A candidate's predictions for the choice, cheaply (no p99s): the overall attainment,
+    each SLO's judgement, the utilisation and the busy rows."""
+
+    attainment: float
+    judgements: tuple[Judgement, ...]
+    rho: float
+    rows: float
 
 
 @dataclass(frozen=True)
@@ -155,6 +238,8 @@ class _Queue:
     tpot_tail: TpotTail
     step_s: float
     rows: float
+    # each class's view of this queue: the same queue, its own lengths' service times
+    classes: tuple[tuple[ClassLoad, _Queue], ...] = ()
 
     @property
     def rho(self) -> float:
@@ -199,8 +284,25 @@ class _Queue:
     def miss(self, target: str, t: float) -> float:
         return {"ttft": self.miss_ttft, "tpot": self.miss_tpot, "e2e": self.miss_e2e}[target](t)
 
+    def met(self, targets: dict[str, float]) -> float:
+        """The share meeting every target of `targets` (a union bound over the misses)."""
+        return max(0.0, 1.0 - sum(self.miss(name, t) for name, t in targets.items()))
+
+    def judgements(self, slo: Slo) -> tuple[Judgement, ...]:
+        """Each class's attainment against its objective; the totals' where classes are
+        not judged apart."""
+        if self.classes:
+            return tuple(
+                Judgement(load.name, queue.met(load.targets), load.objective, load.targets)
+                for load, queue in self.classes
+            )
+        return (Judgement(None, self.met(slo.stated), slo.attainment, slo.stated),)
+
     def attainment(self, slo: Slo) -> float:
-        return max(0.0, 1.0 - sum(self.miss(name, t) for name, t in slo.stated.items()))
+        """The share predicted to meet its SLO: the classes' weighted by their shares."""
+        if self.classes:
+            return sum(load.share * queue.met(load.targets) for load, queue in self.classes)
+        return self.met(slo.stated)
 
     def quantile(self, target: str) -> float:
         if target == "tpot":
@@ -258,14 +360,19 @@ class TpotTail:
         row_s: float = 0.0,
         rows: float = 0.0,
         others: float = 0.0,
+        own_prompts: Lengths | None = None,
     ) -> TpotTail:
         """`row_s`: what each decode row beside it adds to a step beyond `decode_s`'s mean
         `rows` a step (0: the rows beside it are taken at the mean); `others`: the rows
-        a running request finds beside it on average (time-averaged)."""
+        a running request finds beside it on average (time-averaged); `outputs` and
+        `own_prompts` are the judged requests' (a class's), `prompts` the arrivals' beside
+        them (every class's; `own_prompts` None: the same)."""
         prompt_weights = np.array([w for w, _ in prompts])
         prompt_tokens = np.array([p for _, p in prompts])
+        mine = prompts if own_prompts is None else own_prompts
         # its own prompt on the first axis, the last arrival's on the fourth
-        w_own, own = prompt_weights[:, None, None, None], prompt_tokens[:, None, None, None]
+        w_own = np.array([w for w, _ in mine])[:, None, None, None]
+        own = np.array([p for _, p in mine])[:, None, None, None]
         w_prompt, prompt = prompt_weights[None, None, None, :], prompt_tokens[None, None, None, :]
         w_out = np.array([w for w, _ in outputs])[None, :, None, None]
         # its decode steps: a speculating row gains `tokens_per_step` tokens a step, but
@@ -361,40 +468,61 @@ def _queue(window: Window, model: StepModel, c: Candidate) -> _Queue | None:
     backlog = window.backlog / max(1, c.replicas)
     drain_s = backlog / spare if spare > 0 and backlog > 0 else 0.0
     share = min(1.0, drain_s / max(window.signals.window_s, 1e-9)) if drain_s > 0 else 0.0
-    ttft_svc = tuple(
-        c.batch_timeout_ms / 1000.0
-        + n * _step_s(model, rows, min(float(budget), p / n + prefill), rows * kv_row, k)
-        for (_, p), n in zip(prompts, chunks, strict=True)
-    )
     beside = lam * _joins_its_pod(lam * c.replicas * hold * step, c.replicas)
+    # the longest prompts arriving beside a decode: every class's
     spike = max(0.0, min(float(budget), prompts[-1][1]) - prefill) * model.per_prefill_s
-    # a spike delays a speculating row's step once: spread over its tokens, not its steps
-    tpot = tuple(
-        step / gain
-        + spike * (1 - math.exp(-beside * max(1.0, o - 1) / gain * step)) / max(1.0, o - 1)
-        for _, o in outputs
-    )
-    tail = TpotTail.of(
-        # the draft tokens a row beside it verifies: zero without speculation, where the
-        # rows' own cost is small next to the weights' (kept at the mean, as before k)
-        row_s=model.per_prefill_s * k,
-        rows=rows,
-        others=min(slots * decoding, lam * (hold - mean_chunks) * step),
-        decode_s=_step_s(model, rows, 0.0, rows * kv_row, k),
-        per_prefill_s=model.per_prefill_s,
-        budget=float(budget),
-        arrivals_per_s=beside,
-        outputs=outputs,
-        prompts=prompts,
-        tokens_per_step=gain,
-    )
+
+    def served(
+        own_prompts: Lengths, own_outputs: Lengths
+    ) -> tuple[tuple[float, ...], tuple[float, ...], TpotTail]:
+        """The service of requests of these lengths (a class's, or the totals') at this
+        load: TTFT past the slot wait per prompt length, the mean TPOT per output length
+        and the TPOT's tail, beside every class's arrivals."""
+        ttft_svc = tuple(
+            c.batch_timeout_ms / 1000.0
+            + n * _step_s(model, rows, min(float(budget), p / n + prefill), rows * kv_row, k)
+            for _, p in own_prompts
+            for n in [max(1, math.ceil(p / budget))]
+        )
+        # a spike delays a speculating row's step once: spread over its tokens, not its steps
+        tpot = tuple(
+            step / gain
+            + spike * (1 - math.exp(-beside * max(1.0, o - 1) / gain * step)) / max(1.0, o - 1)
+            for _, o in own_outputs
+        )
+        tail = TpotTail.of(
+            # the draft tokens a row beside it verifies: zero without speculation, where the
+            # rows' own cost is small next to the weights' (kept at the mean, as before k)
+            row_s=model.per_prefill_s * k,
+            rows=rows,
+            others=min(slots * decoding, lam * (hold - mean_chunks) * step),
+            decode_s=_step_s(model, rows, 0.0, rows * kv_row, k),
+            per_prefill_s=model.per_prefill_s,
+            budget=float(budget),
+            arrivals_per_s=beside,
+            outputs=own_outputs,
+            prompts=prompts,
+            own_prompts=own_prompts,
+            tokens_per_step=gain,
+        )
+        return ttft_svc, tpot, tail
+
     held = [n + max(0.0, o - 1) / gain for (_, o) in outputs for n in chunks]
     weights = [wo * wp for (wo, _) in outputs for (wp, _) in prompts]
     cv2 = sum(w * (h - hold) ** 2 for w, h in zip(weights, held, strict=True)) / hold**2
-    return _Queue(
+    ttft_svc, tpot, tail = served(prompts, outputs)
+    queue = _Queue(
         lam, mu, slots, hold * full_step, p_wait, (1 + cv2) / 2, drain_s, share, prompts, ttft_svc,
         outputs, tpot, tail, step, rows,
     )  # fmt: skip
+    # each class: the same queue, its own requests' service (see the module docstring)
+    classes = []
+    for load in class_loads(window) or ():
+        ttft_svc, tpot, tail = served(load.prompts, load.outputs)
+        own = replace(queue, prompts=load.prompts, ttft_svc=ttft_svc, outputs=load.outputs,
+                      tpot=tpot, tpot_tail=tail)  # fmt: skip
+        classes.append((load, own))
+    return replace(queue, classes=tuple(classes)) if classes else queue
 
 
 def _chance_to_wait(lam: float, slots: int, hold: float, step_at: Callable[[int], float]) -> float:
@@ -444,6 +572,48 @@ def _step_s(model: StepModel, rows: float, prefill: float, kv: float, k: int) ->
     return model.step_s(rows, prefill + rows * k, kv)
 
 
+def class_loads(window: Window) -> tuple[ClassLoad, ...] | None:
+    """Each stated class the window carries with lengths of its own (the default class,
+    the top-level targets, first, as `Window.views`), its share of the window's judged
+    requests; None where the policy states no classes, the window carries none, or a
+    class it judged has no lengths (an older server's histograms carry no class): the
+    totals are then judged against the top-level targets."""
+    slo, seen = window.slo, window.signals.classes
+    if not slo.classes or not seen:
+        return None
+    stated = [(DEFAULT_CLASS, slo.stated, slo.attainment),
+              *((c.name, c.stated, c.attainment) for c in slo.classes)]  # fmt: skip
+    found: list[tuple[str, dict[str, float], float, float, tuple[Lengths, Lengths]]] = []
+    for name, targets, objective in stated:
+        signals = seen.get(name)
+        if signals is None:
+            continue
+        lengths = _class_lengths(signals)
+        if lengths is None:
+            if signals.slo_judged:
+                return None
+            continue
+        found.append((name, targets, objective, signals.slo_judged or 0.0, lengths))
+    judged = sum(n for _, _, _, n, _ in found)
+    return tuple(
+        ClassLoad(name, targets, objective, n / judged if judged > 0 else 1 / len(found),
+                  prompts, outputs)
+        for name, targets, objective, n, (prompts, outputs) in found
+    ) or None  # fmt: skip
+
+
+def _class_lengths(signals: ClassSignals) -> tuple[Lengths, Lengths] | None:
+    """A class's prompt and output lengths over the quantile slices; None unless both are
+    exported by class (the totals' fallbacks to means are the window's, not a class's)."""
+    outputs = length_grid(signals.output_tokens_p10, signals.output_tokens_p50,
+                          signals.output_tokens_p90, signals.output_tokens_p99)  # fmt: skip
+    prompts = length_grid(signals.prompt_tokens_p10, signals.prompt_tokens_p50,
+                          signals.prompt_tokens_p90, signals.prompt_tokens_p99)  # fmt: skip
+    if outputs is None or prompts is None:
+        return None
+    return prompts, outputs
+
+
 def lengths_of(signals: Signals) -> tuple[Lengths, Lengths] | None:
     """Prompt and output lengths over the window's quantile slices; prompts fall back to
     the window's mean prompt tokens computed per request, outputs to its mean tokens per
@@ -472,14 +642,14 @@ def kv_capacity_tokens(signals: Signals) -> float | None:
     return (kv / steps) / usage
 
 
-def attainment_of(
-    window: Window, model: StepModel, c: Candidate
-) -> tuple[float, float, float] | None:
-    """The candidate's predicted attainment, utilisation and busy rows, cheaply (no p99s)."""
+def scores_of(window: Window, model: StepModel, c: Candidate) -> Scores | None:
+    """The candidate's predicted attainment (overall and each SLO's), utilisation and busy
+    rows, cheaply (no p99s)."""
     queue = _queue(window, model, c)
     if queue is None:
         return None
-    return queue.attainment(window.slo), queue.rho, queue.rows
+    slo = window.slo
+    return Scores(queue.attainment(slo), queue.judgements(slo), queue.rho, queue.rows)
 
 
 def kv_use(window: Window, c: Candidate, rows: float) -> float | None:
@@ -508,6 +678,12 @@ def predict(window: Window, model: StepModel, c: Candidate) -> Prediction | None
         per_pod_rps=queue.mu,
         step_s=queue.step_s,
         kv_use=kv_use(window, c, queue.rows),
+        classes=tuple(
+            ClassPrediction(
+                load.name, {name: q.quantile(name) for name in load.targets}, q.met(load.targets)
+            )
+            for load, q in queue.classes
+        ),
     )
 
 

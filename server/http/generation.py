@@ -174,8 +174,9 @@ class Generation:
                     delta.finish_reason = "tool_calls"
         if output.finish_reason is not None:
             self._streams[index].cancel()  # a stop string ends it before the engine does
-            metrics.request_generation_tokens.observe(output.completion_tokens)
-            metrics.request_prompt_tokens.observe(self._prompt_tokens[index])
+            name = self.slo_class.name
+            metrics.request_generation_tokens.observe(output.completion_tokens, name)
+            metrics.request_prompt_tokens.observe(self._prompt_tokens[index], name)
         return delta
 
     def close(self) -> None:

@@ -83,9 +83,11 @@ class ServerMetrics:
         self.vllm = VllmMetrics(model, self.registry, block_size) if compat == "vllm" else None
         vllm = self.vllm
 
-        def by_class(name: str, doc: str, theirs: Histogram | None) -> ClassHistogram:
+        def by_class(
+            name: str, doc: str, theirs: Histogram | None, buckets: tuple[float, ...] = latency
+        ) -> ClassHistogram:
             family = Histogram(
-                name, doc, [*labels, names.CLASS_LABEL], buckets=latency, registry=self.registry
+                name, doc, [*labels, names.CLASS_LABEL], buckets=buckets, registry=self.registry
             )
             return ClassHistogram(family, self._values, theirs)
 
@@ -108,14 +110,19 @@ class ServerMetrics:
             "Sequences per executed step (continuous) or per batch (static, dynamic).",
             BATCH_SIZE_BUCKETS,
         )
-        self.request_generation_tokens = histogram(
+        # by class too: the tuner predicts each class's tails from its own lengths (a
+        # batch class's long prompts judged against a chat class's TTFT would size the
+        # pool for a target they do not have)
+        self.request_generation_tokens = by_class(
             names.REQUEST_GENERATION_TOKENS,
             "Output tokens of each finished request.",
+            None,
             names.GENERATION_TOKEN_BUCKETS,
         )
-        self.request_prompt_tokens = histogram(
+        self.request_prompt_tokens = by_class(
             names.REQUEST_PROMPT_TOKENS,
             "Prompt tokens of each finished request.",
+            None,
             names.PROMPT_TOKEN_BUCKETS,
         )
         self.request_tpot = by_class(
@@ -299,8 +306,9 @@ class ServerMetrics:
                 self._slo.labels(
                     **self._values, **{names.CLASS_LABEL: slo_class}, result=result, target=target
                 )
-        for latency in (self.request_duration, self.ttft, self.inter_token, self.request_tpot):
-            latency.open(slo_class)
+        for by_class in (self.request_duration, self.ttft, self.inter_token, self.request_tpot,
+                         self.request_prompt_tokens, self.request_generation_tokens):  # fmt: skip
+            by_class.open(slo_class)
         self._classes.add(slo_class)
         self._waiting_child(slo_class)
 
@@ -332,8 +340,9 @@ class ServerMetrics:
 
 
 class ClassHistogram:
-    """A latency histogram by SLO class; each observation also reaches vLLM's name
-    (`theirs`), which keeps its own labels. The default class's series exist from the start."""
+    """A histogram by SLO class (a latency, or a request's tokens); each observation also
+    reaches vLLM's name (`theirs`, where there is one), which keeps its own labels. The
+    default class's series exist from the start."""
 
     def __init__(self, ours: Histogram, values: dict[str, str], theirs: Histogram | None) -> None:
         self._ours = ours

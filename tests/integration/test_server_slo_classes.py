@@ -170,17 +170,34 @@ async def test_latency_histograms_count_by_class_and_vllms_names_keep_their_labe
     assert vllm_lines and all("class=" not in line for line in vllm_lines)
 
 
+async def test_the_length_histograms_count_each_finished_request_in_its_class(
+    url: str,
+) -> None:
+    # the tuner sizes each class's tails by its own prompts and answers (predictor.py)
+    lengths = (names.REQUEST_PROMPT_TOKENS, names.REQUEST_GENERATION_TOKENS)
+    async with aiohttp.ClientSession() as session:
+        await put_classes(session, url)
+        before = {h: await labelled(session, url, f"{h}_sum", names.CLASS_LABEL) for h in lengths}
+        status, _ = await post(session, url, key=BATCH_KEY, max_tokens=5)
+        assert status == 200
+        after = {h: await labelled(session, url, f"{h}_sum", names.CLASS_LABEL) for h in lengths}
+    prompt, output = (grown(after[h], before[h]) for h in lengths)
+    assert (prompt, output) == ({("batch",): 4.0}, {("batch",): 5.0})
+
+
 async def test_a_put_classs_series_exist_at_zero_before_its_first_request() -> None:
     # A series born at a class's first request has no earlier sample, so Prometheus's
     # increase() over a window would miss that request: the PUT opens them at 0.
     async with serve_in_process(admin_token=ADMIN) as server, aiohttp.ClientSession() as s:
         await put_classes(s, server.url)
         slo = await labelled(s, server.url, names.REQUESTS_SLO_TOTAL, names.CLASS_LABEL)
-        ttft = await labelled(
-            s, server.url, f"{names.TIME_TO_FIRST_TOKEN}_count", names.CLASS_LABEL
-        )
+        counts = {
+            h: await labelled(s, server.url, f"{h}_count", names.CLASS_LABEL)
+            for h in (names.TIME_TO_FIRST_TOKEN, names.REQUEST_PROMPT_TOKENS)
+        }
     assert {("chat",), ("batch",), ("default",)} <= slo.keys() and not any(slo.values())
-    assert ttft == {("chat",): 0.0, ("batch",): 0.0, ("default",): 0.0}
+    for histogram, count in counts.items():
+        assert count == {("chat",): 0.0, ("batch",): 0.0, ("default",): 0.0}, histogram
 
 
 async def test_the_class_and_its_priority_reach_the_engines_sequence() -> None:

@@ -212,6 +212,9 @@ async def test_both_sources_read_each_class_beside_the_same_totals(tmp_path: Pat
         assert bucket_of(batch.ttft_p99_s or 0) == bucket_of(2.0)
         assert bucket_of(batch.p99_latency_s or 0) == bucket_of(30.0)
         assert bucket_of(interactive.tpot_p99_s or 0) == bucket_of(0.01)
+        # each class's prompts, by their own buckets (16, 64, 256, 1024, 4096)
+        assert 64 < (interactive.prompt_tokens_p50 or 0) <= 256
+        assert 1024 < (batch.prompt_tokens_p50 or 0) <= 4096
         assert read.classes["default"].slo_judged == 0  # its series exist, at zero
     assert (scraped.classes["interactive"].slo_judged, scraped.classes["batch"].slo_judged) == (
         20, 10,

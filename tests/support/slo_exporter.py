@@ -2,8 +2,8 @@
 names (batchpilot_server.metric_names), driven by the test with known counts.
 
 It lets the signal sources be checked against exact numbers; the real servers'
-series are the same names and, like theirs, the latency histograms and the SLO counter
-carry the request's SLO class (the server's own tests check what it counts).
+series are the same names and, like theirs, the latency and prompt-length histograms and
+the SLO counter carry the request's SLO class (the server's own tests check what it counts).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class SloExporter:
         self.duration.labels(slo_class).observe(e2e_s)
         self.ttft.labels(slo_class).observe(ttft_s)
         self.tpot.labels(slo_class).observe(tpot_s)
-        self.prompts.observe(prompt)
+        self.prompts.labels(slo_class).observe(prompt)
         self.judged.labels("missed" if missed else "met", names.SLO_ALL, slo_class).inc()
         for target in missed:
             self.judged.labels("missed", target, slo_class).inc()
@@ -56,7 +56,7 @@ class SloExporter:
     def declare_class(self, slo_class: str) -> None:
         """The class's series at zero, as after its first request: Prometheus' `increase`
         counts from a series' first sample, so a window must open after it."""
-        for histogram in (self.duration, self.ttft, self.tpot):
+        for histogram in (self.duration, self.ttft, self.tpot, self.prompts):
             histogram.labels(slo_class)
         for result in ("met", "missed"):
             self.judged.labels(result, names.SLO_ALL, slo_class)
@@ -78,8 +78,8 @@ def serve_slo_exporter() -> Iterator[SloExporter]:
     def counter(name: str) -> Counter:
         return Counter(name.removesuffix("_total"), name, registry=registry)
 
-    def by_class(name: str) -> Histogram:
-        labelled = Histogram(name, name, (names.CLASS_LABEL,), buckets=names.LATENCY_BUCKETS,
+    def by_class(name: str, buckets: tuple[float, ...] = names.LATENCY_BUCKETS) -> Histogram:
+        labelled = Histogram(name, name, (names.CLASS_LABEL,), buckets=buckets,
                              registry=registry)  # fmt: skip
         labelled.labels(DEFAULT_CLASS)  # the default class's series exist from the start
         return labelled
@@ -100,7 +100,7 @@ def serve_slo_exporter() -> Iterator[SloExporter]:
             duration=by_class(names.REQUEST_DURATION),
             ttft=by_class(names.TIME_TO_FIRST_TOKEN),
             tpot=by_class(names.REQUEST_TIME_PER_OUTPUT_TOKEN),
-            prompts=histogram(names.REQUEST_PROMPT_TOKENS, TOKEN_BUCKETS),
+            prompts=by_class(names.REQUEST_PROMPT_TOKENS, TOKEN_BUCKETS),
             step=histogram(names.STEP_DURATION),
             decode_rows=counter(names.STEP_DECODE_ROWS_TOTAL),
             prefill_tokens=counter(names.STEP_PREFILL_TOKENS_TOTAL),

@@ -6,14 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import pytest
-from batchpilot_operator.policy.choice import knob_candidates
+from batchpilot_operator.policy.choice import choose, knob_candidates
 from batchpilot_operator.policy.memory import FitErrors, PolicyMemory
+from batchpilot_operator.policy.predictor import Candidate, _queue
 from batchpilot_operator.policy.replicas import observe
 from batchpilot_operator.policy.round import decide
-from batchpilot_operator.policy.step_model import StepPoint, fit, point_of
+from batchpilot_operator.policy.step_model import StepModel, StepPoint, fit, point_of
 from batchpilot_operator.policy.types import Bounds, Fleet, Goal, ReplicaBounds, ReplicaState
 from batchpilot_operator.policy.window import Window, arrivals_now, forecast
-from batchpilot_operator.slo import Slo
+from batchpilot_operator.signals import ClassSignals
+from batchpilot_operator.slo import Slo, SloClass
 from batchpilot_server.batching_config import BatchingConfig
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -256,3 +258,114 @@ def test_a_window_of_two_intervals_sizes_for_its_newer_half_alone() -> None:
     # part of it is shared with the round before, so its rate is the demand as it is.
     history = ReplicaState(arrivals=((1e4 - 30, 2.0), (1e4, 10.0)))
     assert arrivals_now(window(10.0, window_s=60.0), history) == 10.0
+
+
+# SLO classes on shared pods (bench/slo_classes.py): chat at TTFT 1 s beside a few percent
+# of long-prompt batch requests with a 300-s end-to-end target, on the shared pool's fit
+# (rows and prompt tokens priced as one token) at 8 req/s over 3 pods.
+INTERACTIVE = SloClass("interactive", priority=10, ttft_s=1.0, tpot_s=0.0141, attainment=0.95)
+BATCH = SloClass("batch", priority=0, e2e_s=300.0, attainment=0.95)
+CLASSED = Slo(ttft_s=1.0, tpot_s=0.0141, attainment=0.95, classes=(INTERACTIVE, BATCH))
+CLASSED_GOAL = Goal(CLASSED, Bounds(1, 64, 0.0, 200.0, 256, 2048), replicas=ReplicaBounds(1, 4))
+SHARED_FIT = StepModel(fixed_s=0.00138, per_row_s=0.000214, per_prefill_s=0.000214,
+                       per_kv_s=0.0, points=8, used=("rows",), trusted=True,
+                       together=("prefill", "kv"), max_rows=12.0)  # fmt: skip
+SHARED_CONFIG = BatchingConfig(max_batch_size=64, batch_timeout_ms=0.0, prefill_token_budget=256)
+
+
+def lengths(kind: str, p10: float, p50: float, p90: float, p99: float) -> dict[str, float]:
+    return {
+        f"{kind}_tokens_p{q}": v
+        for q, v in zip((10, 50, 90, 99), (p10, p50, p90, p99), strict=True)
+    }
+
+
+def shared_window(**class_lengths: bool) -> Window:
+    """The shared pool's window: 97 % chat, 3 % batch prompts of 2000-6000 tokens, whose
+    totals' p90 and p99 the batch prompts lift; each class's lengths where
+    `class_lengths[name]` (default: both; False: an older server's, without them)."""
+    classes = {
+        "interactive": ClassSignals(
+            "interactive", slo_judged=466.0, slo_met=466.0,
+            **lengths("prompt", 424, 1101, 1853, 2028), **lengths("output", 70, 239, 435, 504),
+        ),
+        "batch": ClassSignals(
+            "batch", slo_judged=14.0, slo_met=14.0,
+            **lengths("prompt", 2765, 4352, 5786, 6108), **lengths("output", 86, 203, 294, 375),
+        ),
+    }  # fmt: skip
+    classes = {
+        name: c if class_lengths.get(name, True) else replace(c, **{
+            k: None for k in (*lengths("prompt", 0, 0, 0, 0), *lengths("output", 0, 0, 0, 0))
+        })
+        for name, c in classes.items()
+    }  # fmt: skip
+    signals = replace(
+        window(8.0, pods=3, kv_usage=None, **lengths("prompt", 427, 1125, 2000, 5500),
+               **lengths("output", 70, 237, 434, 504)),
+        classes=classes,
+    )  # fmt: skip
+    return Window.of(signals, CLASSED, Fleet(3, 3), CLASSED_GOAL.replicas, ReplicaState())
+
+
+def test_each_class_is_judged_by_its_own_lengths_so_the_shared_pool_holds() -> None:
+    # Judged against the interactive class's TTFT, the batch class's long prompts (and the
+    # totals' grid, which spreads them over the 90th-99th slice) spend the whole margin:
+    # a fourth pod. Each class on its own lengths: 3 pods meet both with the margin.
+    chosen = choose(shared_window(), SHARED_FIT, SHARED_CONFIG, CLASSED_GOAL)
+    assert chosen.prediction is not None and chosen.prediction.candidate.replicas == 3
+    assert "every class meets its attainment with the margin" in chosen.reason
+    assert "class interactive binds" in chosen.reason  # the least room
+    predicted = {c.name: c for c in chosen.prediction.classes}
+    assert predicted["interactive"].attainment >= 1 - 0.5 * 0.05
+    assert predicted["batch"].p99s["e2e"] < 300.0
+
+
+def test_a_class_judged_without_its_own_lengths_keeps_the_totals() -> None:
+    # an older server's window (no lengths by class): the totals against the top-level
+    # targets, as before classes were judged apart, and that takes the fourth pod
+    chosen = choose(shared_window(batch=False), SHARED_FIT, SHARED_CONFIG, CLASSED_GOAL)
+    assert chosen.prediction is not None and chosen.prediction.candidate.replicas == 4
+    assert chosen.prediction.classes == ()
+    assert "meets attainment 0.95 with the margin" in chosen.reason
+
+
+def test_a_policy_without_classes_judges_the_totals_whatever_the_window_carries() -> None:
+    window_ = shared_window()
+    plain = replace(CLASSED, classes=())
+    alone = choose(replace(window_, slo=plain), SHARED_FIT, SHARED_CONFIG,
+                   replace(CLASSED_GOAL, slo=plain))  # fmt: skip
+    old = choose(shared_window(interactive=False, batch=False), SHARED_FIT, SHARED_CONFIG,
+                 CLASSED_GOAL)  # fmt: skip
+    assert alone.prediction is not None and alone.prediction.classes == ()
+    assert (alone.reason, alone.config) == (old.reason, old.config)
+
+
+def test_a_class_missing_its_own_target_binds_and_is_named() -> None:
+    # a batch e2e target its long prompts cannot meet on any pod count: the best there is
+    tight = replace(BATCH, e2e_s=1.0)
+    slo = replace(CLASSED, classes=(INTERACTIVE, tight))
+    window_ = replace(shared_window(), slo=slo)
+    chosen = choose(window_, SHARED_FIT, SHARED_CONFIG, replace(CLASSED_GOAL, slo=slo))
+    assert chosen.prediction is not None and chosen.prediction.candidate.replicas == 4
+    verdict = (
+        "no candidate on up to 4 pod(s) meets every class's attainment; class batch binds: "
+        "predicted attainment 0.005 against 0.95 (e2e 1000 ms)"
+    )
+    assert verdict in chosen.reason, chosen.reason
+
+
+def test_the_classes_share_the_totals_queue_and_judge_their_own_tails() -> None:
+    candidate = Candidate(64, 0.0, 256, 3)
+    classed = _queue(shared_window(), SHARED_FIT, candidate)
+    totals = _queue(shared_window(interactive=False, batch=False), SHARED_FIT, candidate)
+    assert classed is not None and totals is not None and totals.classes == ()
+    # the slots, steps and waits: every class's requests together
+    assert (classed.rho, classed.p_wait, classed.step_s) == (
+        totals.rho,
+        totals.p_wait,
+        totals.step_s,
+    )
+    own = {load.name: queue for load, queue in classed.classes}
+    assert own["interactive"].met(INTERACTIVE.stated) > totals.met(CLASSED.stated)
+    assert own["batch"].miss("ttft", 1.0) > own["interactive"].miss("ttft", 1.0)

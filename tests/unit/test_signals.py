@@ -250,10 +250,14 @@ def two_class_page(
     for _ in range(chat):
         metrics.ttft.observe(0.1, "chat")
         metrics.request_duration.observe(0.5, "chat")
+        metrics.request_prompt_tokens.observe(100, "chat")
+        metrics.request_generation_tokens.observe(200, "chat")
         metrics.count_slo({"ttft": True, names.SLO_ALL: True}, "chat")
     for i in range(batch):
         metrics.ttft.observe(3.0, "batch")
         metrics.request_duration.observe(40.0, "batch")
+        metrics.request_prompt_tokens.observe(4000, "batch")
+        metrics.request_generation_tokens.observe(100, "batch")
         met = i % 4 != 0
         metrics.count_slo({"e2e": met, names.SLO_ALL: met}, "batch")
     by_class = waiting or {}
@@ -278,6 +282,14 @@ def test_the_scrape_reads_each_class_beside_the_totals() -> None:
     assert batch.p99_latency_s is not None and bucket_of(batch.p99_latency_s) == bucket_of(40.0)
     assert chat.tpot_p99_s is None  # nothing observed
     assert signals.classes["default"].slo_judged == 0
+    # each class's lengths from its own series; the totals' over both
+    assert chat.prompt_tokens_p99 is not None and chat.prompt_tokens_p99 <= 128
+    assert batch.prompt_tokens_p10 is not None and batch.prompt_tokens_p10 > 2048
+    assert chat.output_tokens_p50 is not None and chat.output_tokens_p50 > 128
+    assert batch.output_tokens_p99 is not None and batch.output_tokens_p99 <= 128
+    assert signals.prompt_tokens_p10 is not None and signals.prompt_tokens_p10 <= 128
+    assert signals.prompt_tokens_p99 is not None and signals.prompt_tokens_p99 > 2048
+    assert signals.classes["default"].prompt_tokens_p50 is None
 
 
 async def test_the_scrape_reads_each_class_waiting_now_summed_over_pods(
@@ -331,8 +343,15 @@ def test_prometheus_answers_by_class_become_each_class_signals() -> None:
         ({label: "chat"}, 0.0), ({label: "batch"}, 40.0),
         ({}, 5.0),  # an older server's series, without the label: totals only
     ]  # fmt: skip
+    answers[f"class_buckets:{names.REQUEST_PROMPT_TOKENS}"] = [
+        ({label: "chat", "le": "256"}, 10.0), ({label: "chat", "le": "+Inf"}, 10.0),
+        ({label: "batch", "le": "256"}, 0.0), ({label: "batch", "le": "+Inf"}, 2.0),
+    ]  # fmt: skip
     signals = signals_from(prometheus_totals(answers, 60.0), min_requests=1)
     chat, batch = signals.classes["chat"], signals.classes["batch"]
+    assert chat.prompt_tokens_p99 is not None and chat.prompt_tokens_p99 <= 256
+    assert batch.prompt_tokens_p10 == 256  # the +Inf bucket answers the last finite bound
+    assert chat.output_tokens_p50 is None  # not exported by class (an older server)
     assert (chat.waiting, batch.waiting) == (0.0, 40.0)
     assert (chat.attainment, batch.attainment, batch.slo_missed) == (1.0, 0.5, {"all": 1, "e2e": 1})
     assert (chat.budget_attainment, batch.budget_attainment) == (0.99, 0.0)

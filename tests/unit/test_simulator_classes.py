@@ -72,7 +72,8 @@ def test_each_request_is_judged_against_its_own_class() -> None:
 
 
 def test_the_signals_carry_each_class_as_the_pods_label_it() -> None:
-    trace = [(i * 0.5, 8, 4, "fast" if i % 2 else "slow") for i in range(10)]
+    trace = [(i * 0.5, 8 if i % 2 else 900, 4 if i % 2 else 60, "fast" if i % 2 else "slow")
+             for i in range(10)]  # fmt: skip
     fleet = SimulatedFleet(work(trace), options(), CURVE)
     asyncio.run(fleet.run(30.0))
     signals = asyncio.run(fleet.read(30.0))
@@ -80,6 +81,12 @@ def test_the_signals_carry_each_class_as_the_pods_label_it() -> None:
     assert signals.classes["fast"].attainment == 0.0
     assert signals.classes["slow"].attainment == 1.0
     assert signals.classes["slow"].p99_latency_s is not None
+    fast, slow = signals.classes["fast"], signals.classes["slow"]
+    # each class's lengths in the generation-token buckets, as the pods' histograms
+    assert fast.prompt_tokens_p99 is not None and fast.prompt_tokens_p99 <= 8
+    assert slow.prompt_tokens_p10 is not None and slow.prompt_tokens_p10 > 512
+    assert fast.output_tokens_p99 is not None and fast.output_tokens_p99 <= 4
+    assert slow.output_tokens_p50 is not None and slow.output_tokens_p50 > 32
     assert (signals.slo_judged, signals.slo_met) == (10, 5)
 
 
