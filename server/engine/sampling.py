@@ -90,9 +90,12 @@ class Sampler:
             chosen = self.choose(logits, batch.knobs, logprobs, uniform)
             if batch.penalized is not None:
                 self.penalties.record(batch.penalized, chosen)
+            picked_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
         else:
-            chosen = logprobs.argmax(dim=-1)
-        picked_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
+            # the value and its index in one op (argmax's index: the first of ties, a
+            # NaN first), where argmax then gather took three: at batch 1 a step's
+            # sampling is mostly per-op dispatch
+            picked_logprobs, chosen = logprobs.max(dim=-1)
         return Sampled(chosen.tolist(), picked_logprobs.tolist(), step_top_logprobs(logprobs, seqs))
 
     @torch.inference_mode()
