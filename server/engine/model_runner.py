@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from batchpilot_server.engine.attention_kernel import NativeDecodeAttention, native_kernel_for
+from batchpilot_server.engine.inference_mode import inference_mode
 from batchpilot_server.engine.kv_cache import KVCache
 from batchpilot_server.engine.models import Decoder
 from batchpilot_server.engine.sequence import Sequence
@@ -231,7 +232,7 @@ class ModelRunner:
         """The decode attention in use."""
         return "torch" if self.kernel is None else "native"
 
-    @torch.inference_mode()
+    @inference_mode
     def step(self, plan: StepPlan, prompt_logits: PromptLogits | None = None) -> torch.Tensor:
         """One forward over the plan's rows, writing only the KV cache: compute the
         next `plan.chunk_sizes()` tokens of each prefill sequence from its
