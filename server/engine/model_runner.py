@@ -275,9 +275,14 @@ class ModelRunner:
         model, device = self.model, self.device
         rectangles = [batch for batch in (pre, ver) if batch is not None]
         if decode:
-            # flat lists: torch.tensor reads them several times faster than nested ones
-            ids = torch.tensor([seq.token_ids[-1] for seq in decode], device=device)
-            positions = torch.tensor([seq.num_tokens - 1 for seq in decode], device=device)
+            # one flat int64 array, ids then positions, and one tensor of it: numpy reads
+            # a list of ints about twice as fast as torch.tensor (3x at batch 32), and
+            # at batch 1 this is per-step overhead beside a ~2 ms tiny-model step
+            both = np.array(
+                [seq.token_ids[-1] for seq in decode] + [seq.num_tokens - 1 for seq in decode],
+                np.int64,
+            )
+            ids, positions = torch.from_numpy(both).to(device).view(2, len(decode))
             attention = self._decode_attention(decode)
             if not rectangles:
                 hidden = model.hidden(ids[:, None], positions[:, None], attention)
