@@ -71,8 +71,12 @@ class NativeDecodeAttention:
         kv_heads = k.shape[2]
         if heads % kv_heads:
             raise ValueError(f"{heads} query heads do not split into {kv_heads} KV groups")
-        kernel = self.kernel
-        query, key, value = q.to(torch.float32), k.to(kernel.pool_dtype), v.to(kernel.pool_dtype)
+        kernel, pool = self.kernel, self.kernel.pool_dtype
+        # `.to` only where the dtype differs: a same-dtype `.to` returns its tensor but
+        # still costs a dispatch, four per layer of a step otherwise
+        query = q if q.dtype == torch.float32 else q.to(torch.float32)
+        key = k if k.dtype == pool else k.to(pool)
+        value = v if v.dtype == pool else v.to(pool)
         # C reads rows `stride(0)` apart, heads and dims packed; k and v share a stride
         if query.stride()[2:] != (head_dim, 1):
             query = query.contiguous()
@@ -88,7 +92,7 @@ class NativeDecodeAttention:
         )  # fmt: skip
         if status != 0:
             raise MemoryError("the attention kernel could not allocate its scratch weights")
-        return out.to(q.dtype)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 def native_kernel_for(
