@@ -46,15 +46,17 @@ class NativeDecodeAttention:
     head once for the query heads that share it."""
 
     def __init__(self, kernel: NativeKernel, seqs: list[Sequence]) -> None:
-        batch = len(seqs)
-        blocks = np.fromiter((len(seq.block_table) for seq in seqs), np.int64, batch)
-        self.lengths = np.fromiter((seq.num_tokens for seq in seqs), np.int64, batch)
+        # built every step from Python lists in two np.array calls: half the cost of
+        # filling a zeroed array row by row at batch 1, where this is per-step overhead
+        tables = [seq.block_table for seq in seqs]
+        lengths = [seq.num_tokens for seq in seqs]
         # C trusts its indices: a short table would read outside the pool
-        if (blocks * kernel.block_size < self.lengths).any():
+        size = kernel.block_size
+        if any(len(table) * size < length for table, length in zip(tables, lengths, strict=True)):
             raise KVAccountingError("a decoding sequence holds fewer blocks than its tokens need")
-        self.tables = np.zeros((batch, int(blocks.max())), np.int64)
-        for row, seq in enumerate(seqs):
-            self.tables[row, : len(seq.block_table)] = seq.block_table
+        width = max(map(len, tables))
+        self.tables = np.array([table + [0] * (width - len(table)) for table in tables], np.int64)
+        self.lengths = np.array(lengths, np.int64)
         self.kernel = kernel
         # addresses read once per step, not once per layer
         self.tables_at, self.lengths_at = self.tables.ctypes.data, self.lengths.ctypes.data
@@ -69,8 +71,12 @@ class NativeDecodeAttention:
         kv_heads = k.shape[2]
         if heads % kv_heads:
             raise ValueError(f"{heads} query heads do not split into {kv_heads} KV groups")
-        kernel = self.kernel
-        query, key, value = q.to(torch.float32), k.to(kernel.pool_dtype), v.to(kernel.pool_dtype)
+        kernel, pool = self.kernel, self.kernel.pool_dtype
+        # `.to` only where the dtype differs: a same-dtype `.to` returns its tensor but
+        # still costs a dispatch, four per layer of a step otherwise
+        query = q if q.dtype == torch.float32 else q.to(torch.float32)
+        key = k if k.dtype == pool else k.to(pool)
+        value = v if v.dtype == pool else v.to(pool)
         # C reads rows `stride(0)` apart, heads and dims packed; k and v share a stride
         if query.stride()[2:] != (head_dim, 1):
             query = query.contiguous()
@@ -86,7 +92,7 @@ class NativeDecodeAttention:
         )  # fmt: skip
         if status != 0:
             raise MemoryError("the attention kernel could not allocate its scratch weights")
-        return out.to(q.dtype)
+        return out if q.dtype == torch.float32 else out.to(q.dtype)
 
 
 def native_kernel_for(

@@ -314,6 +314,9 @@ class Engine:
 
     # ---- engine thread ----------------------------------------------------
 
+    # for the thread's life: the runner's and the sampler's own entry into it
+    # (engine/inference_mode.py) is then a check per step
+    @torch.inference_mode()
     def _run(self, scheduler: Scheduler) -> None:
         """Each step: schedule, run the model, hand the results back."""
         busy = BusyClock()

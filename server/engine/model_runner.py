@@ -11,6 +11,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from batchpilot_server.engine.attention_kernel import NativeDecodeAttention, native_kernel_for
+from batchpilot_server.engine.inference_mode import inference_mode
 from batchpilot_server.engine.kv_cache import KVCache
 from batchpilot_server.engine.models import Decoder
 from batchpilot_server.engine.sequence import Sequence
@@ -231,7 +232,7 @@ class ModelRunner:
         """The decode attention in use."""
         return "torch" if self.kernel is None else "native"
 
-    @torch.inference_mode()
+    @inference_mode
     def step(self, plan: StepPlan, prompt_logits: PromptLogits | None = None) -> torch.Tensor:
         """One forward over the plan's rows, writing only the KV cache: compute the
         next `plan.chunk_sizes()` tokens of each prefill sequence from its
@@ -274,9 +275,14 @@ class ModelRunner:
         model, device = self.model, self.device
         rectangles = [batch for batch in (pre, ver) if batch is not None]
         if decode:
-            # flat lists: torch.tensor reads them several times faster than nested ones
-            ids = torch.tensor([seq.token_ids[-1] for seq in decode], device=device)
-            positions = torch.tensor([seq.num_tokens - 1 for seq in decode], device=device)
+            # one flat int64 array, ids then positions, and one tensor of it: numpy reads
+            # a list of ints about twice as fast as torch.tensor (3x at batch 32), and
+            # at batch 1 this is per-step overhead beside a ~2 ms tiny-model step
+            both = np.array(
+                [seq.token_ids[-1] for seq in decode] + [seq.num_tokens - 1 for seq in decode],
+                np.int64,
+            )
+            ids, positions = torch.from_numpy(both).to(device).view(2, len(decode))
             attention = self._decode_attention(decode)
             if not rectangles:
                 hidden = model.hidden(ids[:, None], positions[:, None], attention)

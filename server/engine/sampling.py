@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 from batchpilot_server.engine.grammar import mask_logits
+from batchpilot_server.engine.inference_mode import inference_mode
 from batchpilot_server.engine.penalties import PenalizedRows, PenaltyState
 from batchpilot_server.engine.sampling_knobs import Cuts, Knobs
 from batchpilot_server.engine.sequence import Sequence, TopLogprobs
@@ -77,7 +78,7 @@ class Sampler:
         # the same sequences step after step, so a step builds none of it again
         self._batch: Batch | None = None
 
-    @torch.inference_mode()
+    @inference_mode
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
         """One token per row of `logits` [len(seqs), vocab], which it processes in place
         once the raw log-probabilities are taken (the engine's logits are scratch)."""
@@ -90,12 +91,15 @@ class Sampler:
             chosen = self.choose(logits, batch.knobs, logprobs, uniform)
             if batch.penalized is not None:
                 self.penalties.record(batch.penalized, chosen)
+            picked_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
         else:
-            chosen = logprobs.argmax(dim=-1)
-        picked_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]
+            # the value and its index in one op (argmax's index: the first of ties, a
+            # NaN first), where argmax then gather took three: at batch 1 a step's
+            # sampling is mostly per-op dispatch
+            picked_logprobs, chosen = logprobs.max(dim=-1)
         return Sampled(chosen.tolist(), picked_logprobs.tolist(), step_top_logprobs(logprobs, seqs))
 
-    @torch.inference_mode()
+    @inference_mode
     def process(self, logits: torch.Tensor, seqs: list[Sequence], knobs: Knobs) -> None:
         """Steps 1-3 of the module docstring on `logits` [len(seqs), vocab], in place."""
         batch = self._batch

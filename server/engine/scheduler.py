@@ -401,10 +401,14 @@ class QueueScheduler(ABC):
             return
         size = self.pool.block_size
         full = min(seq.num_computed // size, len(seq.block_table))
+        if full <= seq.num_cached_blocks:
+            # nothing new (a decoding row fills a block every `size` steps): its hashes
+            # already reach that far, and this runs for every running row every step
+            return
         extend_block_hashes(seq.block_hashes, seq.token_ids, size, full * size)
         for index in range(seq.num_cached_blocks, full):
             self.pool.publish(seq.block_table[index], seq.block_hashes[index])
-        seq.num_cached_blocks = max(seq.num_cached_blocks, full)
+        seq.num_cached_blocks = full
 
     def _release(self, seq: Sequence) -> None:
         """Give `seq`'s blocks back; what it computed stays cached for later sequences
