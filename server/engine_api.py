@@ -142,8 +142,10 @@ class PromptLogprob:
 
 
 # The scheduler's starvation bound by default: well past an interactive class's TTFT
-# target (seconds), well within a batch class's end-to-end target (minutes).
-CLASS_MAX_WAIT_S = 30.0
+# target (seconds), well within a batch class's end-to-end target (minutes), and below
+# the server's queue timeout (30 s by default): at that bound or past it a starved
+# request is timed out (504) the moment it would have been served.
+CLASS_MAX_WAIT_S = 20.0
 # Continuous mode: the prompt tokens lower classes compute together in a step that
 # decodes a higher class's requests. Small against a 2048-token budget, so that such a
 # step costs the higher class's TPOT little; more than none, so a lower class's prompt

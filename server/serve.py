@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 import sys
 from dataclasses import dataclass
@@ -122,6 +123,13 @@ def main(argv: list[str]) -> int:
     try:
         if args.shutdown_grace_s < 0 or args.queue_timeout_s <= 0:
             raise UsageError("--shutdown-grace-s must be >= 0 and --queue-timeout-s > 0")
+        # inf: no age bound at all, a choice; a finite one at the timeout never acts
+        if math.isfinite(args.class_max_wait_s) and args.class_max_wait_s >= args.queue_timeout_s:
+            raise UsageError(
+                f"--class-max-wait-s ({args.class_max_wait_s:g}) must be below "
+                f"--queue-timeout-s ({args.queue_timeout_s:g}): a request starved that long "
+                "would be timed out the moment its age let it be served"
+            )
         options = engine_options(args, batching_config(args))
         free_key = api_key(args)
         secrets = Secrets(admin_token(args.admin_token_file), free_key, class_keys(args, free_key))

@@ -61,7 +61,7 @@ the pods' slots and steps. A batch class's long prompts then lengthen the steps 
 slots held, as they do, without their prefill being judged against a chat class's TTFT.
 The slot wait is the FIFO wait for every class, though the schedulers serve a higher
 class first: conservative for the higher class (the one whose tight targets bind; its
-real wait is shorter), and short by at most the age bound (`--class-max-wait-s`, 30 s
+real wait is shorter), and short by at most the age bound (`--class-max-wait-s`, 20 s
 by default) for a lower one, whose targets are the loose ones (a batch class's
 minutes). Modelling the priority queue would need each class's arrivals and holding
 times apart, which a window's totals do not give per class; the conservative side is

@@ -118,6 +118,8 @@ def test_missing_config_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtu
         (["--kv-cache-mb", "-1"], "--kv-cache-mb must be positive"),
         (["--threads", "0"], "--threads must be at least 1"),
         (["--queue-timeout-s", "0"], "--queue-timeout-s > 0"),
+        (["--class-max-wait-s", "30"], "--class-max-wait-s (30) must be below --queue-timeout-s"),
+        (["--queue-timeout-s", "10"], "--class-max-wait-s (20) must be below --queue-timeout-s"),
     ],
 )
 def test_bad_flags_exit_2_with_a_clear_message(

@@ -185,7 +185,7 @@ def test_a_low_class_is_served_once_it_waited_class_max_wait_s(
     assert before and all(h.arrival < low.arrival + max_wait_s for h in before)
 
 
-@pytest.mark.parametrize(("flag", "expected"), [([], 30.0), (["2.5"], 2.5), (["inf"], math.inf)])
+@pytest.mark.parametrize(("flag", "expected"), [([], 20.0), (["2.5"], 2.5), (["inf"], math.inf)])
 def test_class_max_wait_s_reaches_the_engine_options(flag: list[str], expected: float) -> None:
     args = parser().parse_args(["--class-max-wait-s", *flag] if flag else [])
     assert engine_options(args, batching_config(args)).class_max_wait_s == expected
