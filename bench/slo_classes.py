@@ -318,11 +318,12 @@ def markdown(
         f"run). Every pool tuned by the tuning loop (knobs and 1..{llm.MAX_REPLICAS} "
         "replicas, bench/tuner_llm.py's options).",
         "",
-        "**The tuner is class-aware in part**: the fallback table reads the binding "
-        "class's pressure (each class's p99s against its own targets); the predicted "
-        "choice is still on the totals (every class's lengths, judged against the "
-        "top-level targets: the signals carry no lengths per class). The pods order "
-        "service by class (priority first, the age bound). Replica-seconds are counted "
+        "**The tuner judges each class on its own**: the predicted choice judges each "
+        "class's tails by its own lengths against its own targets (the queue, the "
+        "steps and the KV pool, the pods' own size, are the totals'); the fallback "
+        "table reads the binding class's pressure and the queue it waits behind. The "
+        "pods order service by class (priority first, the age bound). Replica-seconds "
+        "are counted "
         "over the load, not the drain. Steady windows: those after the first "
         f"{llm.WARMUP_INTERVALS} ({CADENCE.interval_s:g} s each) that judged a request of "
         "the class. Misses by target: the class's requests that missed each target in "

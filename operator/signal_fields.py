@@ -66,6 +66,9 @@ SUMS: dict[str, str] = {"step_seconds": names.STEP_DURATION}
 NOW: dict[str, str] = {"waiting": names.REQUESTS_WAITING, "running": names.REQUESTS_RUNNING}
 # Field -> gauge: the highest value of any pod in the window (the pod closest to the limit).
 PEAKS: dict[str, str] = {"kv_usage": names.KV_CACHE_USAGE}
+# Field -> gauge: the lowest value of any pod now (the smallest KV pool binds); None
+# where no pod exports it.
+LEAST: dict[str, str] = {"kv_pool_tokens": names.KV_CACHE_CAPACITY_TOKENS}
 # busy_s_per_token: busy seconds over generated tokens, both counters' increases.
 BUSY = (names.ENGINE_BUSY_SECONDS_TOTAL, names.GENERATION_TOKENS_TOTAL)
 # arrival_rate: this counter per second over the newer half of the window (a load that
@@ -94,7 +97,7 @@ HISTOGRAMS = tuple(dict.fromkeys(
 COUNTERS = tuple(dict.fromkeys(
     [*RATES.values(), *(c for c in INCREASES.values() if c not in HISTOGRAMS), *BUSY, ARRIVALS]
 ))  # fmt: skip
-GAUGES = tuple(dict.fromkeys([*NOW.values(), *PEAKS.values()]))
+GAUGES = tuple(dict.fromkeys([*NOW.values(), *PEAKS.values(), *LEAST.values()]))
 
 
 @dataclass
@@ -108,6 +111,7 @@ class WindowTotals:
     counts: dict[str, float] = field(default_factory=dict)  # counters, histograms' _count
     now: dict[str, float] = field(default_factory=dict)  # gauge -> sum over pods now
     peaks: dict[str, float] = field(default_factory=dict)  # gauge -> highest in the window
+    least: dict[str, float] = field(default_factory=dict)  # gauge -> lowest of any pod now
     slo: dict[tuple[str, str], float] = field(default_factory=dict)  # (result, target) -> n
     arrival_rate: float | None = None  # ARRIVALS per second over the newer half
     pods: int = 0
@@ -153,6 +157,7 @@ def signals_from(
         **{name: totals.counts.get(counter) for name, counter in INCREASES.items()},
         **{name: totals.sums.get(histogram) for name, histogram in SUMS.items()},
         **{name: totals.peaks.get(gauge) for name, gauge in PEAKS.items()},
+        **{name: totals.least.get(gauge) for name, gauge in LEAST.items()},
         requests=requests,
         busy_s_per_token=busy / tokens if busy is not None and tokens else None,
         arrival_rate=totals.arrival_rate,

@@ -117,6 +117,9 @@ class Signals:
     step_decode_rows: float | None = None
     step_prefill_tokens: float | None = None
     step_kv_tokens: float | None = None
+    # A pod's KV pool in tokens, the smallest pod's (None: no pod exports it, an older
+    # server): what the batch's KV is sized against.
+    kv_pool_tokens: float | None = None
     # Speculative decoding, summed over the pods: draft tokens verified and accepted per
     # second (0 where no pod speculates); their ratio is `spec_acceptance`.
     spec_draft_tokens_per_s: float = 0.0

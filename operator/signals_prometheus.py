@@ -29,6 +29,7 @@ from batchpilot_operator.signal_fields import (
     COUNTERS,
     GAUGES,
     HISTOGRAMS,
+    LEAST,
     PEAKS,
     POD_SERIES,
     WindowTotals,
@@ -83,6 +84,7 @@ def queries(
         **{f"count:{c}": f"sum(increase({c}{sel}[{w}]))" for c in COUNTERS},
         **{f"now:{g}": f"sum({g}{sel})" for g in GAUGES},
         **{f"peak:{g}": f"max(max_over_time({g}{sel}[{w}]))" for g in PEAKS.values()},
+        **{f"least:{g}": f"min({g}{sel})" for g in LEAST.values()},
         "slo": f"sum by (result, target) (increase({names.REQUESTS_SLO_TOTAL}{sel}[{w}]))",
         "arrival_rate": f"sum(rate({ARRIVALS}{sel}[{half}]))",
         "pods": f"count({POD_SERIES}{sel})",  # every pod exports the config it runs
@@ -200,6 +202,7 @@ def _window_totals(answers: Mapping[str, list[Sample]], window_s: float) -> Wind
         counts=present("count:"),
         now=present("now:"),
         peaks=present("peak:"),
+        least=present("least:"),
         slo={
             (labels.get("result", ""), labels.get("target", "")): n for labels, n in answers["slo"]
         },

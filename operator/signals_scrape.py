@@ -30,6 +30,7 @@ from batchpilot_operator.signal_fields import (
     COUNTERS,
     GAUGES,
     HISTOGRAMS,
+    LEAST,
     PEAKS,
     WindowTotals,
     signals_from,
@@ -238,6 +239,11 @@ class ScrapeSource:
             for name, n in server.class_waiting.items():
                 _add(totals.class_waiting, name, n)
         totals.peaks = self._peaks(baseline.at)
+        totals.least = {
+            gauge: min(values)
+            for gauge in LEAST.values()
+            if (values := [t.gauges[gauge] for t in now.per_server.values() if gauge in t.gauges])
+        }
         totals.arrival_rate = self._arrival_rate(baseline, now)
         totals.budget_attainment, totals.class_budget_attainment = self._budget_attainment(now)
         return signals_from(

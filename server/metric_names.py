@@ -18,6 +18,8 @@ STEP_KV_TOKENS_TOTAL = "batchpilot_step_kv_tokens_total"
 ENGINE_BUSY_SECONDS_TOTAL = "batchpilot_engine_busy_seconds_total"
 HOSTAGE = "batchpilot_hostage_seconds"
 KV_CACHE_USAGE = "batchpilot_kv_cache_usage_ratio"
+# The KV pool in tokens (its blocks x a block's tokens): the batch a pod's KV can hold.
+KV_CACHE_CAPACITY_TOKENS = "batchpilot_kv_cache_capacity_tokens"
 REQUESTS_RUNNING = "batchpilot_requests_running"
 REQUESTS_WAITING = "batchpilot_requests_waiting"
 # The waiting requests by SLO class (label class): the queue a class waits behind is

@@ -808,7 +808,11 @@ class SimulatedFleet:
         fullest server."""
         interval_s = self.opt.cadence.interval_s
         window = self.intervals[-max(1, round(window_s / interval_s)) :]
-        return signals_from(_window_totals(window, interval_s))
+        totals = _window_totals(window, interval_s)
+        # every simulated pod's pool is the same size, as the pods export it
+        pool_tokens = self.opt.kv_blocks * self.opt.block_size
+        totals.least[names.KV_CACHE_CAPACITY_TOKENS] = float(pool_tokens)
+        return signals_from(totals)
 
     async def in_force(self) -> BatchingConfig:
         return self.config

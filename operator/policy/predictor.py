@@ -635,7 +635,11 @@ def lengths_of(signals: Signals) -> tuple[Lengths, Lengths] | None:
 
 
 def kv_capacity_tokens(signals: Signals) -> float | None:
-    """A pod's KV pool in tokens: the window's KV tokens per step over its KV usage."""
+    """A pod's KV pool in tokens: as the pods export it, else (an older server) the
+    window's KV tokens per step over its KV usage, an underestimate where the fullest
+    pod's peak stands beside the mean step's context."""
+    if signals.kv_pool_tokens:
+        return signals.kv_pool_tokens
     usage, kv, steps = signals.kv_usage, signals.step_kv_tokens, signals.steps
     if usage is None or usage < MIN_KV_USAGE or not kv or not steps:
         return None

@@ -150,6 +150,10 @@ class ServerMetrics:
             names.HOSTAGE, "Static, dynamic: a finished sequence's wait for its batch.", latency
         )
         self.kv_usage = gauge(names.KV_CACHE_USAGE, "Used / total KV cache blocks.")
+        self.kv_capacity = gauge(
+            names.KV_CACHE_CAPACITY_TOKENS, "The KV cache pool in tokens (blocks x block size)."
+        )
+        self._block_size = block_size
         self.running = gauge(names.REQUESTS_RUNNING, "Sequences being generated.")
         self.waiting = gauge(names.REQUESTS_WAITING, "Requests waiting to be scheduled.")
         self._waiting_by_class = Gauge(
@@ -334,6 +338,7 @@ class ServerMetrics:
         for slo_class in self._classes:
             self._waiting_child(slo_class).set(stats.waiting_by_class.get(slo_class, 0))
         self.kv_usage.set(stats.kv_usage_ratio)
+        self.kv_capacity.set(stats.kv_blocks_total * self._block_size)
         if self.vllm is not None:
             self.vllm.read(stats)
         return generate_latest(self.registry)

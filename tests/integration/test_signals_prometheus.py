@@ -19,6 +19,7 @@ from batchpilot_operator.tuning_loop import TuneStep
 from batchpilot_server import metric_names as names
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.prometheus import requires_prometheus, run_prometheus
 from tests.support.servers import spawn_server, wait_ready
@@ -36,6 +37,17 @@ def bucket_of(value: float) -> int:
 def within_bucket_resolution(measured: float, estimate: float | None) -> bool:
     """Same histogram bucket, or the next one over (the client also times the HTTP hop)."""
     return estimate is not None and abs(bucket_of(estimate) - bucket_of(measured)) <= 1
+
+
+async def pool_tokens(session: aiohttp.ClientSession, url: str) -> float:
+    """The server's KV pool in tokens from vLLM's info series: blocks x block size."""
+    async with session.get(f"{url}/metrics") as response:
+        text = await response.text()
+    for family in text_string_to_metric_families(text):
+        if family.name == names.VLLM_CACHE_CONFIG_INFO:
+            labels = family.samples[0].labels
+            return float(int(labels["num_gpu_blocks"]) * int(labels["block_size"]))
+    raise AssertionError(f"no {names.VLLM_CACHE_CONFIG_INFO} on {url}")
 
 
 @requires_prometheus
@@ -93,6 +105,9 @@ async def test_p99_agrees_with_the_load_generator_and_the_tuner_rides_out_an_out
                     signals.p99_latency_s,
                 )
                 assert signals.kv_usage is not None and 0 <= signals.kv_usage <= 1
+                # each pod's KV pool in tokens, as vLLM's cache_config_info describes it
+                pool = await pool_tokens(session, first.url)
+                assert scraped.kv_pool_tokens == signals.kv_pool_tokens == pool > 0
                 assert signals.mean_batch_size is not None and signals.mean_batch_size >= 1
                 assert signals.tokens_per_s > 0
 

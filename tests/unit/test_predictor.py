@@ -6,7 +6,13 @@ from __future__ import annotations
 import math
 
 import pytest
-from batchpilot_operator.policy.predictor import Candidate, _queue, predict, predict_config
+from batchpilot_operator.policy.predictor import (
+    Candidate,
+    _queue,
+    kv_capacity_tokens,
+    predict,
+    predict_config,
+)
 from batchpilot_operator.policy.step_model import fit
 from batchpilot_operator.policy.types import ReplicaState
 from batchpilot_operator.policy.window import Window
@@ -129,3 +135,19 @@ def test_the_balancer_keeps_prompts_off_a_running_requests_pod_at_light_load(
     assert q is not None
     decode_alone = float(q.tpot_tail.tpot_s.min())
     assert (q.quantile("tpot") > 1.05 * decode_alone) is prompt_beside
+
+
+def test_the_kv_pool_is_the_pods_own_where_they_export_it() -> None:
+    # the estimate (KV tokens per step over the fullest pod's peak usage: 3000 / 0.2)
+    # reads a pool far smaller than it is where the mean step's context stands beside
+    # that peak; the pods' own figure replaces it, and the predicted KV use scales with it
+    estimated, exported = window(10.0), window(10.0, kv_pool_tokens=65536.0)
+    assert kv_capacity_tokens(estimated) == pytest.approx(15000.0)
+    assert kv_capacity_tokens(exported) == 65536.0
+    uses = []
+    for signals in (estimated, exported):
+        w = Window.of(signals, SLO, None, None, ReplicaState())
+        result = predict(w, MODEL, Candidate(32, 0.0, 1024, 1))
+        assert result is not None and result.kv_use is not None
+        uses.append(result.kv_use)
+    assert uses[0] == pytest.approx(uses[1] * 65536 / 15000)

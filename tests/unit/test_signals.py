@@ -235,7 +235,7 @@ def test_the_prometheus_queries_sum_over_the_class_label() -> None:
     # every totals query aggregates with sum or `sum by` of labels other than class: a
     # class label adds series, never a result per class; the class_ queries split by it
     for key, query in queries('policy="p"', 60.0).items():
-        assert query.startswith(("sum", "count(", "max(")) or " / " in query
+        assert query.startswith(("sum", "count(", "max(", "min(")) or " / " in query
         if key.startswith("class_"):
             assert query.startswith(f"sum by ({names.CLASS_LABEL}"), key
         else:
