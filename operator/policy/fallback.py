@@ -238,7 +238,8 @@ def carrying(
     growth = moved.max_batch_size / c.max_batch_size if y.tpot_tight is None else 1.0
     per_pod = window.measured_per_pod_rps()
     carried = math.inf if per_pod is None else SCALE_OUT_UTILISATION * per_pod * growth
-    needed = math.ceil(window.demand_with_backlog_rps / carried - 1e-9)
+    demand = window.demand_with_backlog_rps(goal.params.backlog_drain_s)
+    needed = math.ceil(demand / carried - 1e-9)
     return max(more_where_spent(window, y, moved, c, goal), needed)
 
 

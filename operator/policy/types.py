@@ -104,6 +104,10 @@ class PolicyParams:
     backoff_factor: float = 0.7  # batch cut where running alone misses a target
     kv_cut_factor: float = 0.75  # batch cut at the KV watermark or on preemptions
     budget_cut: float = 0.25  # prefill budget cut: a long prompt's chunk is most of a step
+    # The fallback's pods drain the backlog within this long: a fixed horizon, not the
+    # window read, which the first round and every change cut to one interval (the same
+    # backlog read as twice as urgent there).
+    backlog_drain_s: float = 60.0
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ Pure. From the window's `Signals`, the goal and the rule's memory:
   window's, or the newest interval's where higher, plus the median rise of the last
   rounds over the lead time: the last scale-out's start-up and a round; one jump is no
   trend), and `demand_with_backlog_rps` (the forecast plus the backlog drained within
-  one window);
+  a given horizon);
 - the lengths' shape: prompt and output tokens over quantile slices, from the p10, p50,
   p90 and p99 the pods' histograms give (`length_grid`); where a quantile is missing its
   neighbour stands in;
@@ -148,9 +148,9 @@ class Window:
     def backlog(self) -> float:
         return self.signals.waiting
 
-    @property
-    def demand_with_backlog_rps(self) -> float:
-        return self.forecast_rps + self.backlog / max(self.signals.window_s, 1e-9)
+    def demand_with_backlog_rps(self, drain_s: float) -> float:
+        """The forecast plus the backlog drained within `drain_s`."""
+        return self.forecast_rps + self.backlog / drain_s
 
     @property
     def queue_grows(self) -> bool:

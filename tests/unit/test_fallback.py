@@ -210,7 +210,7 @@ CASES = [
     ),
     Case("inside the band holds", {"p99_latency_s": 0.9}, "hold", 8),
     # TPOT 18 ms against 20: past 80 %, so no growth credit; 30 arrive, 40 wait, one pod
-    # served 20: (30 + 40 / 30) / (0.8 x 20) -> two pods, beside the larger batch
+    # served 20: (30 + 40 / 60 s) / (0.8 x 20) -> two pods, beside the larger batch
     Case(
         "a queue within the SLO with TPOT tight: a larger batch and the pods that carry it",
         {
@@ -450,6 +450,23 @@ def test_a_thin_window_whose_pods_judged_many_misses_is_evidence() -> None:
     chance = replace(thin, slo_met=37.0, slo_missed={"all": 3.0, "ttft": 3.0})
     assert not misses_are_evidence(40, 3, goal.slo.allowed_miss_share)
     assert decide(chance, CURRENT, goal, PolicyMemory()).action == "hold"
+
+
+@pytest.mark.parametrize("window_s", [30.0, 60.0])
+def test_the_backlog_is_drained_within_a_minute_whatever_the_window_read(
+    window_s: float,
+) -> None:
+    # A cold start's first round reads one interval (30 s), as every round after a change
+    # does. One pod served 20 req/s, 20 arrive and 900 wait: at a batch 1.5x larger a pod
+    # carries 0.8 x 20 x 1.5 = 24, and (20 + 900 / 60) / 24 -> two pods from either
+    # window; the backlog over the 30 s read asked three, which the scale-down
+    # stabilization then kept
+    backlog = signals(window_s=window_s, requests=20.0 * window_s, arrival_rate=20.0,
+                      waiting=900.0, p99_latency_s=3.0, queue_wait_p99_s=2.5)  # fmt: skip
+    d = decide(backlog, CURRENT, Goal(E2E, WIDE, replicas=FLEET), PolicyMemory(),
+               fleet=Fleet(1, 1), now=1e4)  # fmt: skip
+    assert "[queueing]" in d.reason and d.config.max_batch_size == 12, d.reason
+    assert d.scale is not None and d.scale.replicas == 2, d.reason
 
 
 def test_a_queue_as_long_as_what_finished_is_evidence_for_a_slow_model() -> None:
