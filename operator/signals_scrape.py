@@ -31,6 +31,7 @@ from batchpilot_operator.signal_fields import (
     GAUGES,
     HISTOGRAMS,
     LEAST,
+    NOW,
     PEAKS,
     WindowTotals,
     signals_from,
@@ -234,7 +235,7 @@ class ScrapeSource:
             return no_data(f"no {names.REQUEST_DURATION} series on the servers", window_s)
         totals = _window_totals(deltas, window_s)
         totals.now = {g: sum(t.gauges.get(g, 0.0) for t in now.per_server.values())
-                      for g in GAUGES}  # fmt: skip
+                      for g in NOW.values()}  # fmt: skip
         for server in now.per_server.values():
             for name, n in server.class_waiting.items():
                 _add(totals.class_waiting, name, n)
