@@ -10,17 +10,20 @@ order, first match wins, and `HOLD` where none matches:
 | kv | KV at the watermark, or preempting | batch x kv_cut_factor | +1 if spent |
 | overloaded | TPOT missed, a queue | none | carrying, TPOT-scaled |
 | queueing | a target missed or TPOT tight, a queue | batch grown, no wait | carrying |
-| filling | a queue within the SLO | batch grown, no wait | held |
+| filling | a queue within the SLO | batch grown, no wait | carrying, never fewer |
 | running | a target missed, no queue | budget x budget_cut, batch x backoff | TPOT-scaled or +1 |
-| headroom | p99s under (1 - band) x target | batch into TPOT's room | carrying the decode rows |
+| headroom | p99s under (1 - band) x target | batch into the steps' room | carrying the rows |
 
 - A knob moves by a factor, at least one step, within its bounds; "no wait" sets the
   timeout to its lower bound (a queue fills any batch without waiting). A row whose knobs
   cannot move is *spent*.
 - *Grown*: by capacity_factor, or further to hold the queue beside the rows in flight
-  while TPOT has room for it. *TPOT's room*: `(1 - band) x target / p99`, how far the
-  steps may lengthen before TPOT's p99 passes (1 - band) of its target (a step grows at
-  most in proportion to its rows); none where TPOT is unstated, unmeasured or tight.
+  while the steps have room for it. *The steps' room*: `(1 - band) x target / p99`, how
+  far the steps may lengthen before TPOT's p99 passes (1 - band) of its target (a step
+  grows at most in proportion to its rows); none where TPOT is tight. Where no TPOT is
+  stated (or measured), the end-to-end target's, and only while the rows in flight fill
+  `BINDING_SHARE` of the batch: an answer's time grows at most as its steps do, and a
+  batch grown past the rows it carries adds nothing and leaves a surge no batch to grow.
   With headroom the batch grows into that room: at this load the cap costs nothing, and
   a surge's first window finds it open.
 - No knob helps a TPOT missed while requests queue: a larger batch lengthens every step,
@@ -33,10 +36,11 @@ order, first match wins, and `HOLD` where none matches:
   `SCALE_OUT_UTILISATION` busy, each pod at the throughput a pod showed times the batch's
   growth (the most a larger batch can add; none where TPOT has no room to grow the
   steps), at least a pod more where the row is spent.
-- Within the SLO a queue is the batch's to take: `filling` leaves the pods alone, unless
-  TPOT is *tight* (its p99 past (1 - band) x its target): a larger batch lengthens
-  every step, so the batch cannot carry a queue alone there, and `queueing` sizes the pods
-  with it (a load rising through the day reached the miss a round later otherwise).
+- Within the SLO a queue is the batch's to take: `filling` adds pods only where even the
+  grown batch cannot carry the forecast and the backlog (a load rising through the day
+  reached the miss a round later otherwise), never fewer than there are. Where TPOT is
+  *tight* (its p99 past (1 - band) x its target) a larger batch lengthens every step, so
+  the batch cannot carry a queue alone there, and `queueing` sizes the pods with it.
 - The pods that carry the decode rows: the rows the fleet holds on average (rows a step
   x the share of the window its pods step) at most `SCALE_IN_UTILISATION` of the batch
   each, never more than the fleet has.
@@ -78,6 +82,9 @@ from batchpilot_operator.policy.types import (
 from batchpilot_operator.policy.window import Window
 from batchpilot_server.batching_config import BatchingConfig
 
+# The share of the batch the rows in flight fill where the batch binds the throughput
+BINDING_SHARE = 0.8
+
 
 @dataclass(frozen=True)
 class Symptoms:
@@ -91,13 +98,13 @@ class Symptoms:
     tpot_tight: str | None
     queueing: bool
     headroom: bool  # every stated p99 under (1 - band) x its target, no queue, rows known
-    # what the batch may multiply by while TPOT's p99 stays within (1 - band) x its
-    # target (a step grows at most in proportion to its rows); 1 where TPOT is unstated,
-    # unmeasured or tight
-    tpot_room: float = 1.0
+    # what the batch may multiply by while TPOT's p99 (else end to end's, where the rows
+    # fill the batch) stays within (1 - band) x its target (a step grows at most in
+    # proportion to its rows); 1 where TPOT is tight or neither has room
+    step_room: float = 1.0
     # what the batch multiplies by to hold the queue beside the rows in flight
     queue_room: float = 1.0
-    # the tightest view's TPOT p99 over its target (`Window.tightest_tpot`); None: no
+    # the tightest view's TPOT p99 over its target (`Window.tightest`); None: no
     # view states and measured TPOT
     tpot_ratio: float | None = None
     # the k every row's knobs carry (speculation.draft_length); None: the k in force
@@ -137,15 +144,17 @@ class Symptoms:
         )
         tpot_missed = missed is not None and bound is not None and bound[1] == "tpot"
         # TPOT's room is the tightest class's: a longer step lengthens every class's tokens
-        tightest, room = window.tightest_tpot(), 1 - goal.params.band
+        tightest, room = window.tightest("tpot"), 1 - goal.params.band
         label, tpot, tpot_target = tightest if tightest is not None else ("tpot", None, 0.0)
         tpot_tight = None
         if tpot is not None and tpot >= room * tpot_target:
             target = ms(tpot_target)
             tpot_tight = f"{label} p99 {ms(tpot)} past {room:.0%} of its target {target}"
-        tpot_room = 1.0
+        step_room = 1.0
         if tpot is not None and tpot > 0 and tpot_tight is None:
-            tpot_room = room * tpot_target / tpot
+            step_room = room * tpot_target / tpot
+        elif tightest is None:
+            step_room = end_to_end_room(window, room, batch)
         tpot_ratio = None if tpot is None else tpot / tpot_target
         queue_room = 1 + window.backlog / (window.pods * batch)
         b = goal.bounds
@@ -154,9 +163,23 @@ class Symptoms:
             b.min_speculative_tokens, b.max_speculative_tokens,
         )  # fmt: skip
         return cls(
-            kv, missed, tpot_missed, tpot_tight, queueing, headroom, tpot_room, queue_room,
+            kv, missed, tpot_missed, tpot_tight, queueing, headroom, step_room, queue_room,
             tpot_ratio, draft,
         )  # fmt: skip
+
+
+def end_to_end_room(window: Window, room: float, batch: int) -> float:
+    """The steps' room where no TPOT bounds them: an answer's time grows at most as its
+    steps do, so `room x target / p99` of the tightest end-to-end view; taken only where
+    the rows in flight fill `BINDING_SHARE` of the batch (it binds the throughput), since
+    a batch grown past what it carries adds nothing and leaves a surge none to grow. 1
+    where end to end is unstated or unmeasured, or the batch does not bind."""
+    e2e, rows = window.tightest("e2e"), window.mean_rows()
+    if e2e is None or e2e[1] <= 0 or rows is None:
+        return 1.0
+    busy = window.signals.utilisation
+    in_flight = rows * (1.0 if busy is None else min(1.0, busy))
+    return max(1.0, room * e2e[2] / e2e[1]) if in_flight >= BINDING_SHARE * batch else 1.0
 
 
 Knob = Literal["max_batch_size", "prefill_token_budget"]
@@ -231,6 +254,12 @@ def carrying_and_tpot(
 def carrying(
     window: Window, y: Symptoms, moved: BatchingConfig, c: BatchingConfig, goal: Goal
 ) -> int:
+    return max(more_where_spent(window, y, moved, c, goal), demand_pods(window, y, moved, c, goal))
+
+
+def demand_pods(
+    window: Window, y: Symptoms, moved: BatchingConfig, c: BatchingConfig, goal: Goal
+) -> int:
     # A batch grown by a factor raises a pod's throughput by that factor at most: the pods
     # that carry the demand and drain the backlog even at that best, now, rather than a
     # round and a start-up later. A stated TPOT without headroom takes the growth back:
@@ -239,8 +268,15 @@ def carrying(
     per_pod = window.measured_per_pod_rps()
     carried = math.inf if per_pod is None else SCALE_OUT_UTILISATION * per_pod * growth
     demand = window.demand_with_backlog_rps(goal.params.backlog_drain_s)
-    needed = math.ceil(demand / carried - 1e-9)
-    return max(more_where_spent(window, y, moved, c, goal), needed)
+    return math.ceil(demand / carried - 1e-9)
+
+
+def demand_or_held(
+    window: Window, y: Symptoms, moved: BatchingConfig, c: BatchingConfig, goal: Goal
+) -> int:
+    # Within the SLO the grown batch may carry the queue: the pods grow only where even
+    # it cannot carry the forecast, and a queue is never the evidence for fewer
+    return max(_desired(window), demand_pods(window, y, moved, c, goal))
 
 
 def carrying_rows(
@@ -270,9 +306,9 @@ class Row:
 
 BATCH_CUT_KV = Move("max_batch_size", lambda p, y: p.kv_cut_factor)
 BATCH_GROWTH = Move(
-    "max_batch_size", lambda p, y: max(p.capacity_factor, min(y.queue_room, y.tpot_room))
+    "max_batch_size", lambda p, y: max(p.capacity_factor, min(y.queue_room, y.step_room))
 )
-BATCH_INTO_ROOM = Move("max_batch_size", lambda p, y: y.tpot_room)
+BATCH_INTO_ROOM = Move("max_batch_size", lambda p, y: y.step_room)
 BUDGET_CUT = Move("prefill_token_budget", lambda p, y: p.budget_cut)
 BATCH_BACKOFF = Move("max_batch_size", lambda p, y: p.backoff_factor)
 
@@ -295,7 +331,8 @@ TABLE: tuple[Row, ...] = (
     Row(
         "filling", lambda y: y.queueing,
         lambda y: "within the SLO, requests queue: a larger batch, no wait",
-        (BATCH_GROWTH,), held, no_wait=True,
+        (BATCH_GROWTH,), demand_or_held, no_wait=True,
+        spent="the grown batch cannot carry the load alone",
     ),
     Row(
         "running", lambda y: y.missed is not None,

@@ -256,13 +256,13 @@ class Window:
         pressed = [(view, *p) for view in self.views() if (p := view.pressure()) is not None]
         return max(pressed, key=lambda b: b[2]) if pressed else None
 
-    def tightest_tpot(self) -> tuple[str, float, float] | None:
-        """How a reason names it, the TPOT p99 and the target of the view whose p99 is
-        furthest into its target (the attainment aside: a longer step lengthens every
-        class's tokens); None where no view states and measured TPOT."""
-        tpots = [(v.label("tpot"), v.observed["tpot"], v.targets["tpot"]) for v in self.views()
-                 if "tpot" in v.observed]  # fmt: skip
-        return max(tpots, key=lambda t: t[1] / t[2]) if tpots else None
+    def tightest(self, target: str) -> tuple[str, float, float] | None:
+        """How a reason names it, the p99 and the target `target` (tpot, e2e) of the view
+        whose p99 is furthest into it (the attainment aside: a longer step lengthens
+        every class's tokens); None where no view states and measured it."""
+        seen = [(v.label(target), v.observed[target], v.targets[target]) for v in self.views()
+                if target in v.observed]  # fmt: skip
+        return max(seen, key=lambda t: t[1] / t[2]) if seen else None
 
 
 # Lengths as (share of requests, tokens) over quantile slices, finest at the short end

@@ -180,11 +180,14 @@ CASES = [
         pods=1,
         current=replace(CURRENT, max_batch_size=1),
     ),
+    # every step runs the batch's 8 rows and no TPOT is stated: an answer's time grows
+    # at most as its steps do, so end to end's room bounds the batch: 0.8 x 1 / 0.2 = 4x
+    # (the same window at 2 rows a step, above, leaves the batch: it does not bind)
     Case(
-        "headroom with full steps keeps the pods",
+        "headroom with full steps and no TPOT grows the batch into end to end's room",
         {"p99_latency_s": 0.2, "mean_batch_size": 8.0, "pods": 2},
         "headroom",
-        8,
+        32,
         pods=2,
     ),
     Case(
@@ -207,6 +210,17 @@ CASES = [
         "filling",
         12,
         timeout=0.0,
+    ),
+    # 40 arrive where one pod finished 20, and 40 wait, the batch's rows full: the batch
+    # grows into end to end's room (0.8 x 1 / 0.5 = 1.6x: 13) and then carries at most
+    # 0.8 x 20 x 13 / 8 = 26 of (40 + 40 / 60 s): two pods beside the larger batch
+    Case(
+        "a queue within the SLO past what the grown batch carries: the pods that carry it",
+        {"p99_latency_s": 0.5, "queue_wait_p99_s": 0.3, "waiting": 40.0, "arrival_rate": 40.0},
+        "filling",
+        13,
+        timeout=0.0,
+        pods=2,
     ),
     Case("inside the band holds", {"p99_latency_s": 0.9}, "hold", 8),
     # TPOT 18 ms against 20: past 80 %, so no growth credit; 30 arrive, 40 wait, one pod
