@@ -34,6 +34,8 @@ PERCENTILES = (50, 90, 99)
 # When a rate schedule says 0 req/s, how often to look again.
 IDLE_RECHECK_S = 0.05
 PROMPT_ALPHABET = "abcdefghijklmnopqrstuvwxyz "
+# How a request names its SLO class (server/http/slo_class.py, docs/api.md "SLO classes").
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,9 @@ class LoadSpec:
     reuse_connections: bool = True
     seed: int = 0
     progress: bool = False  # progress bar on stderr
+    # The SLO class every request names (the x-gateway-inference-objective header, as the
+    # Gateway API Inference Extension sets it); None: no header, the server's default.
+    objective: str | None = None
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -115,6 +120,8 @@ class LoadSpec:
             raise ValueError("concurrency must be at least 1")
         if self.arrival != "concurrency" and self.rate_schedule is None and self.rate <= 0:
             raise ValueError("rate must be positive")
+        if self.objective is not None and not self.objective.strip():
+            raise ValueError("an objective (SLO class) name must not be empty")
 
 
 @dataclass
@@ -322,6 +329,8 @@ class _Run:
         self.started = 0
         self.t0 = time.monotonic()
         self.progress = Progress(spec, spec.progress)
+        # Only a load that names a class sends the header: without one, requests as before.
+        self.headers = {OBJECTIVE_HEADER: spec.objective} if spec.objective else None
 
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
@@ -409,7 +418,8 @@ class _Run:
             self.on_result(result)
 
     async def _stream(self, url: str, body: dict[str, Any], result: RequestResult) -> None:
-        async with self.session.post(f"{url.rstrip('/')}/v1/completions", json=body) as response:
+        endpoint = f"{url.rstrip('/')}/v1/completions"
+        async with self.session.post(endpoint, json=body, headers=self.headers) as response:
             result.status = response.status
             if response.status != 200:
                 result.error = await _error_message(response)
