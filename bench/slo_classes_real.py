@@ -258,6 +258,11 @@ def pool_figures(pool: Pool, seconds: float, window_s: float) -> dict[str, Any]:
         "replica_seconds": round(pool.counted.replica_seconds),
         "peak_replicas": pool.counted.peak,
         "moves": moves(pool.steps),
+        "scale_reasons": [
+            f"round {step.index}: {step.scale.reason}"
+            for step in pool.steps
+            if step.scale is not None and step.scale.action != "hold"
+        ],
     }
 
 
@@ -359,10 +364,57 @@ def markdown(r: dict[str, Any], seconds: float, cadence: Cadence, calibration_s:
         f"{RATIO_TARGET:g}).",
         "",
     ]
+    lines += [f"- {line}" for line in findings(r, seconds)]
     for pool_name, p in r["pools"].items():
         lines.append(f"- {pool_name}: the loop moved at " + ("; ".join(p["moves"]) or "no round")
                      + ".")  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def findings(r: dict[str, Any], seconds: float) -> list[str]:
+    """What the run shows, read off its numbers."""
+    pools, ratio = r["pools"], r["replica_seconds_ratio"]
+    out = []
+    for cls in (INTERACTIVE, BATCH):
+        shared, alone = pools["shared"]["classes"][cls], pools[f"separate/{cls}"]["classes"][cls]
+        out.append(
+            f"{cls}: shared {shared['windows_met']} / {shared['windows_judged']} windows met, "
+            f"goodput {shared['goodput']}; its own pool {alone['windows_met']} / "
+            f"{alone['windows_judged']}, goodput {alone['goodput']}."
+        )
+    reached = ratio is not None and ratio >= RATIO_TARGET
+    above_shared = r["replica_seconds_shared"] - seconds
+    above_separate = r["replica_seconds_separate"] - 2 * seconds
+    out.append(
+        f"The ratio {ratio} {'reaches' if reached else 'does not reach'} {RATIO_TARGET:g}. "
+        "Both loads together are under one server's measured work, and a pool never goes "
+        f"below one server: the two separate pools hold at least {2 * seconds:g} "
+        f"replica-seconds between them, the shared one {seconds:g}. Above those floors the "
+        f"shared pool spent {above_shared:g} replica-seconds, the separate pools "
+        f"{above_separate:g} together."
+        + (
+            " Here sharing cost replica-seconds rather than saving them."
+            if ratio and ratio < 1
+            else ""
+        )
+    )
+    out.append(
+        "Caveats: the interactive TPOT target comes from the calibration on this machine, "
+        "which other work shares, so it moves from run to run, and with it how hard the "
+        "shared pool is pressed; each server runs one torch thread on 2 cores, so a third "
+        "server (and the load generator) share the cores rather than adding compute; one "
+        f"run of {seconds:g} s judges few windows a class."
+    )
+    peak = pools["shared"]["peak_replicas"]
+    alone = [pools[f"separate/{c}"]["peak_replicas"] for c in (INTERACTIVE, BATCH)]
+    if peak > 1:
+        reasons = "; ".join(pools["shared"]["scale_reasons"]) or "none recorded"
+        out.append(
+            f"The shared pool went to {peak} servers while its classes, each alone in its "
+            f"own pool, peaked at {alone[0]} and {alone[1]}; the loop's reasons for its "
+            f"replica moves: {reasons}."
+        )
+    return out
 
 
 def write_section(path: Path, text: str) -> None:

@@ -58,3 +58,33 @@ def test_the_section_goes_right_after_the_simulated_benchs(tmp_path: Path) -> No
     assert "first" not in text
     sim_end = text.index("<!-- slo-classes:end -->")
     assert sim_end < text.index("second") < text.index("<!-- later:start -->")
+
+
+def test_the_section_states_the_ratio_against_its_target_and_every_row() -> None:
+    def cls(met: int) -> dict[str, object]:
+        return {"sent": 10, "failed": 0, "windows_met": met, "windows_judged": 5,
+                "attainment": 1.0, "goodput": 1.0}  # fmt: skip
+
+    def pool(classes: dict[str, object], seconds: int, peak: int) -> dict[str, object]:
+        reasons = ["round 1: scale out"] if peak > 1 else []
+        return {"classes": classes, "replica_seconds": seconds, "peak_replicas": peak,
+                "moves": [], "scale_reasons": reasons}  # fmt: skip
+
+    r = {
+        "rates_rps": {scr.INTERACTIVE: 2.0, scr.BATCH: 1.0},
+        "capacity_rps": {scr.INTERACTIVE: 4.0, scr.BATCH: 3.0},
+        "targets": {scr.INTERACTIVE: {"ttft_s": 1.0, "tpot_s": 0.015}, scr.BATCH: {"e2e_s": 30}},
+        "pools": {
+            "shared": pool({scr.INTERACTIVE: cls(5), scr.BATCH: cls(4)}, 170, 2),
+            f"separate/{scr.INTERACTIVE}": pool({scr.INTERACTIVE: cls(5)}, 90, 1),
+            f"separate/{scr.BATCH}": pool({scr.BATCH: cls(5)}, 90, 1),
+        },
+        "replica_seconds_shared": 170,
+        "replica_seconds_separate": 180,
+        "replica_seconds_ratio": 1.059,
+    }
+    text = scr.markdown(r, 90.0, scr.CADENCE, 8.0)
+    assert "= **1.059**" in text and "does not reach 1.3" in text
+    assert "| shared | batch | 1.0 | 10 | 0 | 4 / 5 |" in text
+    assert text.count("| separate/") == 2
+    assert "peaked at 1 and 1" in text and "round 1: scale out" in text
