@@ -506,6 +506,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model")
     p.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--objective",
+        help="the SLO class every request names (the x-gateway-inference-objective header)",
+    )
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -526,6 +530,7 @@ def spec_from_args(args: argparse.Namespace) -> LoadSpec:
         model=args.model,
         timeout_s=args.timeout,
         seed=args.seed,
+        objective=args.objective,
         progress=not args.no_progress and sys.stderr.isatty(),
     )
 

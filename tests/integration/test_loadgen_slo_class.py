@@ -10,7 +10,15 @@ import pytest
 from aiohttp import web
 from batchpilot_server import metric_names as names
 from batchpilot_server.http.slo_class import OBJECTIVE_HEADER as SERVER_HEADER
-from batchpilot_tools.loadgen import OBJECTIVE_HEADER, LengthDist, LoadSpec, run_load
+from batchpilot_tools.loadgen import (
+    OBJECTIVE_HEADER,
+    LengthDist,
+    LoadSpec,
+    main,
+    parser,
+    run_load,
+    spec_from_args,
+)
 
 from tests.support.servers import free_port, labelled, serve_in_process
 
@@ -42,6 +50,16 @@ def test_the_header_is_the_servers() -> None:
 def test_an_empty_objective_is_refused() -> None:
     with pytest.raises(ValueError, match="objective"):
         LoadSpec(urls=["http://x"], num_requests=1, objective=" ")
+
+
+def test_the_cli_names_the_class_and_refuses_an_empty_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--url", "http://x", "--requests", "1"]
+    assert spec_from_args(parser().parse_args([*argv, "--objective", "chat"])).objective == "chat"
+    assert spec_from_args(parser().parse_args(argv)).objective is None
+    assert main([*argv, "--objective", " "]) == 2
+    assert "objective (SLO class) name must not be empty" in capsys.readouterr().err
 
 
 async def test_requests_are_counted_under_the_class_they_name() -> None:
