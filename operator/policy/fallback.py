@@ -375,7 +375,7 @@ def step(
     row = next((r for r in TABLE if r.when(symptoms)), HOLD)
     config, pods = apply(row, window, symptoms, current, goal)
     pods_text = "" if window.fleet is None else f", {pods} pod(s)"
-    if pods > _desired(window):
+    if window.fleet is not None and pods > _desired(window):  # without a fleet: no pods
         pods_text = f"; {row.spent}{pods_text}"
     draft = symptoms.draft
     k_text = (

@@ -432,6 +432,15 @@ def test_the_fallback_table(case: Case) -> None:
     assert d.scale.replicas == case.pods, d.scale.reason
 
 
+def test_without_a_fleet_the_reason_names_no_pods() -> None:
+    # a single server's round (the fleet not the round's): a spent batch asks no pod
+    window = {"p99_latency_s": 3.0, "queue_wait_p99_s": 2.0, "waiting": 40.0}
+    goal = Goal(E2E, NARROW)
+    d = decide(signals(**window), CURRENT, goal, PolicyMemory(), now=1e4)
+    assert "[queueing]" in d.reason and d.scale is None
+    assert "pod" not in d.reason and "spent" not in d.reason, d.reason
+
+
 def test_the_table_is_small_and_hold_is_what_no_row_matches() -> None:
     assert len(TABLE) <= 6
     nothing = Symptoms(kv=None, missed=None, tpot_missed=False, tpot_tight=None, queueing=False,
