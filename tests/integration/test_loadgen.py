@@ -15,7 +15,7 @@ from aiohttp import web
 from batchpilot_server import metric_names as names
 from batchpilot_tools.loadgen import LengthDist, LoadSpec, RequestResult, Targets, run_load
 
-from tests.support.servers import free_port, scrape, serve_in_process
+from tests.support.servers import fake_completions, free_port, scrape, serve_in_process
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -137,23 +137,15 @@ async def test_reuse_connections_false_opens_one_connection_per_request(reuse: b
         await response.write_eof()
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
+    async with fake_completions(completions) as url:
         spec = LoadSpec(
-            urls=[f"http://127.0.0.1:{port}"],
+            urls=[url],
             arrival="concurrency",
             concurrency=1,
             num_requests=6,
             reuse_connections=reuse,
         )
         report = await run_load(spec)
-    finally:
-        await runner.cleanup()
     assert report.ok == 6, report.errors_by_status
     distinct = len(set(clients))
     assert (distinct == 6) if not reuse else (distinct < 6), f"{distinct} connections for 6"

@@ -20,7 +20,7 @@ from batchpilot_tools.loadgen import (
     spec_from_args,
 )
 
-from tests.support.servers import free_port, labelled, serve_in_process
+from tests.support.servers import fake_completions, labelled, serve_in_process
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -99,18 +99,9 @@ async def test_a_load_naming_no_class_sends_no_header() -> None:
         seen.append(request.headers.get(OBJECTIVE_HEADER))
         return web.json_response({"usage": {"prompt_tokens": 1, "completion_tokens": 1}})
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        url = f"http://127.0.0.1:{port}"
+    async with fake_completions(completions) as url:
         for objective in (None, "batch"):
             load = spec(url, 2, objective)
             load.stream = False
             assert (await run_load(load)).ok == 2
-    finally:
-        await runner.cleanup()
     assert seen == [None, None, "batch", "batch"]

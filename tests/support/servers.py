@@ -220,6 +220,22 @@ async def serve_in_process(
         await server.close()
 
 
+@contextlib.asynccontextmanager
+async def fake_completions(
+    handler: Any,  # an aiohttp handler for POST /v1/completions
+) -> AsyncIterator[str]:
+    """A stand-in server that answers `/v1/completions` with `handler`, on a free port of
+    this test's event loop: what a client sends, seen from the other end."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
 @contextlib.contextmanager
 def serve_on_thread(**options: Any) -> Iterator[str]:
     """`serve_in_process(**options)` on an event loop of its own thread, so that a
