@@ -88,21 +88,11 @@ BURST_MISSES_TARGET = 1
 
 
 @dataclass(frozen=True)
-class Classes:
-    """Both classes' targets and their interactive load, from the step curve."""
+class ClassPair:
+    """An interactive and a batch class, and the policy each pool states."""
 
     interactive: SloClass
     batch: SloClass
-    interactive_rps: float
-
-    @classmethod
-    def of(cls, curve: StepCurve) -> Classes:
-        chat = llm.LlmSetup.of("chat", curve)
-        return cls(
-            SloClass(INTERACTIVE, 10, INTERACTIVE_TTFT_S, chat.slo.tpot_s, None, llm.ATTAINMENT),
-            SloClass(BATCH, 0, e2e_s=BATCH_E2E_S, attainment=llm.ATTAINMENT),
-            round(INTERACTIVE_RPS_PODS * chat.pod_rps, 3),
-        )
 
     def of_name(self, name: str) -> SloClass:
         return self.interactive if name == INTERACTIVE else self.batch
@@ -117,6 +107,22 @@ class Classes:
         """A separate pool's policy: its class's targets alone."""
         c = self.of_name(name)
         return Slo(c.ttft_s, c.tpot_s, c.e2e_s, c.attainment)
+
+
+@dataclass(frozen=True)
+class Classes(ClassPair):
+    """Both classes' targets and their interactive load, from the step curve."""
+
+    interactive_rps: float
+
+    @classmethod
+    def of(cls, curve: StepCurve) -> Classes:
+        chat = llm.LlmSetup.of("chat", curve)
+        return cls(
+            SloClass(INTERACTIVE, 10, INTERACTIVE_TTFT_S, chat.slo.tpot_s, None, llm.ATTAINMENT),
+            SloClass(BATCH, 0, e2e_s=BATCH_E2E_S, attainment=llm.ATTAINMENT),
+            round(INTERACTIVE_RPS_PODS * chat.pod_rps, 3),
+        )
 
 
 def loads(classes: Classes, duration_s: float) -> dict[str, dict[str, Scenario]]:

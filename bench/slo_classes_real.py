@@ -58,13 +58,13 @@ from batchpilot_tools.loadgen import LengthDist, LoadSpec, RequestResult, run_lo
 from numpy import percentile
 from planners_real import Tally, count_replicas, moves
 from sections import replace_section
+from slo_classes import BATCH, INTERACTIVE, ClassPair
 
 SECTION = "slo-classes-real"
 MODEL = "tiny"
 MAX_REPLICAS = 3
 BOUNDS = ReplicaBounds(1, MAX_REPLICAS)
 INITIAL = BatchingConfig()
-INTERACTIVE, BATCH = "interactive", "batch"
 CHAT_PROMPT = LengthDist("uniform", 16, 48)
 CHAT_OUTPUT = LengthDist("uniform", 16, 48)
 BATCH_PROMPT = LengthDist("uniform", 384, 768)
@@ -93,34 +93,14 @@ FIGURES = ("windows_met", "windows_judged", "goodput")  # per class, in the last
 
 
 @dataclass(frozen=True)
-class Classes:
-    interactive: SloClass
-    batch: SloClass
-
-    def of_name(self, name: str) -> SloClass:
-        return self.interactive if name == INTERACTIVE else self.batch
-
-    def shared_slo(self) -> Slo:
-        """The shared pool's policy: both classes; the top-level targets (the tuner's and
-        those of a request naming no class) are the interactive class's."""
-        i = self.interactive
-        return Slo(i.ttft_s, i.tpot_s, i.e2e_s, i.attainment, classes=(i, self.batch))
-
-    def pool_slo(self, name: str) -> Slo:
-        """A separate pool's policy: its class's targets alone."""
-        c = self.of_name(name)
-        return Slo(c.ttft_s, c.tpot_s, c.e2e_s, c.attainment)
-
-
-@dataclass(frozen=True)
 class Calibration:
     chat_rps: float
     batch_rps: float
     chat_tpot_p90_s: float
 
-    def classes(self) -> Classes:
+    def classes(self) -> ClassPair:
         tpot = round(TPOT_MULTIPLE * self.chat_tpot_p90_s, 4)
-        return Classes(
+        return ClassPair(
             SloClass(INTERACTIVE, 10, INTERACTIVE_TTFT_S, tpot, None, ATTAINMENT),
             SloClass(BATCH, 0, e2e_s=BATCH_E2E_S, attainment=ATTAINMENT),
         )
