@@ -174,12 +174,10 @@ def end_to_end_room(window: Window, room: float, batch: int) -> float:
     the rows in flight fill `BINDING_SHARE` of the batch (it binds the throughput), since
     a batch grown past what it carries adds nothing and leaves a surge none to grow. 1
     where end to end is unstated or unmeasured, or the batch does not bind."""
-    e2e, rows = window.tightest("e2e"), window.mean_rows()
-    if e2e is None or e2e[1] <= 0 or rows is None:
+    e2e, in_flight = window.tightest("e2e"), window.rows_in_flight()
+    if e2e is None or e2e[1] <= 0 or in_flight is None or in_flight < BINDING_SHARE * batch:
         return 1.0
-    busy = window.signals.utilisation
-    in_flight = rows * (1.0 if busy is None else min(1.0, busy))
-    return max(1.0, room * e2e[2] / e2e[1]) if in_flight >= BINDING_SHARE * batch else 1.0
+    return max(1.0, room * e2e[2] / e2e[1])
 
 
 Knob = Literal["max_batch_size", "prefill_token_budget"]
@@ -282,13 +280,9 @@ def demand_or_held(
 def carrying_rows(
     window: Window, y: Symptoms, moved: BatchingConfig, c: BatchingConfig, goal: Goal
 ) -> int:
-    # The decode rows the fleet carries on average (the rows a step runs times the share
-    # of the window its pods step: a pod serving a few long answers steps all the time),
-    # spread over fewer pods, each within the share of the batch.
-    rows = window.mean_rows() or 0.0
-    s = window.signals
-    busy = 1.0 if s.utilisation is None else min(1.0, s.utilisation)
-    carried = window.pods * rows * busy
+    # The decode rows the fleet carries on average, spread over fewer pods, each within
+    # the share of the batch.
+    carried = window.pods * (window.rows_in_flight() or 0.0)
     wanted = math.ceil(carried / (SCALE_IN_UTILISATION * c.max_batch_size) - 1e-9)
     return max(1, min(_desired(window), wanted))
 

@@ -193,6 +193,13 @@ class Window:
             return s.step_decode_rows / s.steps
         return s.mean_batch_size
 
+    def rows_in_flight(self) -> float | None:
+        """The decode rows a pod holds on average: the rows a step runs times the share of
+        the window its pods step (a pod serving a few long answers steps all the time);
+        None where the rows are unknown."""
+        rows, busy = self.mean_rows(), self.signals.utilisation
+        return None if rows is None else rows * (1.0 if busy is None else min(1.0, busy))
+
     def queueing(self, view: SloView | None = None) -> bool:
         """The wait for a slot is half the p99 it is part of (TTFT where that is a stated
         target, else end to end), or the queue grows. With a class's `view`, whose queue
