@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import aiohttp
 import numpy as np
+from batchpilot_server.http.slo_class import OBJECTIVE_HEADER  # how a request names its class
 
 Arrival = Literal["poisson", "fixed", "concurrency"]
 ARRIVALS: tuple[Arrival, ...] = ("poisson", "fixed", "concurrency")
@@ -34,8 +35,6 @@ PERCENTILES = (50, 90, 99)
 # When a rate schedule says 0 req/s, how often to look again.
 IDLE_RECHECK_S = 0.05
 PROMPT_ALPHABET = "abcdefghijklmnopqrstuvwxyz "
-# How a request names its SLO class (server/http/slo_class.py, docs/api.md "SLO classes").
-OBJECTIVE_HEADER = "x-gateway-inference-objective"
 
 
 @dataclass(frozen=True)

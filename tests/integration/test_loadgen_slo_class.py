@@ -9,7 +9,6 @@ import aiohttp
 import pytest
 from aiohttp import web
 from batchpilot_server import metric_names as names
-from batchpilot_server.http.slo_class import OBJECTIVE_HEADER as SERVER_HEADER
 from batchpilot_tools.loadgen import (
     OBJECTIVE_HEADER,
     LengthDist,
@@ -41,10 +40,6 @@ def spec(url: str, requests: int, objective: str | None) -> LoadSpec:
         output_len=LengthDist.parse("fixed:4"),
         objective=objective,
     )
-
-
-def test_the_header_is_the_servers() -> None:
-    assert OBJECTIVE_HEADER == SERVER_HEADER
 
 
 def test_an_empty_objective_is_refused() -> None:
