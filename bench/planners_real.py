@@ -269,9 +269,8 @@ class Tally:
     peak: int = 0
 
     def good(self, r: RequestResult) -> bool:
-        tpot = sum(r.inter_token_s) / len(r.inter_token_s) if r.inter_token_s else None
         checks = (
-            (self.slo.e2e_s, r.latency_s), (self.slo.ttft_s, r.ttft_s), (self.slo.tpot_s, tpot)
+            (self.slo.e2e_s, r.latency_s), (self.slo.ttft_s, r.ttft_s), (self.slo.tpot_s, r.tpot_s)
         )  # fmt: skip
         return r.ok and all(
             target is None or (value is not None and value <= target) for target, value in checks

@@ -54,7 +54,7 @@ from batchpilot_operator.tuning_loop import TuneStep
 from batchpilot_server.batching_config import BatchingConfig
 from batchpilot_tools.demo.fleet import ProcessFleet
 from batchpilot_tools.demo.options import ADMIN_TOKEN
-from batchpilot_tools.loadgen import LengthDist, LoadSpec, RequestResult, run_load
+from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
 from numpy import percentile
 from planners_real import Tally, count_replicas, moves
 from sections import replace_section
@@ -125,13 +125,9 @@ async def calibrate(url: str, seconds: float) -> Calibration:
             timeout_s=REQUEST_TIMEOUT_S, seed=SEED,
         ))  # fmt: skip
     # a request's TPOT as its targets judge it: its mean gap between tokens
-    tpots = [mean_gap(r) for r in reports[INTERACTIVE].results if r.ok and r.inter_token_s]
+    tpots = [r.tpot_s for r in reports[INTERACTIVE].results if r.ok and r.tpot_s is not None]
     tpot = float(percentile(tpots, 90)) if tpots else 0.05
     return Calibration(reports[INTERACTIVE].requests_per_s, reports[BATCH].requests_per_s, tpot)
-
-
-def mean_gap(r: RequestResult) -> float:
-    return sum(r.inter_token_s) / len(r.inter_token_s)
 
 
 async def push(fleet: ProcessFleet, config: BatchingConfig) -> None:

@@ -141,6 +141,12 @@ class RequestResult:
         return self.status == 200 and self.error is None
 
     @property
+    def tpot_s(self) -> float | None:
+        """Time per output token as an SLO judges it: the mean gap between tokens after
+        the first; None where fewer than two came."""
+        return sum(self.inter_token_s) / len(self.inter_token_s) if self.inter_token_s else None
+
+    @property
     def latency_s(self) -> float:
         return self.end_s - self.start_s
 

@@ -88,3 +88,14 @@ def test_the_section_states_the_ratio_against_its_target_and_every_row() -> None
     assert "| shared | batch | 1.0 | 10 | 0 | 4 / 5 |" in text
     assert text.count("| separate/") == 2
     assert "peaked at 1 and 1" in text and "round 1: scale out" in text
+
+
+def test_a_requests_tpot_is_its_mean_gap_after_the_first_token() -> None:
+    r = result(2.0)
+    assert r.tpot_s is None  # one token: no gap to judge
+    r.inter_token_s = [0.01, 0.03]
+    assert r.tpot_s == 0.02
+    tally = Tally(Slo(tpot_s=0.025))
+    assert tally.good(r)
+    r.inter_token_s = [0.01, 0.05]
+    assert not tally.good(r)
