@@ -7,11 +7,11 @@ back (`postprocess`). Each simulated server does the same with the same
 schedulers (`scheduler_policies.new_scheduler`, ragged execution) over its own
 `BlockPool`; only the model is replaced, by a step-time model read from the
 engine benchmark (`docs/step_times.json`: seconds per decode step by batch
-size): a step's prefill forward over T prompt tokens takes what a decode step
-of T rows takes, its decode forward over n rows what a decode step of n rows
-takes. A request goes, when it arrives, to the server the balancer picks
-(round robin, or least outstanding = waiting + running) and is added to its
-scheduler, as the engine's `submit` does while the model computes.
+size): a step over T prompt tokens and n decode rows is one forward, as the
+engine's is, and takes what a decode step of T + n rows takes (bench/step_mix.py
+measures both against the engine). A request goes, when it arrives, to the server
+the balancer picks (round robin, or least outstanding = waiting + running) and is
+added to its scheduler, as the engine's `submit` does while the model computes.
 
 Every `cadence.interval_s` one round of the tuning loop runs with the fleet as
 its signal source (the last window's signals, built like the scrape source
@@ -623,15 +623,12 @@ class SimulatedServer:
         return tokens + [SAMPLED_TOKEN] * len(plan.decode)
 
     def _step_s(self, plan: StepPlan, prefill_tokens: int, kv_tokens: int) -> float:
-        """The prefill forward as a step of its prompt tokens, the decode forward as a
-        step of its rows, plus attention over the KV tokens every row attends to."""
+        """One forward over the step's prompt tokens and decode rows together, as a
+        decode step of that many rows, plus attention over the KV tokens every row
+        attends to (the engine's `ModelRunner.step` runs them as one forward)."""
         curve = self.fleet.curve
-        seconds = curve.kv_token_s * kv_tokens
-        if plan.prefill or plan.verify:
-            seconds += curve.step_s(prefill_tokens)
-        if plan.decode:
-            seconds += curve.step_s(len(plan.decode))
-        return seconds
+        tokens = prefill_tokens + len(plan.decode)
+        return curve.kv_token_s * kv_tokens + (curve.step_s(tokens) if tokens else 0.0)
 
     def _observe(self, plan: StepPlan, seconds: float, prefill_tokens: int, kv_tokens: int) -> None:
         """What the engine's observer records for a step."""

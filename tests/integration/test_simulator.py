@@ -390,3 +390,23 @@ def test_the_window_signals_count_what_runs_as_evidence() -> None:
     signals = asyncio.run(fleet.read(30.0))
     assert (signals.requests, signals.waiting, signals.running) == (2, 0, 8)
     assert signals.status == "ok" and signals.p99_latency_s is not None
+
+
+def test_a_prompt_beside_decode_rows_is_one_forward() -> None:
+    # The engine computes a step's prompt tokens and decode rows in one forward (one read
+    # of the weights), so the fixed cost of a step is paid once: A's decode step that
+    # takes in B's prompt costs a step of 1 + 10 rows, not one of 1 and one of 10.
+    sloped = StepCurve.from_points({1: 0.010, 101: 0.020}, "test")
+    work = Workload(
+        arrivals=np.array([0.0, 0.015]),  # B arrives during A's first decode step
+        prompts=np.array([4, 10]),
+        outputs=np.array([3, 1]),
+    )
+    config = BatchingConfig(max_batch_size=4, batch_timeout_ms=0.0)
+    opts = SimOptions(mode="continuous", config=config, goal=Goal(SLO), tune=False)
+    first = simulate_workload(work, opts, sloped, run_s=30.0).intervals[0]
+    # A's prefill; A's first decode step; A's last decode row with B's prompt
+    assert (first.steps, first.step_decode_rows, first.step_prefill_tokens) == (3, 2, 14)
+    assert first.step_seconds == pytest.approx(
+        sloped.step_s(4) + sloped.step_s(1) + sloped.step_s(1 + 10)
+    )
