@@ -238,16 +238,11 @@ GROUPS = {
 
 
 def reference_plane(curve: StepCurve) -> StepModel:
-    """The fit through the simulator's own step costs (tools/simulator.py: a step of P
-    prompt tokens, R decode rows and K KV tokens takes curve(P) + curve(R) + K x the KV
-    cost) over the LLM scenarios' range: the plane a perfect history would give."""
-
-    def cost(rows: int, prefill: int, kv: int) -> float:
-        parts = [curve.step_s(n) for n in (prefill, rows) if n]
-        return sum(parts) + curve.kv_token_s * kv
-
+    """The fit through the simulator's own step costs (`StepCurve.forward_s`: a step of P
+    prompt tokens, R decode rows and K KV tokens takes curve(P + R) + K x the KV cost)
+    over the LLM scenarios' range: the plane a perfect history would give."""
     points = [
-        StepPoint(rows, prefill, kv, cost(rows, prefill, kv))
+        StepPoint(rows, prefill, kv, curve.forward_s(rows, prefill, kv))
         for rows in (0, 1, 4, 16, 32, 64)
         for prefill in (0, 64, 256, 1024, 2048)
         for kv in (rows * 300 + prefill, rows * 3000 + prefill)

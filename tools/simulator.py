@@ -127,6 +127,13 @@ class StepCurve:
     def step_s(self, batch: int) -> float:
         return _step_s(self, batch)
 
+    def forward_s(self, rows: int, prompt_tokens: int, kv_tokens: int) -> float:
+        """A step over `prompt_tokens` and `rows` decode rows: one forward over them
+        together, as the engine's `ModelRunner.step` runs them (a decode step of that
+        many rows), plus attention over the KV tokens the rows attend to."""
+        tokens = rows + prompt_tokens
+        return self.kv_token_s * kv_tokens + (self.step_s(tokens) if tokens else 0.0)
+
     def with_kv_cost(self, kv_token_s: float) -> StepCurve:
         return replace(self, kv_token_s=kv_token_s, source=f"{self.source} + KV attention")
 
@@ -623,12 +630,7 @@ class SimulatedServer:
         return tokens + [SAMPLED_TOKEN] * len(plan.decode)
 
     def _step_s(self, plan: StepPlan, prefill_tokens: int, kv_tokens: int) -> float:
-        """One forward over the step's prompt tokens and decode rows together, as a
-        decode step of that many rows, plus attention over the KV tokens every row
-        attends to (the engine's `ModelRunner.step` runs them as one forward)."""
-        curve = self.fleet.curve
-        tokens = prefill_tokens + len(plan.decode)
-        return curve.kv_token_s * kv_tokens + (curve.step_s(tokens) if tokens else 0.0)
+        return self.fleet.curve.forward_s(len(plan.decode), prefill_tokens, kv_tokens)
 
     def _observe(self, plan: StepPlan, seconds: float, prefill_tokens: int, kv_tokens: int) -> None:
         """What the engine's observer records for a step."""
