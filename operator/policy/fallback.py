@@ -21,9 +21,11 @@ order, first match wins, and `HOLD` where none matches:
   while the steps have room for it. *The steps' room*: `(1 - band) x target / p99`, how
   far the steps may lengthen before TPOT's p99 passes (1 - band) of its target (a step
   grows at most in proportion to its rows); none where TPOT is tight. Where no TPOT is
-  stated (or measured), the end-to-end target's, and only while the rows in flight fill
-  `BINDING_SHARE` of the batch: an answer's time grows at most as its steps do, and a
-  batch grown past the rows it carries adds nothing and leaves a surge no batch to grow.
+  stated (or measured), the end-to-end target's, and only while the rows in flight at
+  the forecast fill `BINDING_SHARE` of the batch: an answer's time grows at most as its
+  steps do, and a batch grown past the rows it carries adds nothing and leaves a surge
+  no batch to grow. (A request's rows stay in flight as long, so they rise with the
+  arrivals: a load rising through the day binds the batch a start-up from now.)
   With headroom the batch grows into that room: at this load the cap costs nothing, and
   a surge's first window finds it open.
 - No knob helps a TPOT missed while requests queue: a larger batch lengthens every step,
@@ -171,10 +173,11 @@ class Symptoms:
 def end_to_end_room(window: Window, room: float, batch: int) -> float:
     """The steps' room where no TPOT bounds them: an answer's time grows at most as its
     steps do, so `room x target / p99` of the tightest end-to-end view; taken only where
-    the rows in flight fill `BINDING_SHARE` of the batch (it binds the throughput), since
+    the rows in flight at the forecast fill `BINDING_SHARE` of the batch (it binds the
+    throughput), since
     a batch grown past what it carries adds nothing and leaves a surge none to grow. 1
     where end to end is unstated or unmeasured, or the batch does not bind."""
-    e2e, in_flight = window.tightest("e2e"), window.rows_in_flight()
+    e2e, in_flight = window.tightest("e2e"), window.rows_at_forecast()
     if e2e is None or e2e[1] <= 0 or in_flight is None or in_flight < BINDING_SHARE * batch:
         return 1.0
     return max(1.0, room * e2e[2] / e2e[1])
@@ -280,9 +283,9 @@ def demand_or_held(
 def carrying_rows(
     window: Window, y: Symptoms, moved: BatchingConfig, c: BatchingConfig, goal: Goal
 ) -> int:
-    # The decode rows the fleet carries on average, spread over fewer pods, each within
-    # the share of the batch.
-    carried = window.pods * (window.rows_in_flight() or 0.0)
+    # The decode rows the fleet carries on average (at the forecast: a rising load is no
+    # time for fewer), spread over fewer pods, each within the share of the batch.
+    carried = window.pods * (window.rows_at_forecast() or 0.0)
     wanted = math.ceil(carried / (SCALE_IN_UTILISATION * c.max_batch_size) - 1e-9)
     return max(1, min(_desired(window), wanted))
 

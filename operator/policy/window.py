@@ -200,6 +200,13 @@ class Window:
         rows, busy = self.mean_rows(), self.signals.utilisation
         return None if rows is None else rows * (1.0 if busy is None else min(1.0, busy))
 
+    def rows_at_forecast(self) -> float | None:
+        """`rows_in_flight` at the forecast's arrivals: a request's rows stay in flight as
+        long as before, so they grow with the arrivals (Little's law); a load that rises
+        fills the batch a start-up from now, not just now."""
+        rows, f = self.rows_in_flight(), self.forecast
+        return None if rows is None else rows * max(1.0, f.rps / f.now_rps if f.now_rps else 1.0)
+
     def queueing(self, view: SloView | None = None) -> bool:
         """The wait for a slot is half the p99 it is part of (TTFT where that is a stated
         target, else end to end), or the queue grows. With a class's `view`, whose queue

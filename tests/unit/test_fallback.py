@@ -432,6 +432,27 @@ def test_the_fallback_table(case: Case) -> None:
     assert d.scale.replicas == case.pods, d.scale.reason
 
 
+@pytest.mark.parametrize(
+    ("history", "batch"),
+    [((10.0, 12.0, 14.0), 32), ((16.0, 16.0, 16.0), 8)],
+    ids=["rising: grows into end to end's room", "flat: holds"],
+)
+def test_the_batch_binds_at_the_forecast_rows(history: tuple[float, ...], batch: int) -> None:
+    # 6 rows in flight of the batch's 8: short of the 80 % at which it binds. Where the
+    # arrivals rose 10 -> 16 req/s over the last rounds, the forecast a round and a
+    # start-up ahead (60 s) is 20 req/s, and a request's rows stay in flight as long, so
+    # 6 x 20 / 16 = 7.5 rows then: the batch binds and grows into end to end's room
+    # (0.8 x 1 / 0.2 = 4x). At a flat 16 req/s it does not bind and holds.
+    now = 1e4
+    arrivals = tuple((now - 30.0 * (len(history) - i), rps) for i, rps in enumerate(history))
+    memory = PolicyMemory(replicas=ReplicaState(arrivals=arrivals))
+    window = signals(p99_latency_s=0.2, mean_batch_size=6.0, arrival_rate=16.0)
+    d = decide(window, CURRENT, Goal(E2E, WIDE, replicas=FLEET), memory, fleet=Fleet(1, 1), now=now)
+    assert "[headroom]" in d.reason
+    assert d.config.max_batch_size == batch, d.reason
+    assert d.scale is not None and d.scale.replicas == 1, d.scale.reason
+
+
 def test_without_a_fleet_the_reason_names_no_pods() -> None:
     # a single server's round (the fleet not the round's): a spent batch asks no pod
     window = {"p99_latency_s": 3.0, "queue_wait_p99_s": 2.0, "waiting": 40.0}
