@@ -19,3 +19,6 @@ def test_the_benchmark_runs_and_prints_its_json() -> None:
     assert summary["bench"] == "slo_classes"
     assert summary["replica_seconds_ratio"] > 0
     assert summary["burst_batch_none_lost"] is True
+    # the burst's count starts at the burst (a third in): a part of the whole run's
+    missed = summary["burst_interactive_windows_missed"]
+    assert 0 <= missed <= summary["burst_interactive_windows_missed_whole_run"]
