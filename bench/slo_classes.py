@@ -28,12 +28,13 @@ higher): the batch class's queue in a burst does not make the interactive class'
 miss `overloaded`.
 The predicted choice judges each class's tails on its own lengths (the pods' length
 histograms by class) against its own targets, every class within the margin of its own
-attainment, on the totals' queue (predictor.py). That does not move this bench: the
-steady shared pool's scale-out to 4 pods at 1020 s is the KV watermark's, not the
-margin's (every 3-pod candidate with batch >= 8 is predicted at 1.15 of the pool, the
+attainment, on the totals' queue (predictor.py). On the simulator as it was when that
+came in (a mixed step timed as two forwards) it did not move this bench: the
+steady shared pool's scale-out to 4 pods at 1020 s was the KV watermark's, not the
+margin's (every 3-pod candidate with batch >= 8 was predicted at 1.15 of the pool, the
 pool's size read as the window's mean KV tokens a step over its fullest pod's peak
 usage, 8071 tokens for 65536; the 3-pod batch 4 waits for a slot). Read at the pool's
-true size, the full run's steady ratio is 1.258 with classes judged apart or not.
+true size, that run's steady ratio was 1.258 with classes judged apart or not.
 
 Writes the `slo-classes` section of docs/benchmarks.md (full mode only); prints one JSON
 line last.
