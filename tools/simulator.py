@@ -594,7 +594,7 @@ class SimulatedServer:
         self.step_plan = plan  # computed at its end: `postprocess` advances its rows
         # counted once: the timing, the counters and the step record all read them
         prefill_tokens, kv_tokens = _prefill_tokens(plan), _kv_tokens(plan)
-        seconds = self._step_s(plan, prefill_tokens, kv_tokens)
+        seconds = self.fleet.curve.forward_s(len(plan.decode), prefill_tokens, kv_tokens)
         self._observe(plan, seconds, prefill_tokens, kv_tokens)
         self.step_end = now + seconds
 
@@ -628,9 +628,6 @@ class SimulatedServer:
                 drawn[kept] = REJECTED_TOKEN
             tokens += drawn
         return tokens + [SAMPLED_TOKEN] * len(plan.decode)
-
-    def _step_s(self, plan: StepPlan, prefill_tokens: int, kv_tokens: int) -> float:
-        return self.fleet.curve.forward_s(len(plan.decode), prefill_tokens, kv_tokens)
 
     def _observe(self, plan: StepPlan, seconds: float, prefill_tokens: int, kv_tokens: int) -> None:
         """What the engine's observer records for a step."""
@@ -693,10 +690,7 @@ class SimulatedServer:
         """A repeated decode step's seconds (the first of them) and how much each later one
         adds (attention over one more token a row); `context`: the rows' tokens so far."""
         curve = self.fleet.curve
-        return (
-            curve.step_s(len(decode)) + curve.kv_token_s * context,
-            curve.kv_token_s * len(decode),
-        )
+        return curve.forward_s(len(decode), 0, context), curve.kv_token_s * len(decode)
 
     def _repeats(self, decode: list[Sequence], now: float, first_s: float, growth_s: float) -> int:
         """How many of the next steps plan exactly `decode` again and finish nothing, each

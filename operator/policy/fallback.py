@@ -174,9 +174,9 @@ def end_to_end_room(window: Window, room: float, batch: int) -> float:
     """The steps' room where no TPOT bounds them: an answer's time grows at most as its
     steps do, so `room x target / p99` of the tightest end-to-end view; taken only where
     the rows in flight at the forecast fill `BINDING_SHARE` of the batch (it binds the
-    throughput), since
-    a batch grown past what it carries adds nothing and leaves a surge none to grow. 1
-    where end to end is unstated or unmeasured, or the batch does not bind."""
+    throughput), since a batch grown past what it carries adds nothing and leaves a surge
+    none to grow. 1 where end to end is unstated or unmeasured, or the batch does not
+    bind."""
     e2e, in_flight = window.tightest("e2e"), window.rows_at_forecast()
     if e2e is None or e2e[1] <= 0 or in_flight is None or in_flight < BINDING_SHARE * batch:
         return 1.0
