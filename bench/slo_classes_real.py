@@ -56,7 +56,14 @@ from batchpilot_tools.demo.fleet import ProcessFleet
 from batchpilot_tools.demo.options import ADMIN_TOKEN
 from batchpilot_tools.loadgen import LengthDist, LoadSpec, run_load
 from numpy import percentile
-from planners_real import Tally, count_replicas, moves
+from planners_real import (
+    CADENCES,
+    READY_TIMEOUT_S,
+    REQUEST_TIMEOUT_S,
+    Tally,
+    count_replicas,
+    moves,
+)
 from sections import replace_section
 from slo_classes import BATCH, INTERACTIVE, ClassPair
 
@@ -77,7 +84,7 @@ ATTAINMENT = 0.9
 # loop at the initial batch): together a little under one server's work.
 INTERACTIVE_SHARE = 0.5
 BATCH_SHARE = 0.3
-CADENCE = Cadence(5.0, 15.0)  # planners_real.py's tiny rounds: 5-s rounds, 15-s windows
+CADENCE = CADENCES[MODEL]  # planners_real.py's tiny rounds: 5-s rounds, 15-s windows
 QUICK_CADENCE = Cadence(5.0, 10.0)
 MIN_REQUESTS = 10  # per tuning window, over the pool's classes
 MIN_JUDGED = 5  # a class's requests in a window for it to be judged
@@ -85,8 +92,6 @@ SECONDS = 90.0
 QUICK_SECONDS = 30.0
 CALIBRATION_S = 8.0
 QUICK_CALIBRATION_S = 4.0
-READY_TIMEOUT_S = 600.0
-REQUEST_TIMEOUT_S = 60.0
 RATIO_TARGET = 1.3
 SEED = 11
 FIGURES = ("windows_met", "windows_judged", "goodput")  # per class, in the last line

@@ -15,7 +15,7 @@ from aiohttp import web
 from batchpilot_server import metric_names as names
 from batchpilot_tools.loadgen import LengthDist, LoadSpec, RequestResult, Targets, run_load
 
-from tests.support.servers import fake_completions, free_port, scrape, serve_in_process
+from tests.support.servers import fake_server, free_port, scrape, serve_in_process
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -137,7 +137,7 @@ async def test_reuse_connections_false_opens_one_connection_per_request(reuse: b
         await response.write_eof()
         return response
 
-    async with fake_completions(completions) as url:
+    async with fake_server("POST", "/v1/completions", completions) as url:
         spec = LoadSpec(
             urls=[url],
             arrival="concurrency",

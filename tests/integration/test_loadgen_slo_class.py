@@ -19,7 +19,7 @@ from batchpilot_tools.loadgen import (
     spec_from_args,
 )
 
-from tests.support.servers import fake_completions, labelled, serve_in_process
+from tests.support.servers import fake_server, labelled, serve_in_process
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -94,7 +94,7 @@ async def test_a_load_naming_no_class_sends_no_header() -> None:
         seen.append(request.headers.get(OBJECTIVE_HEADER))
         return web.json_response({"usage": {"prompt_tokens": 1, "completion_tokens": 1}})
 
-    async with fake_completions(completions) as url:
+    async with fake_server("POST", "/v1/completions", completions) as url:
         for objective in (None, "batch"):
             load = spec(url, 2, objective)
             load.stream = False

@@ -221,13 +221,15 @@ async def serve_in_process(
 
 
 @contextlib.asynccontextmanager
-async def fake_completions(
-    handler: Any,  # an aiohttp handler for POST /v1/completions
+async def fake_server(
+    method: str,
+    path: str,
+    handler: Any,  # an aiohttp handler
 ) -> AsyncIterator[str]:
-    """A stand-in server that answers `/v1/completions` with `handler`, on a free port of
+    """A stand-in server that answers `method path` with `handler`, on a free port of
     this test's event loop: what a client sends, seen from the other end."""
     app = web.Application()
-    app.router.add_post("/v1/completions", handler)
+    app.router.add_route(method, path, handler)
     server = TestServer(app, host="127.0.0.1")
     await server.start_server()
     try:

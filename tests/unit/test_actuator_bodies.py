@@ -9,10 +9,11 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 from batchpilot_operator.actuators import TUNED_FIELDS, put_batching
 from batchpilot_operator.tuning_loop import Applied
 from batchpilot_server.batching_config import BatchingConfig
+
+from tests.support.servers import fake_server
 
 SPECULATING = BatchingConfig(num_speculative_tokens=2)
 
@@ -32,14 +33,8 @@ async def older_server(known: set[str], bodies: list[dict[str, Any]]) -> AsyncIt
             return web.json_response({"error": error}, status=400)
         return web.json_response({"version": len(bodies)})
 
-    app = web.Application()
-    app.router.add_put("/admin/batching", put)
-    server = TestServer(app, host="127.0.0.1")
-    await server.start_server()
-    try:
-        yield str(server.make_url("")).rstrip("/")
-    finally:
-        await server.close()
+    async with fake_server("PUT", "/admin/batching", put) as url:
+        yield url
 
 
 @pytest.mark.parametrize(
