@@ -44,8 +44,8 @@ order, first match wins, and `HOLD` where none matches:
   *tight* (its p99 past (1 - band) x its target) a larger batch lengthens every step, so
   the batch cannot carry a queue alone there, and `queueing` sizes the pods with it.
 - The pods that carry the decode rows: the rows the fleet holds on average (rows a step
-  x the share of the window its pods step) at most `SCALE_IN_UTILISATION` of the batch
-  each, never more than the fleet has.
+  x the share of the window its pods step, at the forecast where arrivals rise) at most
+  `SCALE_IN_UTILISATION` of the batch each, never more than the fleet has.
 
 - Every row's knobs, `hold`'s too, carry speculative decoding's k as data, not a row:
   `speculation.draft_length`, the shortest k within 5 % of the most tokens per second a
